@@ -1,0 +1,43 @@
+"""Runtime knobs, validated up front."""
+
+from __future__ import annotations
+
+import attrs
+
+
+def _positive(inst: object, attr: attrs.Attribute[object], value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"LinkerConfig.{attr.name} must be positive, got {value!r}")
+
+
+@attrs.frozen
+class LinkerConfig:
+    """How the runtime behaves; every field has a production default."""
+
+    #: jobs each pool actor queues per direction before submitters wait
+    queue_depth: int = attrs.field(default=64, validator=_positive)
+    #: host staging bytes per pool actor and direction (at least one object is always kept)
+    staging_bytes_per_pool: int = attrs.field(default=64 << 20, validator=_positive)
+    #: worker threads for gather/scatter copies
+    copy_threads: int = attrs.field(default=2, validator=_positive)
+    #: write new nodes through to the store after insert
+    offload: bool = True
+    #: skip an offload that carries a state while queued states hold >= this share of the pool
+    mamba_backpressure: bool = True
+    mamba_backpressure_share: float = attrs.field(default=0.75, validator=_positive)
+    #: drop offloads while the store latency EMA is above ``latency_high_ms``, until below low
+    latency_high_ms: float = attrs.field(default=250.0, validator=_positive)
+    latency_low_ms: float = attrs.field(default=50.0, validator=_positive)
+    #: send TOUCH for a device-hit node at most once per interval
+    touch: bool = True
+    touch_interval_s: float = attrs.field(default=5.0, validator=_positive)
+    #: look up the store on admission
+    store_lookup: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.latency_low_ms > self.latency_high_ms:
+            raise ValueError(
+                f"LinkerConfig.latency_low_ms={self.latency_low_ms} exceeds "
+                f"latency_high_ms={self.latency_high_ms}")
+        if self.mamba_backpressure_share > 1:
+            raise ValueError("LinkerConfig.mamba_backpressure_share must be in (0, 1]")

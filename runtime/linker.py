@@ -1,0 +1,720 @@
+"""The :class:`Linker`: what a serving frontend embeds.
+
+One request goes through the phases of the design (docs/design.md §2)::
+
+    req = linker.request("r1", tokens)          # validate, hash nothing yet
+    hit = await linker.lookup(req)              # LOOKUP: device match (locked) + store probe
+    load = await linker.load(req)               # LOAD = PREPARE + queue; None -> recompute
+    if load is not None:
+        await load.wait_layer(layer_id)         # optional: layer-wise readiness
+        restored = await linker.commit(load)    # COMMIT (0 when the data failed: recompute)
+    rows = linker.extend(req, len(tokens))      # rows for the tokens the forward computes
+    slot = linker.working_slot(req)             # writable state, copy-on-write of the prefix's
+    ... forward writes KV rows, the state, and a checkpoint into linker.checkpoint_slot(req) ...
+    await linker.insert(req, depth, checkpoint_slot=..., fence=event)  # donate + OFFLOAD
+    await linker.release(req)                   # unlock, free what the request still owns
+
+Every method that can fail on a store failure degrades to recompute and counts it; only
+misuse (bad tokens, wrong phase order, a failed device fence) raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..components.keys import as_tokens, namespace_seed, object_key, page_keys
+from ..components.layout import ModelLayout, PoolKind
+from ..components.lookup import restorable_page_counts
+from ..components.mamba import checkpoint_depth, restorable_ceiling
+from ..components.pools import HybridPools
+from ..components.radix import Node
+from ..stores.base import Store, StoreError
+from .config import LinkerConfig
+from .events import DeviceEvent
+from .pool_actor import LatencyMonitor, LoadResult, OffloadResult, PoolActor, TransferJob
+from .statistics import LinkerStatistics, PoolActorStatistics
+from .tracing import trace
+from .transfer import PoolCodec
+from .tree_actor import PoolExhaustedError, TreeActor
+
+
+class PhaseError(RuntimeError):
+    """A phase was called out of order (e.g. commit before load, use after release)."""
+
+
+@attrs.frozen
+class LookupResult:
+    prompt_tokens: int
+    device_tokens: int  # usable from the device tree now
+    store_tokens: int  # restorable from the store on top of that (0: none)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.device_tokens + self.store_tokens
+
+
+@attrs.define(eq=False)
+class Request:
+    """One sequence's view of the cache. Create with :meth:`Linker.request`."""
+
+    id: str
+    tokens: npt.NDArray[np.int32]
+    seed: bytes
+    node: Node  # locked: the cached prefix this request stands on
+    page_size: int
+    prefix_pages: int = 0  # pages of the prefix owned by the tree
+    rows: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.int64))
+    store_pages: int = 0  # found by lookup
+    store_keys: list[bytes] = attrs.field(factory=list)
+    state_source: int | None = None  # the prefix node's state: copy-on-write source
+    working: int | None = None
+    checkpoints: list[int] = attrs.field(factory=list)
+    load: LoadHandle | None = None
+    looked_up: bool = False
+    released: bool = False
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.prefix_pages * self.page_size
+
+
+class LoadHandle:
+    """A queued restore: await all of it, or each model layer."""
+
+    def __init__(self, linker: Linker, req: Request, pages: int, rows: torch.Tensor,
+                 slot: int | None, layers: Sequence[int]) -> None:
+        self.linker = linker
+        self.request = req
+        self.pages = pages
+        self.rows = rows
+        self.slot = slot
+        self.jobs: dict[PoolKind, TransferJob] = {}
+        self.submitted: list[PoolKind] = []
+        self.results: dict[PoolKind, LoadResult] = {}
+        self._layer_events = {layer: anyio.Event() for layer in layers}
+        self._layer_pending: dict[int, int] = {layer: 0 for layer in layers}
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+        self.finished = False  # committed or aborted
+
+    def _expect(self, layers: Sequence[int]) -> None:
+        for layer in layers:
+            self._layer_pending[layer] += 1
+
+    def _landed(self, layer: int) -> None:
+        self._layer_pending[layer] -= 1
+        if self._layer_pending[layer] <= 0:
+            self._layer_events[layer].set()
+
+    async def wait(self) -> bool:
+        """Wait for every pool's data; True when all of it landed and verified."""
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return all(r.all_ok for r in self.results.values())
+
+    async def wait_layer(self, layer_id: int) -> None:
+        """Wait until ``layer_id``'s restored data is in the pools (or the load ended)."""
+        if layer_id not in self._layer_events:
+            raise KeyError(f"layer {layer_id} is not restored by this load")
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                async def _on_done() -> None:
+                    await self.done.wait()
+                    scope.cancel()
+
+                tg.start_soon(_on_done)
+                await self._layer_events[layer_id].wait()
+                scope.cancel()
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.linker.layout.page_size
+
+
+class Linker:
+    """Async facade over the tree actor and one pool actor per pool.
+
+    Use as ``async with Linker(layout, pools, store) as linker:``. The store is the caller's:
+    the linker never closes it.
+    """
+
+    def __init__(self, layout: ModelLayout, pools: HybridPools, store: Store,
+                 config: LinkerConfig | None = None, *, salt: bytes | str | None = None) -> None:
+        if pools.layout is not layout and pools.layout != layout:
+            raise ValueError("pools were built for another layout")
+        self.layout = layout
+        self.pools = pools
+        self.store = store
+        self.config = config or LinkerConfig()
+        self.page = layout.page_size
+        self.grid = layout.grid
+        self.grid_pages = self.grid // self.page
+        self._default_seed = namespace_seed(layout, salt)
+        self.tree = TreeActor(layout, pools, self._default_seed)
+        self.latency = LatencyMonitor(self.config.latency_high_ms, self.config.latency_low_ms)
+        self._limiter = anyio.CapacityLimiter(self.config.copy_threads)
+        self.actors: dict[PoolKind, PoolActor] = {}
+        for kind in layout.pools:
+            codec = PoolCodec(kind, layout, pools)
+            frames = max(1, self.config.staging_bytes_per_pool // max(1, codec.payload_bytes + 64))
+            self.actors[kind] = PoolActor(
+                kind, codec, store, layout, staging_frames=frames, queue_depth=self.config.queue_depth,
+                latency=self.latency, thread_limiter=self._limiter)
+        self._requests: dict[str, Request] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._offloads_in_flight = 0
+        self._offloads_idle = anyio.Event()
+        self._offloads_idle.set()
+        self._closing = False
+        self._job_ids = itertools.count(1)
+        self._c: dict[str, int] = {k: 0 for k in (
+            "requests", "lookups", "lookup_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
+            "loads", "load_misses", "commits", "dropped_loads", "aborts", "inserts", "offloads",
+            "offloads_skipped", "offloads_dropped", "offload_failures", "touches", "touch_keys",
+            "verifications", "verify_failures")}
+        self._layer_of_pool = {k: a.codec.layer_ids for k, a in self.actors.items()}
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def __aenter__(self) -> Linker:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        for actor in self.actors.values():
+            self._tg.start_soon(actor.run_offloads)
+            self._tg.start_soon(actor.run_loads)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.close()
+        assert self._tg is not None
+        return await self._tg.__aexit__(*exc)
+
+    async def close(self) -> None:
+        """Quiesce: finish queued offloads and loads, then release every open request."""
+        if self._closing:
+            return
+        self._closing = True
+        await self.drain()
+        for actor in self.actors.values():
+            actor.close_queues()
+        for req in list(self._requests.values()):
+            await self.release(req)
+
+    async def drain(self) -> None:
+        """Wait until every submitted offload has been acknowledged and its locks dropped."""
+        await self._offloads_idle.wait()
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        if self._tg is None:
+            raise PhaseError("the linker is not running: use `async with Linker(...)`")
+        self._tg.start_soon(fn, *args)
+
+    # ---- requests ------------------------------------------------------------------
+    def request(self, request_id: str, tokens: Sequence[int] | npt.NDArray[np.integer],
+                *, salt: bytes | str | None = None) -> Request:
+        """Register a request (validates token ids; raises ``TokenError`` on bad input)."""
+        if self._closing:
+            raise PhaseError("the linker is closing")
+        if request_id in self._requests:
+            raise PhaseError(f"request {request_id!r} is already open")
+        toks = as_tokens(tokens)
+        seed = self._default_seed if salt is None else namespace_seed(self.layout, salt)
+        req = Request(id=request_id, tokens=toks, seed=seed, node=self.tree.tree.root,
+                      page_size=self.page)
+        self._requests[request_id] = req
+        self._c["requests"] += 1
+        return req
+
+    @contextlib.asynccontextmanager
+    async def session(self, request_id: str, tokens: Sequence[int] | npt.NDArray[np.integer],
+                      *, salt: bytes | str | None = None) -> AsyncIterator[Request]:
+        """``request`` + ``release`` on exit, even when the task is cancelled."""
+        req = self.request(request_id, tokens, salt=salt)
+        try:
+            yield req
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.release(req)
+
+    def _check_open(self, req: Request) -> None:
+        if req.released or self._requests.get(req.id) is not req:
+            raise PhaseError(f"request {req.id!r} is not open")
+
+    def ceiling_tokens(self, req: Request) -> int:
+        return restorable_ceiling(len(req.tokens), self.grid)
+
+    # ---- LOOKUP --------------------------------------------------------------------
+    async def lookup(self, req: Request) -> LookupResult:
+        """Match the device tree (locking the hit) and probe the store above it."""
+        self._check_open(req)
+        if req.looked_up:
+            raise PhaseError(f"request {req.id!r} was already looked up")
+        req.looked_up = True
+        t0 = time.perf_counter()
+        ceiling_pages = self.ceiling_tokens(req) // self.page
+        keys = page_keys(req.tokens, self.page, req.seed, max_pages=ceiling_pages)
+        m = self.tree.match(keys)
+        self.tree.lock(m.node)
+        req.node = m.node
+        req.prefix_pages = m.pages
+        req.rows = m.rows
+        req.state_source = m.node.mamba_slot
+        self._c["lookups"] += 1
+        self._c["lookup_prompt_tokens"] += len(req.tokens)
+        self._c["device_hit_tokens"] += m.pages * self.page
+        if m.pages and self.config.touch and self.store.capabilities.touch:
+            self._maybe_touch(m.node)
+        store_pages = 0
+        if self.config.store_lookup and ceiling_pages > m.pages:
+            store_pages = await self._probe(req, keys[m.pages:ceiling_pages], m.pages)
+        req.store_pages = store_pages
+        req.store_keys = keys[m.pages: m.pages + store_pages]
+        trace("lookup", request_id=req.id, prompt=len(req.tokens), device_pages=m.pages,
+              store_pages=store_pages, node=m.node.id, us=round((time.perf_counter() - t0) * 1e6))
+        return LookupResult(len(req.tokens), m.pages * self.page, store_pages * self.page)
+
+    async def _probe(self, req: Request, keys: list[bytes], first_page: int) -> int:
+        names: list[str] = []
+        spans: dict[PoolKind, tuple[int, list[int]]] = {}
+        for kind in self.layout.pools:
+            if kind is PoolKind.MAMBA:
+                pos = [i for i in range(len(keys)) if (first_page + i + 1) % self.grid_pages == 0]
+            else:
+                pos = list(range(len(keys)))
+            spans[kind] = (len(names), pos)
+            names.extend(object_key(keys[i], kind, self.layout) for i in pos)
+        if not names:
+            return 0
+        start = time.perf_counter()
+        try:
+            present = await self.store.exists(names)
+        except StoreError as exc:
+            trace("lookup.store_error", request_id=req.id, error=str(exc))
+            return 0
+        self.latency.observe(time.perf_counter() - start)
+        bits: dict[PoolKind, list[bool]] = {}
+        for kind, (off, pos) in spans.items():
+            b = [False] * len(keys)
+            for j, i in enumerate(pos):
+                b[i] = bool(present[off + j])
+            bits[kind] = b
+        counts = restorable_page_counts(bits)
+        counts = {n for n in counts if (first_page + n) % self.grid_pages == 0}
+        return max(counts, default=0)
+
+    def _maybe_touch(self, node: Node) -> None:
+        now = time.monotonic()
+        if now - node.last_touch < self.config.touch_interval_s:
+            return
+        node.last_touch = now
+        keys = self.tree.tree.path_keys(node)
+        names = [object_key(k, kind, self.layout) for kind in self.layout.pools
+                 if kind is not PoolKind.MAMBA for k in keys]
+        if PoolKind.MAMBA in self.layout.pools and node.mamba_slot is not None and keys:
+            names.append(object_key(keys[-1], PoolKind.MAMBA, self.layout))
+        self._c["touches"] += 1
+        self._c["touch_keys"] += len(names)
+        self._spawn(self._touch, names)
+
+    async def _touch(self, names: list[str]) -> None:
+        try:
+            await self.store.touch(names)
+        except StoreError as exc:
+            trace("touch.store_error", error=str(exc), keys=len(names))
+
+    # ---- LOAD ----------------------------------------------------------------------
+    async def load(self, req: Request) -> LoadHandle | None:
+        """PREPARE (allocate rows/slot, evicting if short) and queue the reads.
+
+        Returns ``None`` — a plain miss, the request recomputes — when the store has
+        nothing for this request or allocation fails.
+        """
+        self._check_open(req)
+        if not req.looked_up:
+            raise PhaseError("load before lookup")
+        if req.load is not None:
+            raise PhaseError(f"request {req.id!r} already has a load")
+        n = req.store_pages
+        if n == 0:
+            return None
+        self._c["loads"] += 1
+        rows = self.tree.try_alloc_rows(n)
+        slot: int | None = None
+        if rows is not None and self.layout.is_hybrid:
+            slot = self.tree.try_alloc_slot()
+            if slot is None:
+                self.tree.free_rows(rows)
+                rows = None
+        if rows is None:
+            self._c["load_misses"] += 1
+            trace("load.miss", request_id=req.id, reason="allocation", pages=n)
+            return None
+        layers: list[int] = []
+        for kind in self.layout.pools:
+            layers.extend(self._layer_of_pool[kind])
+        handle = LoadHandle(self, req, n, rows, slot, sorted(set(layers)))
+        req.load = handle
+        first = req.prefix_pages
+        for kind in self.layout.pools:
+            if kind is PoolKind.MAMBA:
+                assert slot is not None
+                names = [object_key(req.store_keys[-1], kind, self.layout)]
+                index = torch.tensor([[slot]], dtype=torch.int64)
+            else:
+                names = [object_key(k, kind, self.layout) for k in req.store_keys]
+                index = rows.view(n, self.page)
+            handle._expect(self._layer_of_pool[kind])
+            job = TransferJob(names, index, on_layer=self._layer_callback(handle), request_id=req.id)
+            handle.jobs[kind] = job
+        try:
+            for kind, job in handle.jobs.items():
+                await self.actors[kind].submit_load(job)
+                handle.submitted.append(kind)
+        finally:
+            # jobs that were queued still run; the load ends when they do
+            self._spawn(self._finish_load, handle)
+        trace("load.queued", request_id=req.id, pages=n, first_page=first, slot=slot)
+        return handle
+
+    def _layer_callback(self, handle: LoadHandle) -> Any:
+        def landed(layer: int) -> None:
+            try:
+                anyio.from_thread.run_sync(handle._landed, layer)
+            except RuntimeError:
+                handle._landed(layer)
+        return landed
+
+    async def _finish_load(self, handle: LoadHandle) -> None:
+        try:
+            for kind, job in handle.jobs.items():
+                if kind in handle.submitted:
+                    res = await job.completion.wait()
+                    assert isinstance(res, LoadResult)
+                else:
+                    res = LoadResult([False] * len(job.keys), {"not_queued": len(job.keys)})
+                handle.results[kind] = res
+        except BaseException as exc:
+            handle.error = exc
+        finally:
+            for ev in handle._layer_events.values():
+                ev.set()
+            handle.done.set()
+
+    # ---- COMMIT / ABORT --------------------------------------------------------------
+    async def commit(self, load: LoadHandle) -> int:
+        """Insert the restored prefix; returns tokens restored (0: dropped, recompute)."""
+        req = load.request
+        self._check_open(req)
+        if load.finished:
+            raise PhaseError("this load was already committed or aborted")
+        if req.rows.numel() != req.prefix_tokens:
+            raise PhaseError("commit must come before extend: the request already owns rows")
+        try:
+            ok = await load.wait()
+        except Exception as exc:
+            trace("commit.error", request_id=req.id, error=str(exc))
+            ok = False
+        for res in load.results.values():
+            n_verify = sum(res.ok) + sum(v for k, v in res.faults.items() if k not in _STORE_FAULTS)
+            self._c["verifications"] += n_verify
+            self._c["verify_failures"] += sum(v for k, v in res.faults.items() if k not in _STORE_FAULTS)
+        if not ok:
+            self._c["dropped_loads"] += 1
+            self._free_load(load)
+            trace("commit.dropped", request_id=req.id, faults={k.value: r.faults for k, r in load.results.items()})
+            return 0
+        keys = self.tree.tree.path_keys(req.node) + req.store_keys
+        rows = torch.cat([req.rows, load.rows])
+        res = self.tree.insert(keys, rows, load.slot, owned_from=req.prefix_pages)
+        load.finished = True
+        req.load = None
+        self._move_lock(req, res.node)
+        self._c["commits"] += 1
+        self._c["store_hit_tokens"] += load.pages * self.page
+        trace("commit", request_id=req.id, pages=load.pages, node=res.node.id,
+              mamba_exist=res.mamba_exist, adopted=len(keys) - res.existing_pages)
+        return load.pages * self.page
+
+    async def abort(self, load: LoadHandle) -> None:
+        """Release what a load allocated (only before COMMIT); waits for in-flight reads."""
+        if load.finished:
+            raise PhaseError("this load was already committed or aborted")
+        with anyio.CancelScope(shield=True):
+            await load.done.wait()
+        self._c["aborts"] += 1
+        self._free_load(load)
+
+    def _free_load(self, load: LoadHandle) -> None:
+        load.finished = True
+        load.request.load = None
+        self.tree.free_rows(load.rows)
+        if load.slot is not None:
+            self.tree.free_slot(load.slot)
+
+    def _move_lock(self, req: Request, node: Node) -> None:
+        """The request now stands on ``node``: lock it, unlock the old prefix."""
+        own = req.rows[req.prefix_tokens:]
+        self.tree.lock(node)
+        self.tree.unlock(req.node)
+        req.node = node
+        req.prefix_pages = node.end_page
+        req.rows = torch.cat([self.tree.tree.path_rows(node), own])
+        req.state_source = node.mamba_slot
+
+    # ---- the forward's resources -------------------------------------------------------
+    def extend(self, req: Request, n_tokens: int) -> torch.Tensor:
+        """Make sure ``req.rows`` covers ``n_tokens`` (whole pages); returns ``req.rows``.
+
+        Raises :class:`PoolExhaustedError` when no pages can be freed.
+        """
+        self._check_open(req)
+        have = req.rows.numel() // self.page
+        need = -(-n_tokens // self.page)
+        if need > have:
+            req.rows = torch.cat([req.rows, self.tree.alloc_rows(need - have)])
+        return req.rows
+
+    def working_slot(self, req: Request) -> int:
+        """The request's writable state slot, initialised from the prefix's state (COW)."""
+        self._check_open(req)
+        if self.pools.mamba is None:
+            raise PhaseError("the layout has no mamba pool")
+        if req.working is None:
+            req.working = self.tree.alloc_slot()
+            if req.state_source is not None:
+                self.pools.mamba.copy_slot(req.state_source, req.working)
+            else:
+                for t in self.pools.mamba.tensors():
+                    t[req.working].zero_()
+        return req.working
+
+    def checkpoint_slot(self, req: Request) -> int:
+        """A fresh slot the forward copies the state at the checkpoint depth into."""
+        self._check_open(req)
+        slot = self.tree.alloc_slot()
+        req.checkpoints.append(slot)
+        return slot
+
+    def checkpoint_depth(self, req: Request, extend_len: int) -> int | None:
+        """Where this request's prefill (after its cached prefix) donates a state."""
+        return checkpoint_depth(req.prefix_tokens, extend_len, self.grid, self.layout.chunk_size)
+
+    # ---- INSERT + OFFLOAD ------------------------------------------------------------
+    async def insert(self, req: Request, n_tokens: int, *, checkpoint_slot: int | None = None,
+                     fence: DeviceEvent | None = None, offload: bool | None = None) -> Node:
+        """Donate the first ``n_tokens`` (whole pages) and a state at that depth.
+
+        The request keeps a lock on the new node. With write-through on, the node and its
+        not-yet-stored ancestors are queued for offload once ``fence`` completes.
+        """
+        self._check_open(req)
+        if n_tokens % self.page or n_tokens <= 0:
+            raise ValueError(f"insert takes whole pages: {n_tokens} is not a positive multiple of {self.page}")
+        if n_tokens > len(req.tokens):
+            raise ValueError(f"insert of {n_tokens} tokens exceeds the request's {len(req.tokens)}")
+        if n_tokens > req.rows.numel():
+            raise PhaseError(f"insert of {n_tokens} tokens but only {req.rows.numel()} rows were extended")
+        if n_tokens < req.prefix_tokens:
+            raise ValueError(f"insert of {n_tokens} tokens is inside the cached prefix ({req.prefix_tokens})")
+        if checkpoint_slot is not None:
+            if checkpoint_slot not in req.checkpoints:
+                raise PhaseError("checkpoint_slot must come from checkpoint_slot(req)")
+            if n_tokens % self.grid:
+                raise ValueError(f"a checkpoint must sit on the grid ({self.grid} tokens), got depth {n_tokens}")
+        elif self.layout.is_hybrid and n_tokens > req.prefix_tokens:
+            raise ValueError("a hybrid insert needs the checkpoint at its depth (checkpoint_slot)")
+        n_pages = n_tokens // self.page
+        keys = page_keys(req.tokens, self.page, req.seed, max_pages=n_pages)
+        rows = req.rows[:n_tokens]
+        rest = req.rows[n_tokens:].clone()
+        if checkpoint_slot is not None:
+            req.checkpoints.remove(checkpoint_slot)
+        res = self.tree.insert(keys, rows, checkpoint_slot, req.prefix_pages)
+        self._c["inserts"] += 1
+        req.rows = torch.cat([req.rows[: req.prefix_tokens], rest])
+        self._move_lock(req, res.node)
+        trace("insert", request_id=req.id, pages=n_pages, node=res.node.id,
+              adopted=n_pages - res.existing_pages, mamba_exist=res.mamba_exist)
+        if (self.config.offload if offload is None else offload):
+            await self._offload(req, res.node, fence)
+        return res.node
+
+    async def _offload(self, req: Request, node: Node, fence: DeviceEvent | None) -> None:
+        path = node.path()
+        plan: dict[PoolKind, list[Node]] = {}
+        for kind in self.layout.pools:
+            if kind is PoolKind.MAMBA:
+                todo = [n for n in path if n.mamba_slot is not None
+                        and kind not in n.stored and kind not in n.pending]
+            else:
+                todo = [n for n in path if kind not in n.stored and kind not in n.pending]
+            if todo:
+                plan[kind] = todo
+        if not plan:
+            return
+        self._c["offloads"] += 1
+        if PoolKind.MAMBA in plan and self.config.mamba_backpressure:
+            assert self.pools.mamba is not None
+            limit = self.config.mamba_backpressure_share * self.pools.mamba.slots.capacity
+            if self.actors[PoolKind.MAMBA].pending_states + len(plan[PoolKind.MAMBA]) > limit - 1e-9 or \
+                    self.actors[PoolKind.MAMBA].pending_states >= limit:
+                self._c["offloads_skipped"] += 1
+                trace("offload.skipped", request_id=req.id, reason="mamba_backpressure",
+                      pending=self.actors[PoolKind.MAMBA].pending_states)
+                return
+        if self.latency.should_drop():
+            self._c["offloads_dropped"] += 1
+            trace("offload.dropped", request_id=req.id, reason="latency", ema_ms=self.latency.ema_ms)
+            return
+        job_id = next(self._job_ids)
+        jobs: dict[PoolKind, tuple[TransferJob | None, dict[int, int]]] = {}
+        locked: list[Node] = []
+        for kind, nodes in plan.items():
+            # absolute page -> position of its object in the job (MAMBA: the state's key page)
+            where: dict[int, int] = {}
+            for n in nodes:
+                n.pending[kind] = job_id
+                if n not in locked:
+                    self.tree.lock(n)
+                    locked.append(n)
+                if kind is PoolKind.MAMBA:
+                    where[n.end_page - 1] = len(where)
+                else:
+                    for j in range(n.start_page, n.end_page):
+                        where[j] = len(where)
+            if not self.layout.writes(kind):
+                jobs[kind] = (None, where)  # the owner rank writes a replicated pool
+                continue
+            if kind is PoolKind.MAMBA:
+                names = [object_key(n.keys[-1], kind, self.layout) for n in nodes]
+                index = torch.tensor([[n.mamba_slot] for n in nodes], dtype=torch.int64)
+            else:
+                names = [object_key(k, kind, self.layout) for n in nodes for k in n.keys]
+                index = torch.cat([n.rows for n in nodes]).view(-1, self.page)
+            jobs[kind] = (TransferJob(names, index, fence=fence, request_id=req.id), where)
+        if self._offloads_in_flight == 0:
+            self._offloads_idle = anyio.Event()
+        self._offloads_in_flight += 1
+        submitted: list[PoolKind] = []
+        try:
+            for kind, (job, _) in jobs.items():
+                if job is not None:
+                    await self.actors[kind].submit_offload(job)
+                submitted.append(kind)
+        finally:
+            self._spawn(self._finish_offload, job_id, node, jobs, submitted, locked)
+
+    async def _finish_offload(self, job_id: int, end: Node,
+                              jobs: dict[PoolKind, tuple[TransferJob | None, dict[int, int]]],
+                              submitted: list[PoolKind], locked: list[Node]) -> None:
+        """Exactly one settlement per offload: mark what reached the store, then unlock."""
+        from ..stores.base import Outcome
+
+        try:
+            for kind, (job, where) in jobs.items():
+                outcomes: list[Outcome] | None
+                if job is None:
+                    outcomes = [Outcome.OK] * len(where)
+                elif kind not in submitted:
+                    outcomes = None
+                else:
+                    try:
+                        res = await job.completion.wait()
+                        assert isinstance(res, OffloadResult)
+                        outcomes = res.outcomes
+                    except Exception as exc:
+                        trace("offload.error", pool=kind.value, error=str(exc))
+                        outcomes = None
+                if outcomes is None or not all(o in (Outcome.OK, Outcome.EXISTS) for o in outcomes):
+                    self._c["offload_failures"] += 1
+                self._settle(kind, job_id, end, where, outcomes)
+        finally:
+            for n in locked:
+                self.tree.unlock(n)
+            self._offloads_in_flight -= 1
+            if self._offloads_in_flight == 0:
+                self._offloads_idle.set()
+
+    def _settle(self, kind: PoolKind, job_id: int, end: Node, where: dict[int, int],
+                outcomes: list[Any] | None) -> None:
+        """Clear this job's pending marks along ``end``'s path (split fragments included);
+        mark ``stored`` where every object of the node reached the store. A failure never
+        clears a ``stored`` flag an earlier success set."""
+        from ..stores.base import Outcome
+
+        good = (Outcome.OK, Outcome.EXISTS)
+        for n in end.path():
+            if n.pending.get(kind) != job_id:
+                continue
+            del n.pending[kind]
+            if outcomes is None:
+                continue
+            pages = [n.end_page - 1] if kind is PoolKind.MAMBA else range(n.start_page, n.end_page)
+            if all(j in where and outcomes[where[j]] in good for j in pages):
+                n.stored.add(kind)
+
+    # ---- RELEASE -------------------------------------------------------------------
+    async def release(self, req: Request) -> None:
+        """Unlock the request's prefix and free every row and slot it still owns."""
+        if req.released:
+            return
+        if req.load is not None and not req.load.finished:
+            await self.abort(req.load)
+        req.released = True
+        self._requests.pop(req.id, None)
+        own = req.rows[req.prefix_pages * self.page:]
+        self.tree.free_rows(own)
+        req.rows = req.rows[: req.prefix_pages * self.page]
+        for slot in [*req.checkpoints, *([req.working] if req.working is not None else [])]:
+            self.tree.free_slot(slot)
+        req.checkpoints.clear()
+        req.working = None
+        self.tree.unlock(req.node)
+        trace("release", request_id=req.id, node=req.node.id)
+
+    # ---- inspection ----------------------------------------------------------------
+    def statistics(self) -> LinkerStatistics:
+        return LinkerStatistics(**self._c, store_latency_ema_ms=self.latency.ema_ms,
+                                dropping=self.latency.dropping)
+
+    def pool_statistics(self) -> dict[str, PoolActorStatistics]:
+        return {k.value: a.statistics() for k, a in self.actors.items()}
+
+    def check_idle(self) -> None:
+        """Raise unless no request is open, nothing is locked and the tree matches the pools."""
+        from ..components.pools import PoolError
+
+        if self._requests:
+            raise PoolError(f"{len(self._requests)} requests are still open")
+        locked = self.tree.tree.locked_nodes()
+        if locked:
+            raise PoolError(f"{len(locked)} nodes are still locked: {locked[:3]}")
+        self.tree.tree.check_consistent()
+        stats = self.tree.tree.statistics()
+        used = self.pools.kv.pages.capacity - self.pools.kv.num_free_pages
+        if used != stats.pages:
+            raise PoolError(f"{used - stats.pages} KV pages leaked (allocated but not in the tree)")
+        if self.pools.mamba is not None:
+            used_slots = self.pools.mamba.slots.capacity - self.pools.mamba.num_free
+            if used_slots != stats.states:
+                raise PoolError(f"{used_slots - stats.states} mamba slots leaked")
+
+    def flush_device(self) -> None:
+        """Evict the whole device tree (nothing may be locked)."""
+        self.tree.tree.reset()
+
+
+_STORE_FAULTS = {"missing", "unreachable", "failed", "leased", "too_small", "full", "exists"}
+
+__all__ = ["Linker", "LoadHandle", "LookupResult", "PhaseError", "PoolExhaustedError", "Request"]

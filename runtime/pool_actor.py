@@ -1,0 +1,367 @@
+"""One actor per pool: bounded offload and load queues over a store.
+
+Each actor runs two workers, one per direction, so a restore never waits behind a backlog
+of offloads. A worker takes jobs in FIFO order and finishes one before the next, so every
+job gets exactly one result, in submission order. Per job it
+
+1. awaits the job's device fence (offload: the forward that wrote the rows is done);
+2. moves the objects through its own staging arena, a sub-batch at a time: gather + frame
+   (offload) or get + verify + scatter (load) — copies run in a worker thread so the event
+   loop keeps serving;
+3. reports per-object outcomes.
+
+The arena is registered with the store once (zero-copy backends read and write it directly)
+and stays alive as long as the actor: a store call that outlives a cancelled waiter still
+writes into live memory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import anyio
+import attrs
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..components.layout import ModelLayout, PoolKind
+from ..stores import framing
+from ..stores.base import GetResult, Outcome, Store, StoreError
+from .events import DeviceEvent, wait_fence
+from .statistics import PoolActorStatistics, QueueStatistics
+from .tracing import trace
+
+T = TypeVar("T")
+
+
+class Completion(Generic[T]):
+    """A one-shot result slot that async code can await."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def set(self, value: T) -> None:
+        self._value = value
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> T:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+@attrs.frozen
+class OffloadResult:
+    outcomes: list[Outcome]
+
+    @property
+    def ok(self) -> bool:
+        return all(o in (Outcome.OK, Outcome.EXISTS) for o in self.outcomes)
+
+
+@attrs.frozen
+class LoadResult:
+    ok: list[bool]  # object i landed and verified
+    faults: dict[str, int]  # reason -> count for objects that did not
+
+    @property
+    def all_ok(self) -> bool:
+        return all(self.ok)
+
+
+@attrs.define
+class TransferJob:
+    keys: list[str]
+    index: torch.Tensor  # [n, per]
+    fence: DeviceEvent | None = None
+    on_layer: Callable[[int], None] | None = None
+    completion: Completion[object] = attrs.field(factory=Completion)
+    request_id: str = ""
+
+
+class LatencyMonitor:
+    """EMA of store-call latency with a high/low watermark (hysteresis).
+
+    While dropping, no offloads reach the store, so the EMA also decays with wall time
+    (half-life ``decay_half_life_s``) to let the state end even without new samples.
+    """
+
+    def __init__(self, high_ms: float, low_ms: float, alpha: float = 0.2,
+                 decay_half_life_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < low_ms <= high_ms:
+            raise ValueError(f"need 0 < low_ms <= high_ms, got low={low_ms} high={high_ms}")
+        self.high_ms, self.low_ms, self.alpha = high_ms, low_ms, alpha
+        self.half_life = decay_half_life_s
+        self.clock = clock
+        self._ema_ms = 0.0
+        self._stamp = clock()
+        self.dropping = False
+
+    def observe(self, seconds: float) -> None:
+        self._decay()
+        self._ema_ms += self.alpha * (seconds * 1e3 - self._ema_ms)
+        self._update()
+
+    @property
+    def ema_ms(self) -> float:
+        self._decay()
+        return self._ema_ms
+
+    def should_drop(self) -> bool:
+        self._decay()
+        self._update()
+        return self.dropping
+
+    def _decay(self) -> None:
+        now = self.clock()
+        dt = now - self._stamp
+        self._stamp = now
+        if dt > 0 and self.dropping:
+            self._ema_ms *= math.pow(0.5, dt / self.half_life)
+
+    def _update(self) -> None:
+        if not self.dropping and self._ema_ms > self.high_ms:
+            self.dropping = True
+        elif self.dropping and self._ema_ms < self.low_ms:
+            self.dropping = False
+
+
+class _Queue:
+    """A bounded FIFO of jobs with statistics."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.tx: MemoryObjectSendStream[TransferJob]
+        self.rx: MemoryObjectReceiveStream[TransferJob]
+        self.tx, self.rx = anyio.create_memory_object_stream[TransferJob](bound)
+        self.depth = 0
+        self.waiting = 0
+        self.completed = 0
+        self.failed = 0
+
+    async def put(self, job: TransferJob) -> None:
+        self.waiting += 1
+        try:
+            await self.tx.send(job)
+        finally:
+            self.waiting -= 1
+        self.depth += 1
+
+    def statistics(self) -> QueueStatistics:
+        return QueueStatistics(self.depth, self.bound, self.waiting, self.completed, self.failed)
+
+
+class PoolActor:
+    """Moves one pool's objects between device rows and the store. See the module doc."""
+
+    def __init__(
+        self,
+        kind: PoolKind,
+        codec: object,
+        store: Store,
+        layout: ModelLayout,
+        *,
+        staging_frames: int,
+        queue_depth: int,
+        latency: LatencyMonitor,
+        thread_limiter: anyio.CapacityLimiter,
+    ) -> None:
+        from .transfer import PoolCodec
+
+        assert isinstance(codec, PoolCodec)
+        self.kind = kind
+        self.codec = codec
+        self.store = store
+        self.layout = layout
+        self.fingerprint = layout.fingerprint
+        self.frame_bytes = framing.framed_size(codec.payload_bytes)
+        # 64-byte aligned frames; one arena per direction so loads never wait for offloads
+        stride = -(-self.frame_bytes // 64) * 64
+        self.stride = stride
+        self.frames = max(1, staging_frames)
+        self._arenas = {
+            d: torch.zeros(self.frames * stride, dtype=torch.uint8) for d in ("offload", "load")
+        }
+        for arena in self._arenas.values():
+            store.register(arena)
+        self.offload_q = _Queue(queue_depth)
+        self.load_q = _Queue(queue_depth)
+        self.latency = latency
+        self.limiter = thread_limiter
+        self.pending_states = 0
+        self._c = dict(objects_offloaded=0, objects_already_stored=0, bytes_offloaded=0,
+                       offload_failures=0, objects_loaded=0, bytes_loaded=0, load_misses=0,
+                       load_failures=0, verify_failures=0)
+
+    # ---- submission ----------------------------------------------------------------
+    async def submit_offload(self, job: TransferJob) -> None:
+        if self.kind is PoolKind.MAMBA:
+            self.pending_states += len(job.keys)
+        try:
+            await self.offload_q.put(job)
+        except BaseException:
+            if self.kind is PoolKind.MAMBA:
+                self.pending_states -= len(job.keys)
+            raise
+
+    async def submit_load(self, job: TransferJob) -> None:
+        await self.load_q.put(job)
+
+    def close_queues(self) -> None:
+        self.offload_q.tx.close()
+        self.load_q.tx.close()
+
+    # ---- workers -------------------------------------------------------------------
+    async def run_offloads(self) -> None:
+        async with self.offload_q.rx:
+            async for job in self.offload_q.rx:
+                try:
+                    with anyio.CancelScope(shield=True):
+                        result = await self._offload(job)
+                except Exception as exc:
+                    self.offload_q.failed += 1
+                    job.completion.fail(exc)
+                else:
+                    self.offload_q.completed += 1
+                    job.completion.set(result)
+                finally:
+                    self.offload_q.depth -= 1
+                    if self.kind is PoolKind.MAMBA:
+                        self.pending_states -= len(job.keys)
+
+    async def run_loads(self) -> None:
+        async with self.load_q.rx:
+            async for job in self.load_q.rx:
+                try:
+                    with anyio.CancelScope(shield=True):
+                        result = await self._load(job)
+                except Exception as exc:
+                    self.load_q.failed += 1
+                    job.completion.fail(exc)
+                else:
+                    self.load_q.completed += 1
+                    job.completion.set(result)
+                finally:
+                    self.load_q.depth -= 1
+
+    def _views(self, direction: str, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        arena = self._arenas[direction]
+        grid = arena[: n * self.stride].view(n, self.stride)
+        frames = [arena[i * self.stride: i * self.stride + self.frame_bytes] for i in range(n)]
+        return grid, frames
+
+    async def _offload(self, job: TransferJob) -> OffloadResult:
+        await wait_fence(job.fence)
+        outcomes: list[Outcome] = []
+        t0 = time.perf_counter()
+        for lo in range(0, len(job.keys), self.frames):
+            keys = job.keys[lo: lo + self.frames]
+            index = job.index[lo: lo + self.frames]
+            grid, frames = self._views("offload", len(keys))
+
+            def pack(keys: list[str] = keys, index: torch.Tensor = index,
+                     grid: torch.Tensor = grid, frames: list[torch.Tensor] = frames) -> None:
+                self.codec.gather(index, grid[:, framing.HEADER_BYTES: self.frame_bytes])
+                for k, f in zip(keys, frames):
+                    framing.seal(f, k, self.fingerprint)
+
+            await anyio.to_thread.run_sync(pack, limiter=self.limiter)
+            start = time.perf_counter()
+            try:
+                got = await self.store.put(keys, frames)
+            except StoreError:
+                got = [Outcome.UNREACHABLE] * len(keys)
+            self.latency.observe(time.perf_counter() - start)
+            outcomes.extend(got)
+        for o in outcomes:
+            if o is Outcome.OK:
+                self._c["objects_offloaded"] += 1
+                self._c["bytes_offloaded"] += self.frame_bytes
+            elif o is Outcome.EXISTS:
+                self._c["objects_already_stored"] += 1
+            else:
+                self._c["offload_failures"] += 1
+        trace("offload", pool=self.kind.value, request_id=job.request_id, objects=len(job.keys),
+              bytes=len(job.keys) * self.frame_bytes, us=round((time.perf_counter() - t0) * 1e6),
+              failures=sum(o not in (Outcome.OK, Outcome.EXISTS) for o in outcomes))
+        return OffloadResult(outcomes)
+
+    async def _load(self, job: TransferJob) -> LoadResult:
+        ok: list[bool] = []
+        faults: dict[str, int] = {}
+        t0 = time.perf_counter()
+        for lo in range(0, len(job.keys), self.frames):
+            keys = job.keys[lo: lo + self.frames]
+            index = job.index[lo: lo + self.frames]
+            grid, frames = self._views("load", len(keys))
+            start = time.perf_counter()
+            try:
+                results = await self.store.get(keys, frames)
+            except StoreError:
+                results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
+            self.latency.observe(time.perf_counter() - start)
+
+            on_layer = job.on_layer if lo + len(keys) >= len(job.keys) else None
+
+            def unpack(keys: list[str] = keys, index: torch.Tensor = index,
+                       grid: torch.Tensor = grid, frames: list[torch.Tensor] = frames,
+                       results: list[GetResult] = results,
+                       on_layer: Callable[[int], None] | None = on_layer) -> list[bool]:
+                good: list[bool] = []
+                for k, f, r in zip(keys, frames, results):
+                    if r.outcome is not Outcome.OK:
+                        faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
+                        good.append(False)
+                        continue
+                    try:
+                        framing.verify(f, r.nbytes, k, self.fingerprint)
+                    except framing.FrameError as exc:
+                        faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
+                        good.append(False)
+                        continue
+                    good.append(True)
+                sel = [i for i, g in enumerate(good) if g]
+                if sel:
+                    if len(sel) == len(good):
+                        self.codec.scatter(grid[:, framing.HEADER_BYTES: self.frame_bytes], index,
+                                           on_layer)
+                    else:
+                        pick = torch.tensor(sel, dtype=torch.int64)
+                        self.codec.scatter(grid[pick, framing.HEADER_BYTES: self.frame_bytes],
+                                           index[pick], None)
+                return good
+
+            ok.extend(await anyio.to_thread.run_sync(unpack, limiter=self.limiter))
+        n_ok = sum(ok)
+        self._c["objects_loaded"] += n_ok
+        self._c["bytes_loaded"] += n_ok * self.frame_bytes
+        self._c["load_misses"] += faults.get(Outcome.MISSING.value, 0)
+        verify = sum(v for k, v in faults.items() if k in {f.value for f in framing.FrameFault})
+        self._c["verify_failures"] += verify
+        self._c["load_failures"] += len(ok) - n_ok - faults.get(Outcome.MISSING.value, 0) - verify
+        trace("load", pool=self.kind.value, request_id=job.request_id, objects=len(job.keys),
+              ok=n_ok, faults=faults, us=round((time.perf_counter() - t0) * 1e6))
+        return LoadResult(ok, faults)
+
+    def statistics(self) -> PoolActorStatistics:
+        return PoolActorStatistics(
+            pool=self.kind.value,
+            offload_queue=self.offload_q.statistics(),
+            load_queue=self.load_q.statistics(),
+            pending_states=self.pending_states,
+            **self._c,
+        )

@@ -1,0 +1,58 @@
+"""Frozen statistics objects: every queue, actor and the linker exposes one."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class QueueStatistics:
+    """A bounded job queue of one pool actor."""
+
+    depth: int  # jobs queued or in progress
+    max_depth: int  # bound on queued jobs
+    waiting_senders: int  # submitters blocked on a full queue
+    completed: int
+    failed: int
+
+
+@attrs.frozen
+class PoolActorStatistics:
+    pool: str
+    offload_queue: QueueStatistics
+    load_queue: QueueStatistics
+    objects_offloaded: int
+    objects_already_stored: int
+    bytes_offloaded: int
+    offload_failures: int
+    objects_loaded: int
+    bytes_loaded: int
+    load_misses: int
+    load_failures: int
+    verify_failures: int
+    pending_states: int  # MAMBA states held by queued or in-flight offloads
+
+
+@attrs.frozen
+class LinkerStatistics:
+    requests: int
+    lookups: int
+    lookup_prompt_tokens: int
+    device_hit_tokens: int
+    store_hit_tokens: int  # tokens restored from the store (committed loads)
+    loads: int
+    load_misses: int  # PREPARE could not allocate: plain miss
+    commits: int
+    dropped_loads: int  # data failed (missing, corrupt, store error): recomputed
+    aborts: int
+    inserts: int
+    offloads: int
+    offloads_skipped: int  # MAMBA backpressure rule
+    offloads_dropped: int  # latency watermark
+    offload_failures: int
+    touches: int
+    touch_keys: int
+    verifications: int
+    verify_failures: int
+    store_latency_ema_ms: float
+    dropping: bool

@@ -1,0 +1,158 @@
+"""The store protocol every backend implements.
+
+A store holds *framed objects* (see :mod:`hylinker.stores.framing`) under string keys. The
+runtime moves data in batches: one call carries many keys, each with its own host buffer.
+
+Invariants a caller keeps:
+
+* Buffers are 1-D, contiguous, ``torch.uint8`` CPU tensors. A ``put`` reads exactly
+  ``buffer.numel()`` bytes; a ``get`` writes at most ``buffer.numel()`` bytes and reports how
+  many it wrote. Buffers must stay alive and untouched until the awaited call returns, even
+  if the awaiting task is cancelled (the runtime keeps a reference for that reason).
+* Zero-copy backends want buffers that lie inside a region passed to :meth:`Store.register`
+  once, up front. Backends that copy accept any buffer; ``register`` is then a no-op.
+* Puts are first-writer-wins: a key that exists keeps its first value and the put reports
+  :attr:`Outcome.EXISTS`. Objects are immutable once stored.
+* After :meth:`Store.close` every call raises :class:`StoreClosedError`; ``close`` waits
+  for calls already in flight and is idempotent.
+
+Per-key outcomes are values, not exceptions: a batch can partly succeed. Exceptions are
+reserved for misuse (bad buffers, closed store) and for a backend that cannot answer at all
+(:class:`StoreUnavailableError`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+
+class Outcome(enum.Enum):
+    """What happened to one key in a batch call."""
+
+    OK = "ok"  # stored (put) / read (get) / present (exists)
+    EXISTS = "exists"  # put: the key already held an object; the first writer won
+    MISSING = "missing"  # get: no such key (never stored, evicted or removed)
+    FULL = "full"  # put: no room even after eviction; back off
+    LEASED = "leased"  # the object is leased by another client; try again later
+    TOO_SMALL = "too_small"  # get: the object is larger than the buffer
+    UNREACHABLE = "unreachable"  # the store (or its master) did not answer
+    FAILED = "failed"  # any other backend error; see the backend's log
+
+    @property
+    def ok(self) -> bool:
+        return self is Outcome.OK
+
+
+@attrs.frozen
+class GetResult:
+    """One key's result of :meth:`Store.get`: the outcome and the bytes written."""
+
+    outcome: Outcome
+    nbytes: int = 0
+
+
+@attrs.frozen
+class StoreCapabilities:
+    """What a backend supports. The runtime consults these, never the backend's type."""
+
+    name: str
+    touch: bool  # can refresh an object's eviction recency without reading it
+    remove: bool  # can delete single keys
+    zero_copy: bool  # reads/writes registered buffers directly (no extra host copy)
+    max_batch: int = 4096  # keys per call the backend handles well
+
+
+@attrs.frozen
+class StoreStatistics:
+    """A snapshot of a store's counters. Every backend fills what it knows."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    put_exists: int = 0
+    put_failures: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    get_misses: int = 0
+    get_failures: int = 0
+    exists_calls: int = 0
+    touches: int = 0
+    removes: int = 0
+    evictions: int = 0
+    objects: int = 0
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+
+class StoreError(Exception):
+    """Base class of store exceptions."""
+
+
+class StoreClosedError(StoreError):
+    """The store was used after :meth:`Store.close`."""
+
+
+class StoreUnavailableError(StoreError):
+    """The backend could not be reached or set up at all (e.g. a dead Mooncake master)."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Async batch key-value store of framed objects. See the module docstring."""
+
+    @property
+    def capabilities(self) -> StoreCapabilities: ...
+
+    def register(self, region: torch.Tensor) -> None:
+        """Register a host staging region once; later buffers lie inside it."""
+        ...
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key holds an object now (a hint: it may vanish before a get)."""
+        ...
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
+        """Store each buffer under its key, first writer wins."""
+        ...
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        """Read each key's object into its buffer."""
+        ...
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        """Mark keys as recently used (no-op where ``capabilities.touch`` is false)."""
+        ...
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        """Delete keys; returns how many existed."""
+        ...
+
+    def statistics(self) -> StoreStatistics:
+        """A frozen snapshot of the counters."""
+        ...
+
+    async def close(self) -> None:
+        """Wait for in-flight calls, release resources; idempotent."""
+        ...
+
+
+def check_buffers(keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> None:
+    """Raise a clear ``ValueError`` unless ``buffers`` fit the protocol's rules."""
+    if len(keys) != len(buffers):
+        raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+    for key, buf in zip(keys, buffers):
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"store keys must be non-empty strings, got {key!r}")
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"buffer for {key!r} is {type(buf).__name__}, not a torch.Tensor")
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(
+                f"buffer for {key!r} must be a contiguous 1-D uint8 tensor, got "
+                f"dtype={buf.dtype} shape={tuple(buf.shape)} contiguous={buf.is_contiguous()}"
+            )
+        if buf.device.type != "cpu":
+            raise ValueError(f"buffer for {key!r} is on {buf.device}; stores take host buffers")

@@ -1,0 +1,503 @@
+"""The embedded store: in-process host memory, the default backend.
+
+Objects live in *slabs*, not in one Python object each. Every object size class (the object
+size rounded up to :data:`SLOT_ALIGN` bytes) owns a list of large ``uint8`` chunks, each cut
+into equal slots, plus a free-slot list per chunk. The index maps a key to ``(size class,
+slot, nbytes)`` and doubles as the LRU order (an ordered dict, oldest first).
+
+Rules:
+
+* **Capacity** counts the slot bytes of the objects held (and of puts still copying). A put
+  evicts least-recently-used objects until its object fits; an object that cannot fit even
+  in an empty store is :attr:`Outcome.FULL`. A ``get`` and a ``touch`` make an object the most
+  recently used. Chunk memory is allocated on demand; a chunk whose slots are all free is
+  released, except one spare per size class (hysteresis against churn), so the memory held
+  stays close to the bytes held.
+* **First writer wins**: a key that is stored, or whose put is still copying, answers
+  :attr:`Outcome.EXISTS`; a key repeated inside one batch keeps its first buffer.
+* **Concurrency**: an index lock is held only to plan a batch (reserve slots, pin the slots
+  being read) and to publish it; the byte copies run outside the lock, inline for small
+  batches and in a worker thread (bounded by a capacity limiter) for batches that move more
+  than ``thread_threshold_bytes``, so large batches never stall the event loop. A put is
+  invisible until its copy finished; a slot being read is never evicted or reused while the
+  read copies out of it (a ``remove`` during the read frees the slot afterwards).
+* :meth:`EmbeddedStore.close` waits for calls in flight; later calls raise
+  :class:`StoreClosedError`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import anyio
+import anyio.to_thread
+import attrs
+import numpy as np
+import structlog
+import torch
+
+from .base import (
+    GetResult,
+    Outcome,
+    StoreCapabilities,
+    StoreClosedError,
+    StoreStatistics,
+    check_buffers,
+)
+
+SLOT_ALIGN = 64
+"""Slot sizes are multiples of this many bytes (keeps every object 64-byte aligned)."""
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_THREAD_THRESHOLD_BYTES = 1 << 20
+
+_log = structlog.get_logger(__name__)
+
+# (size class, slot id, object bytes)
+_Loc = tuple[int, int, int]
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """Raise a clear ``ValueError`` unless every key is a non-empty string."""
+    for key in keys:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"store keys must be non-empty strings, got {key!r}")
+
+
+class InflightCalls:
+    """Counts calls in flight so ``close`` can wait for them; refuses calls after close.
+
+    Used from the event loop thread only.
+    """
+
+    def __init__(self, store_name: str) -> None:
+        self._name = store_name
+        self._count = 0
+        self._idle: anyio.Event | None = None
+        self.closed = False
+
+    def enter(self) -> None:
+        if self.closed:
+            raise StoreClosedError(f"{self._name} store is closed")
+        self._count += 1
+
+    def exit(self) -> None:
+        self._count -= 1
+        if self._count == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def close(self) -> bool:
+        """Refuse new calls and wait for those in flight; False if already closed."""
+        first = not self.closed
+        self.closed = True
+        while self._count > 0:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+        self._idle = None
+        return first
+
+
+class _SizeClass:
+    """The slab of one slot size: chunks of equal slots and their free lists."""
+
+    __slots__ = ("chunks", "empty_spares", "free", "live", "partial", "partial_set",
+                 "released", "slot_bytes", "slots_per_chunk")
+
+    def __init__(self, slot_bytes: int, chunk_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.slots_per_chunk = max(1, chunk_bytes // slot_bytes)
+        self.chunks: list[np.ndarray | None] = []
+        self.free: list[list[int]] = []  # per chunk: free local slot numbers
+        self.live: list[int] = []  # per chunk: occupied slots
+        self.partial: list[int] = []  # heap of chunk numbers with a free slot
+        self.partial_set: set[int] = set()
+        self.released: list[int] = []  # chunk numbers whose memory was released
+        self.empty_spares = 0
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.slots_per_chunk * self.slot_bytes
+
+    def allocate(self) -> int:
+        """Take a free slot (lowest chunk first, so high chunks drain); returns the slot id."""
+        while self.partial:
+            c = self.partial[0]
+            if c in self.partial_set and self.free[c]:
+                break
+            heapq.heappop(self.partial)
+            self.partial_set.discard(c)
+        else:
+            c = self._new_chunk()
+        if self.live[c] == 0:
+            self.empty_spares -= 1
+        local = self.free[c].pop()
+        self.live[c] += 1
+        if not self.free[c]:
+            self.partial_set.discard(c)
+        return c * self.slots_per_chunk + local
+
+    def release(self, slot: int) -> None:
+        c, local = divmod(slot, self.slots_per_chunk)
+        self.free[c].append(local)
+        self.live[c] -= 1
+        if c not in self.partial_set:
+            self.partial_set.add(c)
+            heapq.heappush(self.partial, c)
+        if self.live[c] == 0:
+            if self.empty_spares >= 1:
+                self.chunks[c] = None
+                self.free[c] = []
+                self.partial_set.discard(c)
+                self.released.append(c)
+            else:
+                self.empty_spares += 1
+
+    def view(self, slot: int, nbytes: int) -> np.ndarray:
+        c, local = divmod(slot, self.slots_per_chunk)
+        chunk = self.chunks[c]
+        assert chunk is not None, "slot in a released chunk"
+        start = local * self.slot_bytes
+        return chunk[start : start + nbytes]
+
+    def allocated_bytes(self) -> int:
+        return sum(self.chunk_bytes for ch in self.chunks if ch is not None)
+
+    def _new_chunk(self) -> int:
+        memory = torch.empty(self.chunk_bytes, dtype=torch.uint8).numpy()
+        if self.released:
+            c = self.released.pop()
+            self.chunks[c] = memory
+            self.live[c] = 0
+        else:
+            c = len(self.chunks)
+            self.chunks.append(memory)
+            self.free.append([])
+            self.live.append(0)
+        self.free[c] = list(range(self.slots_per_chunk - 1, -1, -1))
+        self.empty_spares += 1
+        self.partial_set.add(c)
+        heapq.heappush(self.partial, c)
+        return c
+
+
+class EmbeddedStore:
+    """In-process host-memory store with a byte capacity and LRU eviction.
+
+    ``capacity_bytes``: the most object bytes held (slot-rounded, see the module docstring).
+    ``chunk_bytes``: slab chunk size; a chunk holds at least one slot and never more than
+    the capacity. ``thread_threshold_bytes``: batches moving more bytes copy in a worker
+    thread. ``max_workers``: worker threads copying at once.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        thread_threshold_bytes: int = DEFAULT_THREAD_THRESHOLD_BYTES,
+        max_workers: int = 2,
+        name: str = "embedded",
+    ) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if chunk_bytes < SLOT_ALIGN:
+            raise ValueError(f"chunk_bytes must be at least {SLOT_ALIGN}, got {chunk_bytes}")
+        if thread_threshold_bytes < 0:
+            raise ValueError(f"thread_threshold_bytes must be >= 0, got {thread_threshold_bytes}")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self._capacity = capacity_bytes
+        self._chunk_bytes = min(chunk_bytes, max(SLOT_ALIGN, capacity_bytes))
+        self._thread_threshold = thread_threshold_bytes
+        self._max_workers = max_workers
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._capabilities = StoreCapabilities(name=name, touch=True, remove=True, zero_copy=False)
+
+        self._lock = threading.Lock()
+        self._classes: list[_SizeClass] = []
+        self._class_of: dict[int, int] = {}  # slot bytes -> size class number
+        self._index: OrderedDict[str, _Loc] = OrderedDict()  # LRU order: oldest first
+        self._pending: dict[str, _Loc] = {}  # puts still copying
+        self._pins: dict[tuple[int, int], int] = {}  # (class, slot) -> reads in flight
+        self._doomed: set[tuple[int, int]] = set()  # removed while pinned; free on unpin
+        self._used = 0
+        self._calls = InflightCalls(name)
+        self._stats: dict[str, int] = dict.fromkeys(
+            (f.name for f in attrs.fields(StoreStatistics)), 0
+        )
+
+    # ---- protocol -------------------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return self._capabilities
+
+    def register(self, region: torch.Tensor) -> None:
+        """No-op: this store copies, so any host buffer will do."""
+        if self._calls.closed:
+            raise StoreClosedError(f"{self._capabilities.name} store is closed")
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        check_keys(keys)
+        self._calls.enter()
+        try:
+            with self._lock:
+                self._stats["exists_calls"] += 1
+                return [key in self._index for key in keys]
+        finally:
+            self._calls.exit()
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
+        check_buffers(keys, buffers)
+        self._calls.enter()
+        try:
+            outcomes, plan = self._plan_put(keys, buffers)
+            if not plan:
+                return outcomes
+            sources = [buffers[i].numpy() for i, _, _ in plan]
+            targets = [self._view(loc) for _, _, loc in plan]
+            copied = False
+            try:
+                copied = await self._copy(targets, sources, sum(loc[2] for _, _, loc in plan))
+            finally:
+                self._finish_put(plan, copied)
+            if not copied:
+                for i, _, _ in plan:
+                    outcomes[i] = Outcome.FAILED
+            return outcomes
+        finally:
+            self._calls.exit()
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        check_buffers(keys, buffers)
+        self._calls.enter()
+        try:
+            results, plan = self._plan_get(keys, buffers)
+            if not plan:
+                return results
+            sources = [self._view(loc) for _, loc in plan]
+            targets = [buffers[i].numpy()[: loc[2]] for i, loc in plan]
+            copied = False
+            try:
+                copied = await self._copy(targets, sources, sum(loc[2] for _, loc in plan))
+            finally:
+                self._finish_get(plan, copied)
+            for i, loc in plan:
+                results[i] = GetResult(Outcome.OK, loc[2]) if copied else GetResult(Outcome.FAILED)
+            return results
+        finally:
+            self._calls.exit()
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        check_keys(keys)
+        self._calls.enter()
+        try:
+            with self._lock:
+                for key in keys:
+                    if key in self._index:
+                        self._index.move_to_end(key)
+                        self._stats["touches"] += 1
+        finally:
+            self._calls.exit()
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        check_keys(keys)
+        self._calls.enter()
+        try:
+            removed = 0
+            with self._lock:
+                for key in keys:
+                    loc = self._index.pop(key, None)
+                    if loc is None:
+                        continue
+                    self._drop(loc)
+                    removed += 1
+                self._stats["removes"] += removed
+            return removed
+        finally:
+            self._calls.exit()
+
+    def statistics(self) -> StoreStatistics:
+        with self._lock:
+            counters = dict(self._stats)
+            counters.update(
+                objects=len(self._index), used_bytes=self._used, capacity_bytes=self._capacity
+            )
+        return StoreStatistics(**counters)
+
+    async def close(self) -> None:
+        if await self._calls.close():
+            with self._lock:
+                self._index.clear()
+                self._classes.clear()
+                self._class_of.clear()
+                self._used = 0
+
+    # ---- introspection (tests, benchmarks) ---------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def allocated_bytes(self) -> int:
+        """Bytes of slab chunk memory held now (>= used bytes; chunk granularity)."""
+        with self._lock:
+            return sum(c.allocated_bytes() for c in self._classes)
+
+    def lru_keys(self) -> list[str]:
+        """Keys held, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _plan_put(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> tuple[list[Outcome], list[tuple[int, str, _Loc]]]:
+        outcomes = [Outcome.FAILED] * len(keys)
+        plan: list[tuple[int, str, _Loc]] = []
+        seen: set[str] = set()
+        with self._lock:
+            for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
+                if key in self._index or key in self._pending or key in seen:
+                    outcomes[i] = Outcome.EXISTS
+                    self._stats["put_exists"] += 1
+                    continue
+                seen.add(key)
+                nbytes = buf.numel()
+                slot_bytes = max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
+                if slot_bytes > self._capacity or not self._make_room(slot_bytes):
+                    outcomes[i] = Outcome.FULL
+                    self._stats["put_failures"] += 1
+                    continue
+                cls = self._class_for(slot_bytes)
+                loc = (cls, self._classes[cls].allocate(), nbytes)
+                self._used += slot_bytes
+                self._pending[key] = loc
+                plan.append((i, key, loc))
+                outcomes[i] = Outcome.OK
+        return outcomes, plan
+
+    def _finish_put(self, plan: list[tuple[int, str, _Loc]], copied: bool) -> None:
+        """Publish copied puts (most recently used); give back the slots of failed ones."""
+        with self._lock:
+            for _, key, loc in plan:
+                del self._pending[key]
+                if copied:
+                    self._index[key] = loc
+                    self._stats["puts"] += 1
+                    self._stats["put_bytes"] += loc[2]
+                else:
+                    self._drop(loc)
+                    self._stats["put_failures"] += 1
+
+    def _class_for(self, slot_bytes: int) -> int:
+        cls = self._class_of.get(slot_bytes)
+        if cls is None:
+            cls = len(self._classes)
+            self._classes.append(_SizeClass(slot_bytes, self._chunk_bytes))
+            self._class_of[slot_bytes] = cls
+        return cls
+
+    def _make_room(self, slot_bytes: int) -> bool:
+        """Evict LRU objects (never one being read) until ``slot_bytes`` more fit."""
+        excess = self._used + slot_bytes - self._capacity
+        if excess <= 0:
+            return True
+        victims: list[str] = []
+        freed = 0
+        for key, (cls, slot, _) in self._index.items():
+            if (cls, slot) in self._pins:
+                continue
+            victims.append(key)
+            freed += self._classes[cls].slot_bytes
+            if freed >= excess:
+                break
+        if freed < excess:
+            return False
+        for key in victims:
+            self._drop(self._index.pop(key))
+            self._stats["evictions"] += 1
+        return True
+
+    def _drop(self, loc: _Loc) -> None:
+        """Free an object's slot now, or when the reads copying out of it finish."""
+        cls, slot, _ = loc
+        if (cls, slot) in self._pins:
+            self._doomed.add((cls, slot))
+            return
+        self._classes[cls].release(slot)
+        self._used -= self._classes[cls].slot_bytes
+
+    def _view(self, loc: _Loc) -> np.ndarray:
+        # No lock needed: the slot is reserved (pending) or pinned, so its chunk stays put.
+        cls, slot, nbytes = loc
+        return self._classes[cls].view(slot, nbytes)
+
+    def _plan_get(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> tuple[list[GetResult], list[tuple[int, _Loc]]]:
+        results = [GetResult(Outcome.MISSING)] * len(keys)
+        plan: list[tuple[int, _Loc]] = []
+        with self._lock:
+            for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
+                loc = self._index.get(key)
+                if loc is None:
+                    self._stats["get_misses"] += 1
+                    continue
+                if loc[2] > buf.numel():
+                    results[i] = GetResult(Outcome.TOO_SMALL, 0)
+                    self._stats["get_failures"] += 1
+                    continue
+                self._index.move_to_end(key)
+                pin = (loc[0], loc[1])
+                self._pins[pin] = self._pins.get(pin, 0) + 1
+                plan.append((i, loc))
+        return results, plan
+
+    def _finish_get(self, plan: list[tuple[int, _Loc]], copied: bool) -> None:
+        with self._lock:
+            for _, (cls, slot, nbytes) in plan:
+                pin = (cls, slot)
+                left = self._pins[pin] - 1
+                if left:
+                    self._pins[pin] = left
+                    continue
+                del self._pins[pin]
+                if pin in self._doomed:
+                    self._doomed.discard(pin)
+                    self._classes[cls].release(slot)
+                    self._used -= self._classes[cls].slot_bytes
+                if copied:
+                    self._stats["gets"] += 1
+                    self._stats["get_bytes"] += nbytes
+                else:
+                    self._stats["get_failures"] += 1
+
+    async def _copy(
+        self, targets: list[np.ndarray], sources: list[np.ndarray], nbytes: int
+    ) -> bool:
+        """Copy ``sources[i]`` into ``targets[i]``: inline if small, else in a worker thread.
+
+        Returns False (and logs) if a copy raised; a cancelled caller still waits for the
+        worker thread, so buffers and slots are never touched after this returns.
+        """
+        try:
+            if nbytes <= self._thread_threshold:
+                _copy_all(targets, sources)
+            else:
+                if self._limiter is None:
+                    self._limiter = anyio.CapacityLimiter(self._max_workers)
+                await anyio.to_thread.run_sync(_copy_all, targets, sources, limiter=self._limiter)
+        except Exception:
+            _log.exception("embedded store copy failed", objects=len(targets), nbytes=nbytes)
+            return False
+        return True
+
+
+def _copy_all(targets: list[np.ndarray], sources: list[np.ndarray]) -> None:
+    for dst, src in zip(targets, sources, strict=True):
+        np.copyto(dst, src, casting="no")

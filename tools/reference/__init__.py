@@ -1,0 +1,64 @@
+"""Reference hybrid models (transformers) for hylinker's bit-exact restore oracle.
+
+Heavy imports (transformers) happen when a model is built, not at package import.
+"""
+
+from __future__ import annotations
+
+from .engine import (
+    BoundaryPools,
+    BoundaryState,
+    CacheGeometry,
+    ExtendResult,
+    KVRowSpec,
+    LinearStateSpec,
+    ReferenceEngine,
+    ReferencePools,
+    ReferenceSequence,
+    allocate_pools,
+    cache_geometry,
+    chunk_schedule,
+    kl_divergence,
+    layout_for,
+    max_abs_diff,
+    read_boundary,
+    state_nbytes,
+    write_boundary,
+)
+from .models import (
+    DEFAULT_ARCH,
+    SUPPORTED_ARCHS,
+    UnsupportedModelError,
+    build_draft_model,
+    build_model,
+    draft_config,
+    tiny_config,
+)
+
+__all__ = [
+    "DEFAULT_ARCH",
+    "SUPPORTED_ARCHS",
+    "BoundaryPools",
+    "BoundaryState",
+    "CacheGeometry",
+    "ExtendResult",
+    "KVRowSpec",
+    "LinearStateSpec",
+    "ReferenceEngine",
+    "ReferencePools",
+    "ReferenceSequence",
+    "UnsupportedModelError",
+    "allocate_pools",
+    "build_draft_model",
+    "build_model",
+    "cache_geometry",
+    "chunk_schedule",
+    "draft_config",
+    "kl_divergence",
+    "layout_for",
+    "max_abs_diff",
+    "read_boundary",
+    "state_nbytes",
+    "tiny_config",
+    "write_boundary",
+]

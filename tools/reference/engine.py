@@ -1,0 +1,703 @@
+"""A small reference engine: grid-chunked prefill, boundary export/import, pool adapters.
+
+It runs a transformers hybrid model (and optionally a draft model) one sequence at a time:
+
+* :meth:`ReferenceEngine.extend` runs a chunked prefill on the **absolute** chunk grid
+  (chunk ends at multiples of ``chunk_tokens``, then the last partial chunk) with explicit
+  ``position_ids``, so a sequence restored at a grid boundary continues with exactly the chunks
+  an uninterrupted run would have used. That is what makes restored logprobs bit-identical.
+* :meth:`ReferenceEngine.export` / :meth:`ReferenceEngine.extend` ``(export_at=...)`` snapshot
+  the state at a boundary as plain cloned tensors (:class:`BoundaryState`): per full-attention
+  layer one row per token (K/V, or for MLA the cached latents), per linear-attention layer the
+  conv state and the recurrent ("temporal") state, and the draft model's K/V rows.
+* :meth:`ReferenceEngine.restore` builds fresh caches from such a state (``Cache.update``,
+  ``update_conv_state(..., conv_kernel_size=K)``, ``update_recurrent_state``).
+* :func:`write_boundary` / :func:`read_boundary` move a state in and out of hylinker-shaped
+  pools (``kv[full_layer][row]``, ``conv[i][slot]``, ``temporal[i][slot]``, ``draft[d][row]``),
+  and :func:`layout_for` describes that geometry as a :class:`ModelLayout`.
+
+Token rows: when a layer caches keys and values of the same shape ``[B, H, T, D]`` a token's
+row is ``(2, H, D)`` (K stacked on V); otherwise (MLA caches the compressed latent as "keys"
+and the shared rotary key as "values") the row is ``(H, Dk + Dv)``, the two concatenated.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, Protocol
+
+import attrs
+import torch
+
+from ...components.layout import MambaLayerSpec, ModelLayout
+from .models import UnsupportedModelError
+
+__all__ = [
+    "BoundaryPools",
+    "BoundaryState",
+    "CacheGeometry",
+    "ExtendResult",
+    "KVRowSpec",
+    "LinearStateSpec",
+    "ReferenceEngine",
+    "ReferencePools",
+    "ReferenceSequence",
+    "allocate_pools",
+    "cache_geometry",
+    "chunk_schedule",
+    "kl_divergence",
+    "layout_for",
+    "max_abs_diff",
+    "read_boundary",
+    "state_nbytes",
+    "write_boundary",
+]
+
+LinearStateMode = Literal["load", "zero", "skip"]
+
+
+# ---------------------------------------------------------------------------------------------
+# geometry
+# ---------------------------------------------------------------------------------------------
+@attrs.frozen
+class KVRowSpec:
+    """How one full-attention layer's cached keys/values map to one row per token."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+    @property
+    def stacked(self) -> bool:
+        return self.key_dim == self.value_dim
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        if self.stacked:
+            return (2, self.heads, self.key_dim)
+        return (self.heads, self.key_dim + self.value_dim)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``keys [1, H, T, Dk]``, ``values [1, H, T, Dv]`` -> rows ``[T, *row_shape]``."""
+        k = keys[0].transpose(0, 1)  # [T, H, Dk]
+        v = values[0].transpose(0, 1)
+        if self.stacked:
+            return torch.stack([k, v], dim=1).contiguous()
+        return torch.cat([k, v], dim=-1).contiguous()
+
+    def decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[T, *row_shape]`` -> ``keys [1, H, T, Dk]``, ``values [1, H, T, Dv]``."""
+        if self.stacked:
+            k, v = rows[:, 0], rows[:, 1]
+        else:
+            k, v = rows[..., : self.key_dim], rows[..., self.key_dim:]
+        return (k.transpose(0, 1).unsqueeze(0).contiguous(),
+                v.transpose(0, 1).unsqueeze(0).contiguous())
+
+
+@attrs.frozen
+class LinearStateSpec:
+    """One linear-attention layer's per-sequence state (no batch dim)."""
+
+    layer_id: int
+    conv_shape: tuple[int, ...]
+    conv_dtype: torch.dtype
+    conv_kernel_size: int
+    temporal_shape: tuple[int, ...] | None
+    temporal_dtype: torch.dtype | None
+
+
+@attrs.frozen
+class CacheGeometry:
+    """What a model's cache holds, layer by layer, measured from a probe forward."""
+
+    model_type: str
+    num_layers: int
+    full_layers: tuple[int, ...]
+    kv: KVRowSpec | None
+    linear: tuple[LinearStateSpec, ...]
+    stateless_layers: tuple[int, ...]
+
+
+_GEOMETRY: weakref.WeakKeyDictionary[torch.nn.Module, CacheGeometry] = weakref.WeakKeyDictionary()
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _new_cache(model: torch.nn.Module) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _forward(model: torch.nn.Module, cache: Any, ids: Sequence[int], start: int) -> torch.Tensor:
+    """One forward of ``ids`` at absolute positions ``start..``; returns logprobs ``[T, V]`` fp32."""
+    device = _model_device(model)
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    position_ids = torch.arange(start, start + len(ids), dtype=torch.long, device=device)[None]
+    with torch.no_grad():
+        out = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+    return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
+    """Measure what ``model``'s ``DynamicCache`` holds per layer (probe forward of 2 tokens).
+
+    Raises :class:`UnsupportedModelError` for caches hylinker cannot describe: sliding-window,
+    hybrid (attention + linear in one layer) or indexed layers, several conv states per layer,
+    full-attention layers with different row shapes.
+    """
+    cached = _GEOMETRY.get(model)
+    if cached is not None:
+        return cached
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    model_type = str(getattr(model.config, "model_type", type(model).__name__))
+    cache = _new_cache(model)
+    try:
+        _forward(model, cache, [0, 0], 0)
+    except (ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
+        raise UnsupportedModelError(f"{model_type}: probe forward with a cache failed: {exc}") from exc
+    full: list[int] = []
+    kv_specs: list[KVRowSpec] = []
+    linear: list[LinearStateSpec] = []
+    stateless: list[int] = []
+    for i, layer in enumerate(cache.layers):
+        kind = type(layer)
+        if kind is DynamicLayer:
+            keys, values = layer.keys, layer.values
+            if keys is None or values is None or keys.dim() != 4 or keys.shape[-2] != 2:
+                stateless.append(i)  # a full-attention layer type the model never wrote
+                continue
+            if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
+                raise UnsupportedModelError(
+                    f"{model_type} layer {i}: keys {tuple(keys.shape)} and values "
+                    f"{tuple(values.shape)} differ in heads/length/dtype")
+            full.append(i)
+            kv_specs.append(KVRowSpec(int(keys.shape[1]), int(keys.shape[3]),
+                                      int(values.shape[3]), keys.dtype))
+        elif kind is LinearAttentionLayer:
+            if layer.number_of_states != 1:
+                raise UnsupportedModelError(
+                    f"{model_type} layer {i}: {layer.number_of_states} conv states per layer "
+                    "(hylinker's MAMBA slot holds one conv state per linear layer)")
+            conv = layer.conv_states[0]
+            rec = layer.recurrent_states[0]
+            if conv is None:
+                if rec is None:
+                    stateless.append(i)
+                    continue
+                raise UnsupportedModelError(
+                    f"{model_type} layer {i}: recurrent state without a conv state")
+            linear.append(LinearStateSpec(
+                layer_id=i,
+                conv_shape=tuple(conv.shape[1:]),
+                conv_dtype=conv.dtype,
+                conv_kernel_size=int(layer.conv_kernel_size[0]),
+                temporal_shape=None if rec is None else tuple(rec.shape[1:]),
+                temporal_dtype=None if rec is None else rec.dtype,
+            ))
+        elif type(layer).__name__ == "DummyLayer":
+            stateless.append(i)
+        else:
+            raise UnsupportedModelError(
+                f"{model_type} layer {i}: cache layer {kind.__name__} is not supported (only "
+                "full attention, linear attention and stateless layers)")
+    if kv_specs and any(s != kv_specs[0] for s in kv_specs):
+        raise UnsupportedModelError(
+            f"{model_type}: full-attention layers cache different row shapes: {kv_specs}")
+    geometry = CacheGeometry(
+        model_type=model_type,
+        num_layers=len(cache.layers),
+        full_layers=tuple(full),
+        kv=kv_specs[0] if kv_specs else None,
+        linear=tuple(linear),
+        stateless_layers=tuple(stateless),
+    )
+    _GEOMETRY[model] = geometry
+    return geometry
+
+
+def _draft_geometry(draft_model: torch.nn.Module) -> CacheGeometry:
+    g = cache_geometry(draft_model)
+    if g.linear or g.kv is None:
+        raise UnsupportedModelError(
+            f"draft model {g.model_type}: needs full-attention layers only, got "
+            f"{len(g.full_layers)} attention and {len(g.linear)} linear layers")
+    return g
+
+
+def layout_for(
+    model: torch.nn.Module,
+    draft_model: torch.nn.Module | None,
+    page_size: int,
+    chunk_size: int = 64,
+    **layout_fields: Any,
+) -> ModelLayout:
+    """The hylinker :class:`ModelLayout` of ``model`` (+ ``draft_model``) for one sequence.
+
+    FULL rows are :attr:`KVRowSpec.row_shape` per full-attention layer; one MAMBA slot holds
+    every linear layer's conv and temporal state; draft layer ``d`` rides with the ``d``-th
+    full-attention layer. ``layout_fields`` go to :meth:`ModelLayout.create` (tp sizes, ...).
+    """
+    g = cache_geometry(model)
+    if g.kv is None:
+        raise UnsupportedModelError(f"{g.model_type}: no full-attention layer holds KV")
+    draft_layers = 0
+    draft_row: tuple[int, ...] | None = None
+    draft_dtype: torch.dtype | None = None
+    if draft_model is not None:
+        dg = _draft_geometry(draft_model)
+        assert dg.kv is not None
+        if len(dg.full_layers) > len(g.full_layers):
+            raise UnsupportedModelError(
+                f"draft model has {len(dg.full_layers)} attention layers but {g.model_type} has "
+                f"only {len(g.full_layers)} full-attention layers to carry them")
+        draft_layers, draft_row, draft_dtype = len(dg.full_layers), dg.kv.row_shape, dg.kv.dtype
+    fields: dict[str, Any] = {"model_name": f"{g.model_type}-reference"}
+    fields.update(layout_fields)
+    return ModelLayout.create(
+        page_size=page_size,
+        chunk_size=chunk_size,
+        full_layers=g.full_layers,
+        kv_row_shape=g.kv.row_shape,
+        kv_dtype=g.kv.dtype,
+        mamba_layers=[
+            MambaLayerSpec(s.layer_id, s.conv_shape, s.conv_dtype, s.temporal_shape, s.temporal_dtype)
+            for s in g.linear
+        ],
+        draft_layers=draft_layers,
+        draft_row_shape=draft_row,
+        draft_dtype=draft_dtype,
+        **fields,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# states and sequences
+# ---------------------------------------------------------------------------------------------
+@attrs.frozen(eq=False)
+class BoundaryState:
+    """A restorable state after ``length`` tokens, as plain tensors (owned, not cache views).
+
+    ``kv``: ``[n_full_layers, length, *kv_row_shape]``; ``conv[i]`` / ``temporal[i]``: layer
+    ``i`` of the linear layers (layout order), no batch dim, ``None`` when absent (``conv`` and
+    ``temporal`` are ``None`` together when the state carries no linear-attention part);
+    ``draft``: ``[n_draft_layers, length, *draft_row_shape]`` or ``None``.
+    """
+
+    length: int
+    kv: torch.Tensor
+    conv: tuple[torch.Tensor, ...] | None
+    temporal: tuple[torch.Tensor | None, ...] | None
+    draft: torch.Tensor | None = None
+
+
+@attrs.define(eq=False)
+class ReferenceSequence:
+    """One sequence in flight: its caches, tokens and the logprobs after its last token."""
+
+    cache: Any
+    draft_cache: Any | None
+    length: int = 0
+    tokens: list[int] | None = attrs.field(factory=list)
+    last_logprobs: torch.Tensor | None = None
+    last_draft_logprobs: torch.Tensor | None = None
+
+
+@attrs.frozen(eq=False)
+class ExtendResult:
+    """Logprobs of every extended position (fp32 ``[T, V]``) and the states exported on the way."""
+
+    logprobs: torch.Tensor
+    draft_logprobs: torch.Tensor | None
+    states: dict[int, BoundaryState]
+
+
+def chunk_schedule(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut at every multiple of ``chunk_tokens`` (the absolute grid)."""
+    if chunk_tokens <= 0 or start < 0 or end < start:
+        raise ValueError(f"bad schedule: start={start} end={end} chunk_tokens={chunk_tokens}")
+    out: list[tuple[int, int]] = []
+    pos = start
+    while pos < end:
+        nxt = min(end, (pos // chunk_tokens + 1) * chunk_tokens)
+        out.append((pos, nxt))
+        pos = nxt
+    return out
+
+
+class ReferenceEngine:
+    """Chunked prefill / decode with boundary export and import for one model (+ draft).
+
+    ``chunk_tokens`` is the prefill chunk on the absolute grid; make it a multiple of the
+    layout's grid ``G`` so every checkpoint boundary is a chunk end.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        draft_model: torch.nn.Module | None = None,
+        *,
+        chunk_tokens: int = 64,
+    ) -> None:
+        if not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        self.model = model
+        self.draft_model = draft_model
+        self.chunk_tokens = chunk_tokens
+        self.geometry = cache_geometry(model)
+        if self.geometry.kv is None:
+            raise UnsupportedModelError(f"{self.geometry.model_type}: no full-attention layer")
+        self.draft_geometry = _draft_geometry(draft_model) if draft_model is not None else None
+        if self.draft_geometry is not None:
+            vocab = model.config.get_text_config().vocab_size
+            draft_vocab = draft_model.config.vocab_size  # type: ignore[union-attr]
+            if vocab != draft_vocab:
+                raise ValueError(f"draft vocab {draft_vocab} != model vocab {vocab}")
+
+    # ---- layout -------------------------------------------------------------------------
+    def layout(self, page_size: int, chunk_size: int = 64, **layout_fields: Any) -> ModelLayout:
+        """:func:`layout_for` this engine's model and draft model."""
+        layout = layout_for(self.model, self.draft_model, page_size, chunk_size, **layout_fields)
+        if self.chunk_tokens % layout.grid:
+            raise ValueError(
+                f"chunk_tokens={self.chunk_tokens} is not a multiple of the layout grid {layout.grid}")
+        return layout
+
+    # ---- running --------------------------------------------------------------------------
+    def new_sequence(self) -> ReferenceSequence:
+        """An empty sequence (length 0)."""
+        draft_cache = _new_cache(self.draft_model) if self.draft_model is not None else None
+        return ReferenceSequence(cache=_new_cache(self.model), draft_cache=draft_cache)
+
+    def extend(
+        self,
+        seq: ReferenceSequence,
+        tokens: Sequence[int],
+        *,
+        export_at: Iterable[int] = (),
+    ) -> ExtendResult:
+        """Prefill ``tokens`` after ``seq.length`` on the grid-chunk schedule.
+
+        ``export_at``: absolute boundaries (chunk ends of this schedule) at which to snapshot
+        the state; a boundary that is not a chunk end raises ``ValueError``.
+        """
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise ValueError("extend needs at least one token")
+        start, end = seq.length, seq.length + len(toks)
+        schedule = chunk_schedule(start, end, self.chunk_tokens)
+        ends = {e for _, e in schedule}
+        wanted = sorted(set(export_at))
+        bad = [b for b in wanted if b not in ends]
+        if bad:
+            raise ValueError(
+                f"cannot export at {bad}: not chunk ends of the schedule {schedule} "
+                f"(chunk_tokens={self.chunk_tokens})")
+        logprobs: list[torch.Tensor] = []
+        draft_logprobs: list[torch.Tensor] = []
+        states: dict[int, BoundaryState] = {}
+        for s, e in schedule:
+            ids = toks[s - start: e - start]
+            logprobs.append(_forward(self.model, seq.cache, ids, s))
+            if self.draft_model is not None:
+                draft_logprobs.append(_forward(self.draft_model, seq.draft_cache, ids, s))
+            seq.length = e
+            if seq.tokens is not None:
+                seq.tokens.extend(ids)
+            if e in wanted:
+                states[e] = self.export(seq)
+        lp = torch.cat(logprobs)
+        dlp = torch.cat(draft_logprobs) if draft_logprobs else None
+        seq.last_logprobs = lp[-1]
+        seq.last_draft_logprobs = None if dlp is None else dlp[-1]
+        return ExtendResult(lp, dlp, states)
+
+    def decode_greedy(self, seq: ReferenceSequence, steps: int) -> tuple[list[int], torch.Tensor]:
+        """``steps`` one-token decode steps, each feeding the argmax of the previous logprobs.
+
+        Returns the fed tokens and the logprobs after each (``[steps, V]``).
+        """
+        if seq.last_logprobs is None:
+            raise ValueError("decode needs a sequence that has run at least one token")
+        fed: list[int] = []
+        out: list[torch.Tensor] = []
+        for _ in range(steps):
+            tok = int(torch.argmax(seq.last_logprobs))
+            fed.append(tok)
+            out.append(self.extend(seq, [tok]).logprobs)
+        return fed, torch.cat(out) if out else torch.empty(0)
+
+    # ---- export / import -----------------------------------------------------------------
+    def export(self, seq: ReferenceSequence) -> BoundaryState:
+        """Snapshot ``seq`` at its current length (cloned: later forwards write in place)."""
+        if seq.length <= 0:
+            raise ValueError("nothing to export: the sequence is empty")
+        g = self.geometry
+        kv = _export_rows(seq.cache, g, seq.length)
+        conv: list[torch.Tensor] = []
+        temporal: list[torch.Tensor | None] = []
+        for spec in g.linear:
+            c = seq.cache.get_conv_state(spec.layer_id)
+            if c is None:
+                raise RuntimeError(f"linear layer {spec.layer_id} holds no conv state after a forward")
+            conv.append(c[0].clone())
+            r = seq.cache.get_recurrent_state(spec.layer_id)
+            temporal.append(None if r is None else r[0].clone())
+        draft = None
+        if self.draft_geometry is not None:
+            draft = _export_rows(seq.draft_cache, self.draft_geometry, seq.length)
+        return BoundaryState(seq.length, kv, tuple(conv), tuple(temporal), draft)
+
+    def restore(
+        self,
+        state: BoundaryState,
+        tokens: Sequence[int] | None = None,
+        *,
+        linear_state: LinearStateMode = "load",
+    ) -> ReferenceSequence:
+        """A new sequence whose caches hold ``state``; continue it with :meth:`extend`.
+
+        ``linear_state``: ``"load"`` (the real thing), or for negative controls ``"zero"``
+        (recurrent states zeroed, conv states loaded) and ``"skip"`` (no linear state at all).
+        ``tokens``: the prefix, for bookkeeping (must have ``state.length`` entries).
+        """
+        if tokens is not None and len(tokens) != state.length:
+            raise ValueError(f"{len(tokens)} prefix tokens for a state of length {state.length}")
+        g = self.geometry
+        device = _model_device(self.model)
+        cache = _new_cache(self.model)
+        _import_rows(cache, g, state.kv, state.length, device, "kv")
+        if g.linear and linear_state != "skip":
+            if state.conv is None or state.temporal is None:
+                raise ValueError("state has no linear-attention part (read without a slot?)")
+            if len(state.conv) != len(g.linear) or len(state.temporal) != len(g.linear):
+                raise ValueError(
+                    f"state has {len(state.conv)} conv / {len(state.temporal)} temporal states, "
+                    f"model has {len(g.linear)} linear layers")
+            for spec, c, t in zip(g.linear, state.conv, state.temporal, strict=True):
+                _check(f"conv[{spec.layer_id}]", c, spec.conv_shape, spec.conv_dtype)
+                cache.update_conv_state(c.to(device)[None].clone(), spec.layer_id,
+                                        conv_kernel_size=spec.conv_kernel_size)
+                if spec.temporal_shape is None:
+                    continue
+                if t is None:
+                    raise ValueError(f"state lacks the temporal state of layer {spec.layer_id}")
+                _check(f"temporal[{spec.layer_id}]", t, spec.temporal_shape, spec.temporal_dtype)
+                t = torch.zeros_like(t) if linear_state == "zero" else t
+                cache.update_recurrent_state(t.to(device)[None].clone(), spec.layer_id)
+        draft_cache = None
+        if self.draft_model is not None:
+            assert self.draft_geometry is not None
+            if state.draft is None:
+                raise ValueError("the engine has a draft model but the state carries no draft KV")
+            draft_cache = _new_cache(self.draft_model)
+            _import_rows(draft_cache, self.draft_geometry, state.draft, state.length,
+                         _model_device(self.draft_model), "draft")
+        return ReferenceSequence(
+            cache=cache, draft_cache=draft_cache, length=state.length,
+            tokens=None if tokens is None else [int(t) for t in tokens])
+
+
+def _check(name: str, t: torch.Tensor, shape: Sequence[int] | None, dtype: torch.dtype | None) -> None:
+    if tuple(t.shape) != tuple(shape or ()) or t.dtype != dtype:
+        raise ValueError(f"{name}: expected {tuple(shape or ())} {dtype}, got {tuple(t.shape)} {t.dtype}")
+
+
+def _export_rows(cache: Any, g: CacheGeometry, length: int) -> torch.Tensor:
+    assert g.kv is not None
+    rows = []
+    for i in g.full_layers:
+        layer = cache.layers[i]
+        if layer.keys is None or layer.keys.shape[-2] != length:
+            got = None if layer.keys is None else layer.keys.shape[-2]
+            raise RuntimeError(f"layer {i} caches {got} tokens, expected {length}")
+        rows.append(g.kv.encode(layer.keys, layer.values))
+    return torch.stack(rows)
+
+
+def _import_rows(cache: Any, g: CacheGeometry, rows: torch.Tensor, length: int,
+                 device: torch.device, name: str) -> None:
+    assert g.kv is not None
+    _check(name, rows, (len(g.full_layers), length, *g.kv.row_shape), g.kv.dtype)
+    for j, i in enumerate(g.full_layers):
+        k, v = g.kv.decode(rows[j].to(device))
+        cache.update(k, v, i)
+
+
+# ---------------------------------------------------------------------------------------------
+# pools
+# ---------------------------------------------------------------------------------------------
+class BoundaryPools(Protocol):
+    """The pool tensors the runtime hands over (duck-typed)."""
+
+    @property
+    def kv(self) -> torch.Tensor: ...  # [n_full_layers, capacity_tokens, *kv_row_shape]
+    @property
+    def conv(self) -> Sequence[torch.Tensor]: ...  # per linear layer: [slots, *conv_shape]
+    @property
+    def temporal(self) -> Sequence[torch.Tensor | None]: ...  # per linear layer: [slots, *shape]
+    @property
+    def draft(self) -> torch.Tensor | None: ...  # [n_draft_layers, capacity_tokens, *row]
+
+
+@attrs.frozen(eq=False)
+class ReferencePools:
+    """A plain holder of pool tensors (what :func:`allocate_pools` returns)."""
+
+    kv: torch.Tensor
+    conv: list[torch.Tensor]
+    temporal: list[torch.Tensor | None]
+    draft: torch.Tensor | None = None
+
+
+def allocate_pools(
+    layout: ModelLayout,
+    capacity_tokens: int,
+    slots: int,
+    *,
+    device: torch.device | str = "cpu",
+    fill: float | None = None,
+) -> ReferencePools:
+    """Zeroed pool tensors shaped by ``layout``; ``fill`` poisons them with a value instead."""
+    if capacity_tokens <= 0 or slots <= 0:
+        raise ValueError(f"capacity_tokens and slots must be positive, got {capacity_tokens}, {slots}")
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=dtype, device=device)
+        if fill is not None:
+            t.fill_(fill)
+        return t
+
+    kv = make((len(layout.full_layers), capacity_tokens, *layout.kv_row_shape), layout.kv_dtype)
+    conv = [make((slots, *s.conv_shape), s.conv_dtype) for s in layout.mamba_layers]
+    temporal: list[torch.Tensor | None] = [
+        None if s.temporal_shape is None or s.temporal_dtype is None
+        else make((slots, *s.temporal_shape), s.temporal_dtype)
+        for s in layout.mamba_layers
+    ]
+    draft = None
+    if layout.draft_layers and layout.draft_row_shape is not None and layout.draft_dtype is not None:
+        draft = make((layout.draft_layers, capacity_tokens, *layout.draft_row_shape), layout.draft_dtype)
+    return ReferencePools(kv, conv, temporal, draft)
+
+
+def _rows_index(rows: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    if idx.dim() != 1:
+        raise ValueError(f"rows must be 1-D (one row per token), got shape {tuple(idx.shape)}")
+    return idx.to(device)
+
+
+def _write_rows(pool: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if src.dtype != pool.dtype:
+        raise ValueError(f"{name}: state dtype {src.dtype} != pool dtype {pool.dtype}")
+    if src.shape[0] != pool.shape[0] or src.shape[2:] != pool.shape[2:]:
+        raise ValueError(f"{name}: state rows {tuple(src.shape)} do not fit pool {tuple(pool.shape)}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= pool.shape[1]):
+        raise IndexError(f"{name}: rows outside [0, {pool.shape[1]})")
+    pool.index_copy_(1, idx, src.to(pool.device))
+
+
+def write_boundary(
+    pools: BoundaryPools,
+    rows: torch.Tensor | Sequence[int],
+    slot: int | None,
+    state: BoundaryState,
+    *,
+    token_start: int = 0,
+) -> None:
+    """Scatter ``state`` into the pools.
+
+    ``rows[j]`` receives token ``token_start + j`` of the state (KV, and draft KV when the pools
+    have a draft pool); ``slot`` (if not ``None``) receives every linear layer's conv and
+    temporal state. Dtypes must match exactly (no silent casts: restores are bit-exact).
+    """
+    idx = _rows_index(rows, pools.kv.device)
+    n = idx.numel()
+    if token_start < 0 or token_start + n > state.length:
+        raise ValueError(
+            f"tokens [{token_start}, {token_start + n}) outside the state's {state.length} tokens")
+    _write_rows(pools.kv, idx, state.kv[:, token_start:token_start + n], "kv")
+    if pools.draft is not None:
+        if state.draft is None:
+            raise ValueError("the pools have a draft pool but the state carries no draft KV")
+        _write_rows(pools.draft, idx.to(pools.draft.device),
+                    state.draft[:, token_start:token_start + n], "draft")
+    if slot is None:
+        return
+    if state.conv is None or state.temporal is None:
+        raise ValueError("a slot was given but the state has no linear-attention part")
+    if len(pools.conv) != len(state.conv) or len(pools.temporal) != len(state.temporal):
+        raise ValueError(
+            f"pools hold {len(pools.conv)} linear layers, the state {len(state.conv)}")
+    for i, (pc, pt, c, t) in enumerate(zip(pools.conv, pools.temporal, state.conv, state.temporal,
+                                          strict=True)):
+        if not 0 <= slot < pc.shape[0]:
+            raise IndexError(f"slot {slot} outside [0, {pc.shape[0]})")
+        _check(f"conv[{i}]", c, tuple(pc.shape[1:]), pc.dtype)
+        pc[slot].copy_(c)
+        if pt is None:
+            if t is not None:
+                raise ValueError(f"linear layer {i}: the pool has no temporal state, the state has")
+            continue
+        if t is None:
+            raise ValueError(f"linear layer {i}: the state lacks a temporal state")
+        _check(f"temporal[{i}]", t, tuple(pt.shape[1:]), pt.dtype)
+        pt[slot].copy_(t)
+
+
+def read_boundary(
+    pools: BoundaryPools,
+    rows: torch.Tensor | Sequence[int],
+    slot: int | None,
+) -> BoundaryState:
+    """Gather a :class:`BoundaryState` of ``len(rows)`` tokens (``rows[j]`` = token ``j``).
+
+    ``slot=None`` gives a state without its linear-attention part (for pure-attention use or
+    negative controls). The result owns its memory (copies, not pool views).
+    """
+    idx = _rows_index(rows, pools.kv.device)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= pools.kv.shape[1]):
+        raise IndexError(f"kv: rows outside [0, {pools.kv.shape[1]})")
+    kv = pools.kv.index_select(1, idx)
+    draft = None
+    if pools.draft is not None:
+        draft = pools.draft.index_select(1, idx.to(pools.draft.device))
+    conv: tuple[torch.Tensor, ...] | None = None
+    temporal: tuple[torch.Tensor | None, ...] | None = None
+    if slot is not None:
+        for pc in pools.conv:
+            if not 0 <= slot < pc.shape[0]:
+                raise IndexError(f"slot {slot} outside [0, {pc.shape[0]})")
+        conv = tuple(pc[slot].clone() for pc in pools.conv)
+        temporal = tuple(None if pt is None else pt[slot].clone() for pt in pools.temporal)
+    return BoundaryState(int(idx.numel()), kv, conv, temporal, draft)
+
+
+def state_nbytes(state: BoundaryState) -> int:
+    """Bytes a state occupies (KV + linear states + draft)."""
+    n = state.kv.numel() * state.kv.element_size()
+    for t in (*(state.conv or ()), *(state.temporal or ()), state.draft):
+        if t is not None:
+            n += t.numel() * t.element_size()
+    return n
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| (0.0 for empty tensors)."""
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def kl_divergence(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Mean over positions of KL(p || q) for logprob tensors ``[T, V]``."""
+    if logp.shape != logq.shape:
+        raise ValueError(f"shape mismatch {tuple(logp.shape)} vs {tuple(logq.shape)}")
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    return float(kl.mean()) if kl.numel() else 0.0
+

@@ -1,0 +1,241 @@
+"""Tiny random-weight hybrid models from Hugging Face transformers, built locally and seeded.
+
+No weights are downloaded: :func:`tiny_config` shrinks a model type's config (a few layers,
+hidden 128, vocab 512, a few heads) and :func:`build_model` instantiates it with seeded
+random weights, in eval mode, float32 on CPU by default.
+
+Why float32: the oracle compares logprobs bit for bit, and on CPU float32 is both the fastest
+path and the most sensitive one (a skipped or stale state shows up in every logit). bf16
+is also bit-exact under the same chunk schedule, it is just slower on CPU; pass
+``dtype=torch.bfloat16`` to try it. Linear-attention recurrent states stay float32 either way
+(the models cast them).
+
+Supported (tested): ``kimi_linear`` (MLA full attention + KDA) and ``qwen3_next``
+(GQA full attention + Gated DeltaNet). Other model types whose cache holds only full-attention,
+linear-attention (conv + optional recurrent state) and stateless layers work best effort:
+:func:`tiny_config` shrinks their common size fields and the engine checks the cache they
+produce, raising :class:`UnsupportedModelError` with the reason when it cannot be described.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT_ARCH",
+    "SUPPORTED_ARCHS",
+    "UnsupportedModelError",
+    "build_draft_model",
+    "build_model",
+    "draft_config",
+    "tiny_config",
+]
+
+DEFAULT_ARCH = "kimi_linear"
+# model types the project tests; others are tried best effort
+SUPPORTED_ARCHS = ("kimi_linear", "qwen3_next")
+
+_TINY_VOCAB = 512
+_TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# 3 linear-attention layers then 1 full-attention layer, as in Kimi Linear's 3:1 pattern
+_HYBRID_4 = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+_TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "kimi_linear": {
+        "vocab_size": _TINY_VOCAB,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "n_shared_experts": 1,
+        "linear_num_heads": 2,
+        "linear_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": _HYBRID_4,
+        "max_position_embeddings": 4096,
+        **_TOKEN_IDS,
+    },
+    "qwen3_next": {
+        "vocab_size": _TINY_VOCAB,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": _HYBRID_4,
+        "max_position_embeddings": 4096,
+        **_TOKEN_IDS,
+    },
+}
+
+# Best-effort shrink for other model types: only fields the config already has are set.
+_GENERIC_OVERRIDES: dict[str, Any] = {
+    "vocab_size": _TINY_VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 4096,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 32,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 1,
+    "mamba_chunk_size": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    **_TOKEN_IDS,
+}
+
+
+# Best-effort layer patterns (3 recurrent layers then 1 attention layer) for other model types
+_LAYER_PATTERN: dict[str, dict[str, Any]] = {
+    "bamba": {"attn_layer_indices": [3]},
+    "jamba": {"attn_layer_period": 4, "attn_layer_offset": 3},
+    "granitemoehybrid": {"layer_types": ["mamba", "mamba", "mamba", "attention"]},
+    "bailing_hybrid": {"layer_types": _HYBRID_4},
+    "olmo_hybrid": {"layer_types": _HYBRID_4},
+    "qwen3_5_text": {"layer_types": _HYBRID_4},
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A model type (or its cache) cannot be used as a hylinker reference model."""
+
+
+def _config_class(arch: str) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(arch, str) or not arch:
+        raise UnsupportedModelError(f"arch must be a transformers model type string, got {arch!r}")
+    try:
+        return CONFIG_MAPPING[arch]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"unknown transformers model type {arch!r}; tested: {', '.join(SUPPORTED_ARCHS)}") from None
+
+
+def tiny_config(arch: str = DEFAULT_ARCH, **overrides: Any) -> Any:
+    """A tiny config for transformers model type ``arch`` (4 layers, hidden 128, vocab 512).
+
+    ``kimi_linear`` and ``qwen3_next`` get 3 linear-attention layers then 1 full-attention
+    layer. ``overrides`` replace any field (e.g. ``num_hidden_layers=8, layer_types=[...]``).
+    Raises :class:`UnsupportedModelError` for unknown model types or a config that rejects
+    the sizes.
+    """
+    cls = _config_class(arch)
+    if arch in _TINY_OVERRIDES:
+        fields = dict(_TINY_OVERRIDES[arch])
+    else:
+        defaults = cls()
+        fields = {k: v for k, v in _GENERIC_OVERRIDES.items() if hasattr(defaults, k)}
+        fields.update(_LAYER_PATTERN.get(arch, {}))
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides and "layer_types" in fields:
+        n = int(overrides["num_hidden_layers"])
+        fields["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+    fields.update(overrides)
+    try:
+        return cls(**fields)
+    except Exception as exc:  # config validators raise several exception types
+        raise UnsupportedModelError(f"cannot build a tiny {arch!r} config: {exc}") from exc
+
+
+def draft_config(vocab_size: int = _TINY_VOCAB, num_layers: int = 1, **overrides: Any) -> Any:
+    """A tiny llama config for the speculative-decoding draft model (same vocab as the target).
+
+    One layer by default, so the draft rides on the tiny hybrid's single full-attention layer
+    (a hylinker layout pairs draft layer ``d`` with the ``d``-th full-attention layer).
+    """
+    from transformers import LlamaConfig
+
+    if num_layers <= 0:
+        raise ValueError(f"num_layers must be positive, got {num_layers}")
+    fields: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        **_TOKEN_IDS,
+    }
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def _instantiate(config: Any, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    # fork_rng keeps the caller's global RNG untouched; the seed alone decides the weights
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError as exc:
+            raise UnsupportedModelError(
+                f"model type {config.model_type!r} has no causal-LM head: {exc}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def build_model(
+    arch: str = DEFAULT_ARCH,
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> torch.nn.Module:
+    """A tiny seeded random-weight causal LM of model type ``arch``: eval mode, CPU, ``dtype``.
+
+    The same ``(arch, seed, dtype, overrides)`` always gives the same weights.
+    """
+    return _instantiate(tiny_config(arch, **overrides), seed, dtype)
+
+
+def build_draft_model(
+    vocab_size: int = _TINY_VOCAB,
+    seed: int = 1,
+    *,
+    num_layers: int = 1,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> torch.nn.Module:
+    """A tiny seeded llama draft model with the target's vocabulary; eval mode, CPU."""
+    return _instantiate(draft_config(vocab_size, num_layers, **overrides), seed, dtype)

@@ -1,0 +1,290 @@
+"""Output helpers for the command-line tools: a progress bar, plain-text tables, percentiles
+and the stress plot (matplotlib, the ``plot`` extra, imported only when plotting)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TextIO
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+
+
+class ProgressBar:
+    """A progress bar on stderr: tqdm when installed, else a plain line printer.
+
+    Silent unless the stream is a TTY or ``force`` is set. Use as a context manager, or call
+    :meth:`close`. The plain fallback rewrites one line on a TTY and prints at most one line
+    per ``interval_s`` otherwise.
+    """
+
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        desc: str = "",
+        unit: str = "it",
+        force: bool = False,
+        stream: TextIO | None = None,
+        interval_s: float = 0.5,
+        use_tqdm: bool = True,
+    ) -> None:
+        if total is not None and total < 0:
+            raise ValueError(f"total must be >= 0 or None, got {total}")
+        self.total = total
+        self.desc = desc
+        self.unit = unit
+        self.n = 0
+        self._stream = stream if stream is not None else sys.stderr
+        is_tty = bool(getattr(self._stream, "isatty", lambda: False)())
+        self.enabled = force or is_tty
+        self._is_tty = is_tty
+        self._interval_s = interval_s
+        self._postfix = ""
+        self._start = time.monotonic()
+        self._last_print = -math.inf
+        self._closed = False
+        self._tqdm: Any = None
+        if self.enabled and use_tqdm:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._tqdm = tqdm(total=total, desc=desc, unit=unit, file=self._stream,
+                                  dynamic_ncols=is_tty, mininterval=interval_s)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if not self.enabled or self._closed:
+            return
+        if self._tqdm is not None:
+            self._tqdm.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last_print >= self._interval_s or (self.total is not None and self.n >= self.total):
+            self._last_print = now
+            self._print_line(final=False)
+
+    def set_postfix(self, **values: Any) -> None:
+        """Show ``key=value`` pairs after the count (e.g. the running hit rate)."""
+        self._postfix = ", ".join(f"{k}={_format_cell(v)}" for k, v in values.items())
+        if self._tqdm is not None and self.enabled and not self._closed:
+            self._tqdm.set_postfix_str(self._postfix, refresh=False)
+
+    def _line(self) -> str:
+        elapsed = time.monotonic() - self._start
+        rate = self.n / elapsed if elapsed > 0 else 0.0
+        count = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
+        pct = f" {100.0 * self.n / self.total:5.1f}%" if self.total else ""
+        head = f"{self.desc}: " if self.desc else ""
+        tail = f" [{self._postfix}]" if self._postfix else ""
+        return f"{head}{count} {self.unit}{pct} {elapsed:.1f}s {rate:.1f} {self.unit}/s{tail}"
+
+    def _print_line(self, *, final: bool) -> None:
+        if self._is_tty:
+            self._stream.write("\r" + self._line() + ("\n" if final else ""))
+        else:
+            self._stream.write(self._line() + "\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.enabled:
+            return
+        if self._tqdm is not None:
+            self._tqdm.close()
+        else:
+            self._print_line(final=True)
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def progress_bar(
+    total: int | None = None,
+    *,
+    desc: str = "",
+    unit: str = "it",
+    force: bool = False,
+    stream: TextIO | None = None,
+) -> ProgressBar:
+    """A :class:`ProgressBar` on stderr (or ``stream``), silent when not a TTY unless ``force``."""
+    return ProgressBar(total, desc=desc, unit=unit, force=force, stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def _format_cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        if math.isnan(v):
+            return "nan"
+        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
+            return f"{v:.3e}"
+        return f"{v:.4g}" if abs(v) < 1 else f"{v:,.2f}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(value, (int, np.integer)):
+        return f"{int(value):,}"
+    return str(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def format_table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[str | tuple[str, str]] | None = None,
+) -> str:
+    """An aligned plain-text table.
+
+    ``columns`` lists the keys to show, each a key or ``(key, header)``; by default every key in
+    first-seen order. Numbers are right-aligned (ints with thousands separators, floats with
+    4 significant digits), everything else left-aligned; a missing value shows as ``-``.
+    """
+    if columns is None:
+        keys: list[str] = []
+        for row in rows:
+            keys.extend(k for k in row if k not in keys)
+        columns = keys
+    specs: list[tuple[str, str]] = []
+    for col in columns:
+        if isinstance(col, str):
+            specs.append((col, col))
+        elif isinstance(col, tuple) and len(col) == 2 and all(isinstance(c, str) for c in col):
+            specs.append((col[0], col[1]))
+        else:
+            raise TypeError(f"a column is a key or a (key, header) pair of str, got {col!r}")
+    cells = [[_format_cell(row.get(key)) for key, _ in specs] for row in rows]
+    numeric = [
+        any(_is_number(row.get(key)) for row in rows)
+        and all(_is_number(row.get(key)) or row.get(key) is None for row in rows)
+        for key, _ in specs
+    ]
+    widths = [max([len(header)] + [len(r[i]) for r in cells]) for i, (_, header) in enumerate(specs)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
+        return "  ".join(parts).rstrip()
+
+    out = [line([h for _, h in specs]), "  ".join("-" * w for w in widths)]
+    out.extend(line(r) for r in cells)
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def _percentile_key(q: float) -> str:
+    return f"p{q:g}"
+
+
+def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 99)) -> dict[str, float]:
+    """``{"p50": ..., "p99": ...}`` (linear interpolation); NaN for every key when empty."""
+    for q in qs:
+        if not 0 <= q <= 100:
+            raise ValueError(f"percentiles must lie in [0, 100], got {q}")
+    arr = np.fromiter(values, dtype=np.float64)
+    if arr.size == 0:
+        return {_percentile_key(q): math.nan for q in qs}
+    got = np.percentile(arr, list(qs))
+    return {_percentile_key(q): float(v) for q, v in zip(qs, got, strict=True)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Plot
+
+
+def _import_matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError(
+            "plotting needs matplotlib, which is not installed; install the 'plot' extra: "
+            "pip install 'hylinker[plot]'") from exc
+    return Figure, FigureCanvasAgg
+
+
+def plot_stress(
+    path: str,
+    hit_rate_over_time: Sequence[tuple[float, float]],
+    latency_samples: Mapping[str, Sequence[float]],
+    *,
+    title: str | None = None,
+    bound_hit_rate: float | None = None,
+) -> None:
+    """Write a PNG with two panels: hit rate over time, and the latency CDF of each phase.
+
+    ``hit_rate_over_time`` holds ``(seconds since start, hit rate in [0, 1])``;
+    ``latency_samples`` maps a phase name (``"lookup"``, ``"load"``, ...) to latencies in
+    seconds (phases without samples are left out). ``bound_hit_rate`` draws the
+    infinite-cache ceiling as a dashed line. Raises ``ImportError`` naming the ``plot`` extra
+    when matplotlib is missing.
+    """
+    figure_cls, canvas_cls = _import_matplotlib()
+    fig = figure_cls(figsize=(11, 4.2), layout="constrained")
+    canvas_cls(fig)
+    ax_hit, ax_lat = fig.subplots(1, 2)
+
+    if hit_rate_over_time:
+        t = np.array([p[0] for p in hit_rate_over_time], dtype=np.float64)
+        h = np.array([p[1] for p in hit_rate_over_time], dtype=np.float64) * 100.0
+        ax_hit.plot(t, h, label="hit rate")
+    if bound_hit_rate is not None:
+        ax_hit.axhline(bound_hit_rate * 100.0, linestyle="--", color="gray", label="infinite-cache bound")
+    if hit_rate_over_time or bound_hit_rate is not None:
+        ax_hit.legend(loc="lower right")
+    ax_hit.set_xlabel("time (s)")
+    ax_hit.set_ylabel("prefix hit rate (% of prompt tokens)")
+    ax_hit.set_ylim(0, 100)
+    ax_hit.set_title("hit rate over time")
+    ax_hit.grid(True, alpha=0.3)
+
+    plotted = 0
+    positive = True
+    for phase, samples in latency_samples.items():
+        arr = np.sort(np.asarray(samples, dtype=np.float64)) * 1e3
+        if arr.size == 0:
+            continue
+        positive = positive and bool(arr[0] > 0)
+        frac = np.arange(0, arr.size + 1) / arr.size
+        ax_lat.step(np.concatenate([arr[:1], arr]), frac, where="post", label=f"{phase} (n={arr.size})")
+        plotted += 1
+    if plotted:
+        if positive:
+            ax_lat.set_xscale("log")
+        ax_lat.legend(loc="lower right")
+    else:
+        ax_lat.text(0.5, 0.5, "no latency samples", ha="center", va="center", transform=ax_lat.transAxes)
+    ax_lat.set_xlabel("latency (ms)")
+    ax_lat.set_ylabel("fraction of calls")
+    ax_lat.set_ylim(0, 1.0)
+    ax_lat.set_title("latency CDF per phase")
+    ax_lat.grid(True, alpha=0.3, which="both")
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, format="png", dpi=100)
