@@ -1,3 +1,78 @@
-"""hylinker: off-GPU prefix caching for hybrid models."""
+"""hylinker: off-GPU prefix caching for hybrid models.
+
+The curated public API. Everything here is stable; anything reached through a submodule
+path is an implementation detail. ``tests/test_public_api.py`` pins this list.
+"""
+
+from .components.keys import TokenError, namespace_seed, object_key, page_keys
+from .components.layout import LayoutError, MambaLayerSpec, ModelLayout, PoolKind
+from .components.lookup import restorable_page_counts
+from .components.mamba import checkpoint_depth, checkpoint_grid, restorable_ceiling
+from .components.pools import HybridPools, PoolError, dcp_fold
+from .components.radix import RadixTree
+from .runtime.config import LinkerConfig
+from .runtime.events import DeviceEvent, FenceError, wait_fence
+from .runtime.linker import Linker, LoadHandle, LookupResult, PhaseError, Request
+from .runtime.statistics import LinkerStatistics, PoolActorStatistics, QueueStatistics
+from .runtime.tracing import disable_trace_logging, enable_trace_logging
+from .runtime.tree_actor import PoolExhaustedError
+from .stores.base import (
+    GetResult,
+    Outcome,
+    Store,
+    StoreCapabilities,
+    StoreClosedError,
+    StoreError,
+    StoreStatistics,
+    StoreUnavailableError,
+)
+from .stores.embedded import EmbeddedStore
+from .stores.framing import FrameError, FrameFault
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DeviceEvent",
+    "EmbeddedStore",
+    "FenceError",
+    "FrameError",
+    "FrameFault",
+    "GetResult",
+    "HybridPools",
+    "LayoutError",
+    "Linker",
+    "LinkerConfig",
+    "LinkerStatistics",
+    "LoadHandle",
+    "LookupResult",
+    "MambaLayerSpec",
+    "ModelLayout",
+    "Outcome",
+    "PhaseError",
+    "PoolActorStatistics",
+    "PoolError",
+    "PoolExhaustedError",
+    "PoolKind",
+    "QueueStatistics",
+    "RadixTree",
+    "Request",
+    "Store",
+    "StoreCapabilities",
+    "StoreClosedError",
+    "StoreError",
+    "StoreStatistics",
+    "StoreUnavailableError",
+    "TokenError",
+    "__version__",
+    "checkpoint_depth",
+    "checkpoint_grid",
+    "dcp_fold",
+    "disable_trace_logging",
+    "enable_trace_logging",
+    "namespace_seed",
+    "object_key",
+    "page_keys",
+    "restorable_ceiling",
+    "restorable_page_counts",
+    "wait_fence",
+]

@@ -64,8 +64,11 @@ def page_keys(
     """Chained keys of the whole pages ``start_page, start_page + 1, ...`` of ``tokens``.
 
     ``parent_key`` is the key of page ``start_page - 1`` (the namespace seed for page 0).
-    A trailing partial page gets no key.
+    A trailing partial page gets no key. ``tokens`` must come from :func:`as_tokens`.
     """
+    if not isinstance(tokens, np.ndarray) or tokens.dtype != np.dtype("<i4") or tokens.ndim != 1 \
+            or not tokens.flags.c_contiguous:
+        raise TokenError("page_keys needs a contiguous 1-D little-endian int32 array; use as_tokens()")
     n_pages = len(tokens) // page_size
     if max_pages is not None:
         n_pages = min(n_pages, start_page + max_pages)
@@ -80,9 +83,20 @@ def page_keys(
     return out
 
 
-def object_key(page_key: bytes, pool: PoolKind, layout: ModelLayout) -> str:
-    """Store key of ``pool``'s object for the page ``page_key`` on this rank."""
+def object_key_suffix(pool: PoolKind, layout: ModelLayout) -> str:
+    """The part of an object key after the page key: ``:{pool}:{rank term}``."""
     term = layout.rank_term(pool)
     if layout.dcp_size > 1 and pool is not PoolKind.MAMBA:
         term += f"dcp{layout.dcp_rank}"
-    return f"{page_key.hex()}:{pool.value}:{term}"
+    return f":{pool.value}:{term}"
+
+
+def object_key(page_key: bytes, pool: PoolKind, layout: ModelLayout) -> str:
+    """Store key of ``pool``'s object for the page ``page_key`` on this rank."""
+    return page_key.hex() + object_key_suffix(pool, layout)
+
+
+def object_keys(page_keys: Sequence[bytes], pool: PoolKind, layout: ModelLayout) -> list[str]:
+    """:func:`object_key` for many pages at once."""
+    suffix = object_key_suffix(pool, layout)
+    return [k.hex() + suffix for k in page_keys]

@@ -57,7 +57,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _to_dtype(field: str, value: torch.dtype | str) -> torch.dtype:
     if isinstance(value, torch.dtype):
-        _dtype_name(value)
+        if value not in _ALLOWED_DTYPES.values():
+            raise LayoutError(f"{field}: unsupported dtype {value}; allowed: {sorted(_ALLOWED_DTYPES)}")
         return value
     if isinstance(value, str) and value in _ALLOWED_DTYPES:
         return _ALLOWED_DTYPES[value]
@@ -65,7 +66,10 @@ def _to_dtype(field: str, value: torch.dtype | str) -> torch.dtype:
 
 
 def _shape(field: str, value: Sequence[int]) -> tuple[int, ...]:
-    shape = tuple(value)
+    try:
+        shape = tuple(value)
+    except TypeError:
+        raise LayoutError(f"{field}: shape must be a non-empty tuple of positive ints, got {value!r}") from None
     if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
         raise LayoutError(f"{field}: shape must be a non-empty tuple of positive ints, got {value!r}")
     return shape
@@ -80,7 +84,7 @@ class MambaLayerSpec:
     """One linear-attention layer's per-sequence state: conv state and optional temporal state."""
 
     layer_id: int
-    conv_shape: tuple[int, ...] = attrs.field(converter=tuple)
+    conv_shape: tuple[int, ...]
     conv_dtype: torch.dtype
     temporal_shape: tuple[int, ...] | None = None
     temporal_dtype: torch.dtype | None = None
@@ -138,6 +142,9 @@ class ModelLayout:
                           ("tp_size", tp_size), ("dcp_size", dcp_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise LayoutError(f"{name} must be a positive int, got {val!r}")
+        for name, val in (("tp_rank", tp_rank), ("dcp_rank", dcp_rank), ("draft_layers", draft_layers)):
+            if not isinstance(val, int) or isinstance(val, bool):
+                raise LayoutError(f"{name} must be an int, got {val!r}")
         if not 0 <= tp_rank < tp_size:
             raise LayoutError(f"tp_rank must lie in [0, tp_size={tp_size}), got {tp_rank}")
         if not 0 <= dcp_rank < dcp_size:
@@ -145,7 +152,8 @@ class ModelLayout:
         fl = tuple(full_layers)
         if not fl:
             raise LayoutError("full_layers is empty: a layout needs at least one full-attention layer")
-        if len(set(fl)) != len(fl) or any(not isinstance(i, int) or i < 0 for i in fl):
+        if len(set(fl)) != len(fl) or any(
+                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in fl):
             raise LayoutError(f"full_layers must be distinct non-negative ints, got {fl!r}")
         specs: list[MambaLayerSpec] = []
         for i, m in enumerate(mamba_layers):
@@ -154,6 +162,10 @@ class ModelLayout:
                     m = MambaLayerSpec(**m)  # type: ignore[arg-type]
                 except TypeError as exc:
                     raise LayoutError(f"mamba_layers[{i}]: {exc}") from None
+            if not isinstance(m, MambaLayerSpec):
+                raise LayoutError(f"mamba_layers[{i}]: expected a MambaLayerSpec or a dict, got {m!r}")
+            if not isinstance(m.layer_id, int) or isinstance(m.layer_id, bool) or m.layer_id < 0:
+                raise LayoutError(f"mamba_layers[{i}].layer_id must be a non-negative int, got {m.layer_id!r}")
             conv_shape = _shape(f"mamba_layers[{i}].conv_shape", m.conv_shape)
             conv_dtype = _to_dtype(f"mamba_layers[{i}].conv_dtype", m.conv_dtype)
             if (m.temporal_shape is None) != (m.temporal_dtype is None):

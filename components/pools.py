@@ -197,7 +197,7 @@ class HybridPools:
 
 
 def rows_of_pages(pages: list[int], page_size: int) -> torch.Tensor:
-    p = torch.tensor(pages, dtype=torch.int64)
+    p = torch.from_numpy(np.asarray(pages, dtype=np.int64))
     return (p[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)).reshape(-1)
 
 

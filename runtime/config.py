@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 
-def _positive(inst: object, attr: attrs.Attribute[object], value: object) -> None:
+def _positive(inst: Any, attr: Any, value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"LinkerConfig.{attr.name} must be positive, got {value!r}")
 

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ..components.keys import as_tokens, namespace_seed, object_key, page_keys
+from ..components.keys import as_tokens, namespace_seed, object_key, object_keys, page_keys
 from ..components.layout import ModelLayout, PoolKind
 from ..components.lookup import restorable_page_counts
 from ..components.mamba import checkpoint_depth, restorable_ceiling
@@ -293,7 +293,7 @@ class Linker:
             else:
                 pos = list(range(len(keys)))
             spans[kind] = (len(names), pos)
-            names.extend(object_key(keys[i], kind, self.layout) for i in pos)
+            names.extend(object_keys([keys[i] for i in pos], kind, self.layout))
         if not names:
             return 0
         start = time.perf_counter()
@@ -319,8 +319,8 @@ class Linker:
             return
         node.last_touch = now
         keys = self.tree.tree.path_keys(node)
-        names = [object_key(k, kind, self.layout) for kind in self.layout.pools
-                 if kind is not PoolKind.MAMBA for k in keys]
+        names = [name for kind in self.layout.pools if kind is not PoolKind.MAMBA
+                 for name in object_keys(keys, kind, self.layout)]
         if PoolKind.MAMBA in self.layout.pools and node.mamba_slot is not None and keys:
             names.append(object_key(keys[-1], PoolKind.MAMBA, self.layout))
         self._c["touches"] += 1
@@ -372,7 +372,7 @@ class Linker:
                 names = [object_key(req.store_keys[-1], kind, self.layout)]
                 index = torch.tensor([[slot]], dtype=torch.int64)
             else:
-                names = [object_key(k, kind, self.layout) for k in req.store_keys]
+                names = object_keys(req.store_keys, kind, self.layout)
                 index = rows.view(n, self.page)
             handle._expect(self._layer_of_pool[kind])
             job = TransferJob(names, index, on_layer=self._layer_callback(handle), request_id=req.id)
@@ -420,6 +420,9 @@ class Linker:
             raise PhaseError("this load was already committed or aborted")
         if req.rows.numel() != req.prefix_tokens:
             raise PhaseError("commit must come before extend: the request already owns rows")
+        if req.working is not None or req.checkpoints:
+            raise PhaseError("commit must come before working_slot/checkpoint_slot: the working "
+                             "state would not start from the restored prefix's state")
         try:
             ok = await load.wait()
         except Exception as exc:
@@ -436,14 +439,19 @@ class Linker:
             return 0
         keys = self.tree.tree.path_keys(req.node) + req.store_keys
         rows = torch.cat([req.rows, load.rows])
-        res = self.tree.insert(keys, rows, load.slot, owned_from=req.prefix_pages)
+        ins = self.tree.insert(keys, rows, load.slot, owned_from=req.prefix_pages)
+        # what the tree adopted came from the store: never write it back
+        if ins.existing_pages < len(keys):
+            ins.node.stored.update(k for k in self.layout.pools if k is not PoolKind.MAMBA)
+        if load.slot is not None and not ins.mamba_exist:
+            ins.node.stored.add(PoolKind.MAMBA)
         load.finished = True
         req.load = None
-        self._move_lock(req, res.node)
+        self._move_lock(req, ins.node)
         self._c["commits"] += 1
         self._c["store_hit_tokens"] += load.pages * self.page
-        trace("commit", request_id=req.id, pages=load.pages, node=res.node.id,
-              mamba_exist=res.mamba_exist, adopted=len(keys) - res.existing_pages)
+        trace("commit", request_id=req.id, pages=load.pages, node=ins.node.id,
+              mamba_exist=ins.mamba_exist, adopted=len(keys) - ins.existing_pages)
         return load.pages * self.page
 
     async def abort(self, load: LoadHandle) -> None:
@@ -600,7 +608,7 @@ class Linker:
                 names = [object_key(n.keys[-1], kind, self.layout) for n in nodes]
                 index = torch.tensor([[n.mamba_slot] for n in nodes], dtype=torch.int64)
             else:
-                names = [object_key(k, kind, self.layout) for n in nodes for k in n.keys]
+                names = object_keys([k for n in nodes for k in n.keys], kind, self.layout)
                 index = torch.cat([n.rows for n in nodes]).view(-1, self.page)
             jobs[kind] = (TransferJob(names, index, fence=fence, request_id=req.id), where)
         if self._offloads_in_flight == 0:
@@ -608,7 +616,10 @@ class Linker:
         self._offloads_in_flight += 1
         submitted: list[PoolKind] = []
         try:
-            for kind, (job, _) in jobs.items():
+            # MAMBA first: its submit counts the states as pending before its first await, so
+            # no other task passes the backpressure check above on a stale count
+            order = sorted(jobs.items(), key=lambda item: item[0] is not PoolKind.MAMBA)
+            for kind, (job, _) in order:
                 if job is not None:
                     await self.actors[kind].submit_offload(job)
                 submitted.append(kind)
@@ -621,6 +632,7 @@ class Linker:
         """Exactly one settlement per offload: mark what reached the store, then unlock."""
         from ..stores.base import Outcome
 
+        failed = False
         try:
             for kind, (job, where) in jobs.items():
                 outcomes: list[Outcome] | None
@@ -637,9 +649,11 @@ class Linker:
                         trace("offload.error", pool=kind.value, error=str(exc))
                         outcomes = None
                 if outcomes is None or not all(o in (Outcome.OK, Outcome.EXISTS) for o in outcomes):
-                    self._c["offload_failures"] += 1
+                    failed = True
                 self._settle(kind, job_id, end, where, outcomes)
         finally:
+            if failed:
+                self._c["offload_failures"] += 1  # one result per offload, not one per pool
             for n in locked:
                 self.tree.unlock(n)
             self._offloads_in_flight -= 1

@@ -8,14 +8,14 @@ keeps a private logger. :func:`enable_trace_logging` turns on one JSON line per 
 from __future__ import annotations
 
 import sys
-from typing import IO, Any
+from typing import Any, TextIO
 
 import structlog
 
 _state: dict[str, Any] = {"enabled": False, "logger": None}
 
 
-def enable_trace_logging(stream: IO[str] | None = None) -> None:
+def enable_trace_logging(stream: TextIO | None = None) -> None:
     """Emit every phase event as a JSON line on ``stream`` (stderr by default)."""
     _state["logger"] = structlog.wrap_logger(
         structlog.WriteLogger(stream or sys.stderr),
@@ -42,10 +42,12 @@ def trace_enabled() -> bool:
 def trace(event: str, **fields: Any) -> None:
     """One trace event; costs one dict lookup when tracing is off."""
     if _state["enabled"]:
+        fields.setdefault("phase", event.split(".", 1)[0])
         _state["logger"].debug(event, **fields)
 
 
 def warn(event: str, **fields: Any) -> None:
     """A degradation worth a line even when tracing is off is counted instead; traced when on."""
     if _state["enabled"]:
+        fields.setdefault("phase", event.split(".", 1)[0])
         _state["logger"].warning(event, **fields)

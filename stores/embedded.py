@@ -10,9 +10,10 @@ Rules:
 * **Capacity** counts the slot bytes of the objects held (and of puts still copying). A put
   evicts least-recently-used objects until its object fits; an object that cannot fit even
   in an empty store is :attr:`Outcome.FULL`. A ``get`` and a ``touch`` make an object the most
-  recently used. Chunk memory is allocated on demand; a chunk whose slots are all free is
-  released, except one spare per size class (hysteresis against churn), so the memory held
-  stays close to the bytes held.
+  recently used. Chunk memory is allocated on demand and kept when it empties (eviction
+  refills it at once, without fresh page faults); empty chunks are given back only when the
+  memory held would exceed the capacity (e.g. another size class needs room). Memory held
+  stays within the capacity plus one chunk per size class.
 * **First writer wins**: a key that is stored, or whose put is still copying, answers
   :attr:`Outcome.EXISTS`; a key repeated inside one batch keeps its first buffer.
 * **Concurrency**: an index lock is held only to plan a batch (reserve slots, pin the slots
@@ -103,7 +104,7 @@ class InflightCalls:
 class _SizeClass:
     """The slab of one slot size: chunks of equal slots and their free lists."""
 
-    __slots__ = ("chunks", "empty_spares", "free", "live", "partial", "partial_set",
+    __slots__ = ("chunks", "empty", "free", "live", "partial", "partial_set",
                  "released", "slot_bytes", "slots_per_chunk")
 
     def __init__(self, slot_bytes: int, chunk_bytes: int) -> None:
@@ -115,14 +116,21 @@ class _SizeClass:
         self.partial: list[int] = []  # heap of chunk numbers with a free slot
         self.partial_set: set[int] = set()
         self.released: list[int] = []  # chunk numbers whose memory was released
-        self.empty_spares = 0
+        self.empty: set[int] = set()  # allocated chunks with no occupied slot
 
     @property
     def chunk_bytes(self) -> int:
         return self.slots_per_chunk * self.slot_bytes
 
-    def allocate(self) -> int:
-        """Take a free slot (lowest chunk first, so high chunks drain); returns the slot id."""
+    def has_free_slot(self) -> bool:
+        return any(c in self.partial_set and self.free[c] for c in self.partial)
+
+    def allocate(self) -> tuple[int, int]:
+        """Take a free slot (lowest chunk first, so high chunks drain).
+
+        Returns ``(slot id, bytes of chunk memory newly allocated)``.
+        """
+        grown = 0
         while self.partial:
             c = self.partial[0]
             if c in self.partial_set and self.free[c]:
@@ -131,13 +139,13 @@ class _SizeClass:
             self.partial_set.discard(c)
         else:
             c = self._new_chunk()
-        if self.live[c] == 0:
-            self.empty_spares -= 1
+            grown = self.chunk_bytes
+        self.empty.discard(c)
         local = self.free[c].pop()
         self.live[c] += 1
         if not self.free[c]:
             self.partial_set.discard(c)
-        return c * self.slots_per_chunk + local
+        return c * self.slots_per_chunk + local, grown
 
     def release(self, slot: int) -> None:
         c, local = divmod(slot, self.slots_per_chunk)
@@ -147,13 +155,19 @@ class _SizeClass:
             self.partial_set.add(c)
             heapq.heappush(self.partial, c)
         if self.live[c] == 0:
-            if self.empty_spares >= 1:
-                self.chunks[c] = None
-                self.free[c] = []
-                self.partial_set.discard(c)
-                self.released.append(c)
-            else:
-                self.empty_spares += 1
+            self.empty.add(c)
+
+    def free_empty_chunk(self) -> int:
+        """Give one empty chunk's memory back; returns the bytes freed (0 if none is empty)."""
+        if not self.empty:
+            return 0
+        c = max(self.empty)
+        self.empty.discard(c)
+        self.chunks[c] = None
+        self.free[c] = []
+        self.partial_set.discard(c)
+        self.released.append(c)
+        return self.chunk_bytes
 
     def view(self, slot: int, nbytes: int) -> np.ndarray:
         c, local = divmod(slot, self.slots_per_chunk)
@@ -177,7 +191,7 @@ class _SizeClass:
             self.free.append([])
             self.live.append(0)
         self.free[c] = list(range(self.slots_per_chunk - 1, -1, -1))
-        self.empty_spares += 1
+        self.empty.add(c)
         self.partial_set.add(c)
         heapq.heappush(self.partial, c)
         return c
@@ -224,6 +238,7 @@ class EmbeddedStore:
         self._pins: dict[tuple[int, int], int] = {}  # (class, slot) -> reads in flight
         self._doomed: set[tuple[int, int]] = set()  # removed while pinned; free on unpin
         self._used = 0
+        self._allocated = 0  # chunk memory held, all size classes
         self._calls = InflightCalls(name)
         self._stats: dict[str, int] = dict.fromkeys(
             (f.name for f in attrs.fields(StoreStatistics)), 0
@@ -335,6 +350,7 @@ class EmbeddedStore:
                 self._classes.clear()
                 self._class_of.clear()
                 self._used = 0
+                self._allocated = 0
 
     # ---- introspection (tests, benchmarks) ---------------------------------------------------
 
@@ -345,7 +361,9 @@ class EmbeddedStore:
     def allocated_bytes(self) -> int:
         """Bytes of slab chunk memory held now (>= used bytes; chunk granularity)."""
         with self._lock:
-            return sum(c.allocated_bytes() for c in self._classes)
+            held = sum(c.allocated_bytes() for c in self._classes)
+            assert held == self._allocated
+            return held
 
     def lru_keys(self) -> list[str]:
         """Keys held, least recently used first."""
@@ -374,7 +392,7 @@ class EmbeddedStore:
                     self._stats["put_failures"] += 1
                     continue
                 cls = self._class_for(slot_bytes)
-                loc = (cls, self._classes[cls].allocate(), nbytes)
+                loc = (cls, self._allocate(cls), nbytes)
                 self._used += slot_bytes
                 self._pending[key] = loc
                 plan.append((i, key, loc))
@@ -401,6 +419,31 @@ class EmbeddedStore:
             self._classes.append(_SizeClass(slot_bytes, self._chunk_bytes))
             self._class_of[slot_bytes] = cls
         return cls
+
+    def _allocate(self, cls: int) -> int:
+        """A free slot of ``cls``; before growing, give back other classes' empty chunks."""
+        size_class = self._classes[cls]
+        if not size_class.has_free_slot():
+            for other in self._classes:
+                while self._allocated + size_class.chunk_bytes > self._capacity:
+                    freed = other.free_empty_chunk() if other is not size_class else 0
+                    if not freed:
+                        break
+                    self._allocated -= freed
+        slot, grown = size_class.allocate()
+        self._allocated += grown
+        return slot
+
+    def _release(self, cls: int, slot: int) -> None:
+        """Free a slot; keep its chunk if emptied, unless memory held exceeds the capacity."""
+        size_class = self._classes[cls]
+        size_class.release(slot)
+        self._used -= size_class.slot_bytes
+        while self._allocated > self._capacity:
+            freed = size_class.free_empty_chunk()
+            if not freed:
+                break
+            self._allocated -= freed
 
     def _make_room(self, slot_bytes: int) -> bool:
         """Evict LRU objects (never one being read) until ``slot_bytes`` more fit."""
@@ -429,8 +472,7 @@ class EmbeddedStore:
         if (cls, slot) in self._pins:
             self._doomed.add((cls, slot))
             return
-        self._classes[cls].release(slot)
-        self._used -= self._classes[cls].slot_bytes
+        self._release(cls, slot)
 
     def _view(self, loc: _Loc) -> np.ndarray:
         # No lock needed: the slot is reserved (pending) or pinned, so its chunk stays put.
@@ -469,8 +511,7 @@ class EmbeddedStore:
                 del self._pins[pin]
                 if pin in self._doomed:
                     self._doomed.discard(pin)
-                    self._classes[cls].release(slot)
-                    self._used -= self._classes[cls].slot_bytes
+                    self._release(cls, slot)
                 if copied:
                     self._stats["gets"] += 1
                     self._stats["get_bytes"] += nbytes

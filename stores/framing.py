@@ -61,7 +61,7 @@ def key_digest(key: str) -> bytes:
 
 def payload_checksum(payload: torch.Tensor) -> int:
     """XXH3-64 of a contiguous uint8 CPU tensor, without copying it."""
-    return xxhash.xxh3_64_intdigest(_as_numpy(payload))
+    return xxhash.xxh3_64_intdigest(_as_numpy(payload).data)
 
 
 def framed_size(payload_bytes: int) -> int:
@@ -94,6 +94,8 @@ def verify(frame: torch.Tensor, nbytes: int, key: str, layout_fingerprint: bytes
 
     Raises :class:`FrameError` on any mismatch.
     """
+    if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
+        raise ValueError(f"frames are contiguous uint8 1-D tensors, got {getattr(frame, 'shape', type(frame))}")
     if nbytes < HEADER_BYTES:
         raise FrameError(FrameFault.TRUNCATED, key, f"{nbytes} bytes, header needs {HEADER_BYTES}")
     raw = _as_numpy(frame)[:HEADER_BYTES].tobytes()

@@ -241,8 +241,8 @@ class UmbpStore:
             if deregister is not None:
                 try:
                     deregister(ptr)
-                except Exception:
-                    _log.warning("UMBP deregister_memory failed", ptr=ptr, exc_info=True)
+                except Exception as exc:
+                    _log.warning("UMBP deregister_memory failed", ptr=ptr, error=repr(exc))
         self._regions.clear()
 
     # ---- blocking halves (worker threads) -----------------------------------------------------
@@ -339,7 +339,8 @@ class UmbpStore:
         except StoreError:
             raise
         except Exception as exc:
-            _log.warning("UMBP client call failed", call=getattr(fn, "__name__", fn), exc_info=True)
+            # The exception is chained to the StoreUnavailableError; log it without a traceback.
+            _log.warning("UMBP client call failed", call=getattr(fn, "__name__", fn), error=repr(exc))
             raise StoreUnavailableError(f"UMBP client call failed: {exc!r}") from exc
 
 

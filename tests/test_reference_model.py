@@ -14,9 +14,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hylinker.components.layout import LayoutError  # noqa: E402
-from hylinker.tools.reference import (  # noqa: E402
+from hylinker.components.layout import LayoutError
+from hylinker.tools.reference import (
     BoundaryState,
+    LinearStateMode,
     ReferenceEngine,
     UnsupportedModelError,
     allocate_pools,
@@ -33,6 +34,7 @@ from hylinker.tools.reference import (  # noqa: E402
 
 PROMPT_LEN = 250
 BOUNDARY = 128
+LATER = 192
 DECODE = 4
 PAGE = 16
 ARCHS = ["kimi_linear", "qwen3_next"]
@@ -43,6 +45,7 @@ class Uninterrupted:
     engine: ReferenceEngine
     prompt: list[int]
     state: BoundaryState
+    later: BoundaryState  # the state at LATER, exported by the same uninterrupted run
     state_copy: BoundaryState
     logprobs: torch.Tensor  # positions BOUNDARY.. of the prompt, then the decode steps
     draft_logprobs: torch.Tensor  # positions BOUNDARY.. of the prompt
@@ -64,12 +67,12 @@ def run(request: pytest.FixtureRequest) -> Uninterrupted:
     gen = torch.Generator().manual_seed(1234)
     prompt = torch.randint(3, 512, (PROMPT_LEN,), generator=gen).tolist()
     seq = engine.new_sequence()
-    res = engine.extend(seq, prompt, export_at=[BOUNDARY])
+    res = engine.extend(seq, prompt, export_at=[BOUNDARY, LATER])
     state = res.states[BOUNDARY]
     copy = _clone(state)
     decoded, dec_lp = engine.decode_greedy(seq, DECODE)
     assert res.draft_logprobs is not None
-    return Uninterrupted(engine, prompt, state, copy,
+    return Uninterrupted(engine, prompt, state, res.states[LATER], copy,
                          torch.cat([res.logprobs[BOUNDARY:], dec_lp]),
                          res.draft_logprobs[BOUNDARY:], decoded)
 
@@ -87,18 +90,39 @@ def _through_pools(u: Uninterrupted, *, split: bool = False) -> BoundaryState:
     return read_boundary(pools, rows, 2)
 
 
-def _continue(u: Uninterrupted, state: BoundaryState, linear_state: str = "load"
+def _continue(u: Uninterrupted, state: BoundaryState, linear_state: LinearStateMode = "load"
               ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    seq = u.engine.restore(state, u.prompt[:BOUNDARY], linear_state=linear_state)  # type: ignore[arg-type]
-    res = u.engine.extend(seq, u.prompt[BOUNDARY:])
+    seq = u.engine.restore(state, u.prompt[:BOUNDARY], linear_state=linear_state)
+    res = u.engine.extend(seq, u.prompt[BOUNDARY:], export_at=[LATER])
+    if linear_state == "load":  # a restored sequence donates the very state a fresh run would
+        _assert_same_state(res.states[LATER], u.later)
     decoded, dec_lp = u.engine.decode_greedy(seq, DECODE)
     assert res.draft_logprobs is not None
     return torch.cat([res.logprobs, dec_lp]), res.draft_logprobs, decoded
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-write", "page-writes"])
-def test_restored_boundary_continues_bit_exactly(run: Uninterrupted, split: bool) -> None:
-    restored = _through_pools(run, split=split)
+def _assert_same_state(a: BoundaryState, b: BoundaryState) -> None:
+    assert a.length == b.length
+    assert torch.equal(a.kv, b.kv)
+    assert a.draft is not None and b.draft is not None and torch.equal(a.draft, b.draft)
+    assert a.conv is not None and b.conv is not None
+    assert all(torch.equal(x, y) for x, y in zip(a.conv, b.conv, strict=True))
+    assert a.temporal is not None and b.temporal is not None
+    assert all(x is not None and y is not None and torch.equal(x, y)
+               for x, y in zip(a.temporal, b.temporal, strict=True))
+
+
+def _next_chunk(u: Uninterrupted, state: BoundaryState, linear_state: LinearStateMode = "load"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Negative controls only need the first chunk after the boundary."""
+    seq = u.engine.restore(state, linear_state=linear_state)
+    res = u.engine.extend(seq, u.prompt[BOUNDARY:BOUNDARY + 64])
+    assert res.draft_logprobs is not None
+    return res.logprobs, res.draft_logprobs
+
+
+def test_restored_boundary_continues_bit_exactly(run: Uninterrupted) -> None:
+    restored = _through_pools(run)
     logprobs, draft_logprobs, decoded = _continue(run, restored)
     assert logprobs.shape == run.logprobs.shape == (PROMPT_LEN - BOUNDARY + DECODE, 512)
     assert max_abs_diff(logprobs, run.logprobs) == 0.0
@@ -109,24 +133,22 @@ def test_restored_boundary_continues_bit_exactly(run: Uninterrupted, split: bool
     assert torch.equal(draft_logprobs, run.draft_logprobs)
 
 
+def test_page_run_writes_read_back_the_same_state(run: Uninterrupted) -> None:
+    _assert_same_state(_through_pools(run), run.state)
+    _assert_same_state(_through_pools(run, split=True), run.state)
+
+
 def test_export_is_a_snapshot(run: Uninterrupted) -> None:
     """The run kept going after the export; the exported tensors must not have moved."""
-    s, c = run.state, run.state_copy
-    assert torch.equal(s.kv, c.kv)
-    assert s.conv is not None and c.conv is not None
-    assert all(torch.equal(a, b) for a, b in zip(s.conv, c.conv, strict=True))
-    assert s.temporal is not None and c.temporal is not None
-    assert all(a is not None and b is not None and torch.equal(a, b)
-               for a, b in zip(s.temporal, c.temporal, strict=True))
-    assert s.draft is not None and c.draft is not None and torch.equal(s.draft, c.draft)
+    _assert_same_state(run.state, run.state_copy)
 
 
 @pytest.mark.parametrize("mode", ["zero", "skip"])
-def test_missing_recurrent_state_is_caught(run: Uninterrupted, mode: str) -> None:
+def test_missing_recurrent_state_is_caught(run: Uninterrupted, mode: LinearStateMode) -> None:
     restored = _through_pools(run)
-    logprobs, _, _ = _continue(run, restored, linear_state=mode)
-    assert max_abs_diff(logprobs, run.logprobs) > 0.0
-    assert kl_divergence(run.logprobs, logprobs) > 0.0
+    logprobs, _ = _next_chunk(run, restored, linear_state=mode)
+    assert max_abs_diff(logprobs, run.logprobs[:64]) > 0.0
+    assert kl_divergence(run.logprobs[:64], logprobs) > 0.0
 
 
 def test_stale_conv_state_is_caught(run: Uninterrupted) -> None:
@@ -135,8 +157,8 @@ def test_stale_conv_state_is_caught(run: Uninterrupted) -> None:
     bad = BoundaryState(restored.length, restored.kv,
                         tuple(torch.zeros_like(c) for c in restored.conv),
                         restored.temporal, restored.draft)
-    logprobs, _, _ = _continue(run, bad)
-    assert kl_divergence(run.logprobs, logprobs) > 0.0
+    logprobs, _ = _next_chunk(run, bad)
+    assert kl_divergence(run.logprobs[:64], logprobs) > 0.0
 
 
 def test_corrupted_kv_and_draft_rows_are_caught(run: Uninterrupted) -> None:
@@ -146,9 +168,9 @@ def test_corrupted_kv_and_draft_rows_are_caught(run: Uninterrupted) -> None:
     kv[:, 5] += 0.5
     draft[:, 5] += 0.5
     bad = BoundaryState(restored.length, kv, restored.conv, restored.temporal, draft)
-    logprobs, draft_logprobs, _ = _continue(run, bad)
-    assert kl_divergence(run.logprobs, logprobs) > 0.0
-    assert kl_divergence(run.draft_logprobs, draft_logprobs) > 0.0
+    logprobs, draft_logprobs = _next_chunk(run, bad)
+    assert kl_divergence(run.logprobs[:64], logprobs) > 0.0
+    assert kl_divergence(run.draft_logprobs[:64], draft_logprobs) > 0.0
 
 
 def test_layout_describes_the_pools(run: Uninterrupted) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "CacheGeometry",
     "ExtendResult",
     "KVRowSpec",
+    "LinearStateMode",
     "LinearStateSpec",
     "ReferenceEngine",
     "ReferencePools",
@@ -131,7 +132,8 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 def _new_cache(model: torch.nn.Module) -> Any:
     from transformers import DynamicCache
 
-    return DynamicCache(config=model.config)
+    config: Any = model.config
+    return DynamicCache(config=config)
 
 
 def _forward(model: torch.nn.Module, cache: Any, ids: Sequence[int], start: int) -> torch.Tensor:
@@ -353,10 +355,13 @@ class ReferenceEngine:
         self.geometry = cache_geometry(model)
         if self.geometry.kv is None:
             raise UnsupportedModelError(f"{self.geometry.model_type}: no full-attention layer")
-        self.draft_geometry = _draft_geometry(draft_model) if draft_model is not None else None
-        if self.draft_geometry is not None:
-            vocab = model.config.get_text_config().vocab_size
-            draft_vocab = draft_model.config.vocab_size  # type: ignore[union-attr]
+        self.draft_geometry: CacheGeometry | None = None
+        if draft_model is not None:
+            self.draft_geometry = _draft_geometry(draft_model)
+            config: Any = model.config
+            draft_config: Any = draft_model.config
+            vocab = config.get_text_config().vocab_size
+            draft_vocab = draft_config.vocab_size
             if vocab != draft_vocab:
                 raise ValueError(f"draft vocab {draft_vocab} != model vocab {vocab}")
 

@@ -1,0 +1,26 @@
+# hylinker tasks. `just --list` shows them.
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+py := env_var_or_default("PYTHON", "python3")
+
+# install everything (torch CPU build, hylinker editable with extras, Mooncake + libibverbs1)
+setup:
+    bash .ci/setup.sh
+
+# the main job: a stress run through the whole runtime on the embedded store (~1 minute)
+run *ARGS: setup
+    {{py}} -m hylinker stress --store embedded {{ARGS}}
+
+# the whole test suite, slow suites and the real Mooncake master included
+test *ARGS: setup
+    {{py}} -m pytest -q -ra {{ARGS}}
+
+# benchmarks: control path, loop lag, data path; JSON in bench-results/
+bench *ARGS: setup
+    mkdir -p bench-results
+    {{py}} -m hylinker bench --json bench-results/bench.json {{ARGS}}
+
+# ruff and mypy
+lint: setup
+    {{py}} -m ruff check .
+    {{py}} -m mypy

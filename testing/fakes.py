@@ -1,0 +1,409 @@
+"""Test doubles for the runtime: device fences, a clock, a gated store, synthetic content.
+
+* :class:`FakeDeviceEvent` — a fence that completes after ``polls`` queries, on
+  :meth:`~FakeDeviceEvent.set`, or fails (its ``query`` raises) after :meth:`~FakeDeviceEvent.fail`.
+* :class:`FakeClock` — a manual clock for :class:`~hylinker.runtime.pool_actor.LatencyMonitor`;
+  :func:`attach_clock` puts one under a running :class:`~hylinker.runtime.linker.Linker`.
+* :class:`GatedStore` — wraps any store; holds put/get calls until released, or lets them
+  through at most one per ``drain_interval_s``; records every call's keys.
+* :class:`SyntheticContent` — deterministic KV, draft and state content derived from page
+  keys, so every restored byte can be checked; :func:`synthetic_prefill` plays the forward of
+  one request (extend, working state, checkpoint, insert).
+* :func:`small_hybrid_layout` — a tiny hybrid layout (MLA-like KV, two linear layers, a
+  draft layer) for tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import torch
+
+from ..components.keys import page_keys
+from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
+from ..components.pools import HybridPools
+from ..runtime.events import DeviceEvent
+from ..runtime.linker import Linker, Request
+from ..runtime.pool_actor import LatencyMonitor
+from ..stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
+
+# ---- device fences ---------------------------------------------------------------------------
+
+
+class FakeDeviceEvent:
+    """A device fence double.
+
+    ``polls``: ``query()`` answers False this many times, then True (``None``: never, until
+    :meth:`set`). ``error``: every ``query()`` raises it (as a failed CUDA event would).
+    """
+
+    def __init__(self, polls: int | None = 0, *, error: BaseException | str | None = None) -> None:
+        if polls is not None and polls < 0:
+            raise ValueError(f"polls must be >= 0 or None, got {polls}")
+        self.polls = polls
+        self.queries = 0
+        self._set = False
+        self._error: BaseException | None = None
+        if error is not None:
+            self.fail(error)
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self._error is not None:
+            raise self._error
+        if self._set:
+            return True
+        return self.polls is not None and self.queries > self.polls
+
+    def set(self) -> None:
+        """Complete the fence now."""
+        self._set = True
+
+    def fail(self, error: BaseException | str = "device error") -> None:
+        """Make every later ``query()`` raise ``error``."""
+        self._error = RuntimeError(error) if isinstance(error, str) else error
+
+    @property
+    def done(self) -> bool:
+        return self._error is None and (
+            self._set or (self.polls is not None and self.queries > self.polls))
+
+
+# ---- clock -----------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """A clock that moves only when told to (seconds, monotonic)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a monotonic clock cannot go back ({seconds} s)")
+        self.now += seconds
+
+
+def attach_clock(linker: Linker, clock: Callable[[], float]) -> LatencyMonitor:
+    """Replace the linker's store-latency monitor with one reading ``clock`` (same
+    watermarks); every pool actor shares it. Returns the new monitor."""
+    old = linker.latency
+    monitor = LatencyMonitor(old.high_ms, old.low_ms, old.alpha, old.half_life, clock=clock)
+    linker.latency = monitor
+    for actor in linker.actors.values():
+        actor.latency = monitor
+    return monitor
+
+
+# ---- gated store -----------------------------------------------------------------------------
+
+_METHODS = ("exists", "put", "get", "touch", "remove")
+
+
+class GatedStore:
+    """Wraps ``inner``; holds and paces put/get calls, and records every call.
+
+    * ``hold_puts`` / ``hold_gets``: calls of that kind wait at the gate, in arrival order,
+      until :meth:`release` lets some through or :meth:`open` lets all through.
+    * ``drain_interval_s``: after the gate, at most one put/get call starts per interval (a
+      store that drains slowly). :meth:`open` removes the pacing too.
+    * ``fail_puts`` / ``fail_gets``: ``True`` fails every key of such calls, a string fails
+      the keys that contain it (``":mamba:"``), without reaching the inner store.
+    * ``calls[method]`` counts calls; ``keys[method]`` lists each call's keys, in call order.
+
+    Closing the wrapper closes the inner store.
+    """
+
+    def __init__(self, inner: Store, *, hold_puts: bool = False, hold_gets: bool = False,
+                 drain_interval_s: float | None = None) -> None:
+        if drain_interval_s is not None and drain_interval_s <= 0:
+            raise ValueError(f"drain_interval_s must be positive, got {drain_interval_s}")
+        self.inner = inner
+        self.hold_puts = hold_puts
+        self.hold_gets = hold_gets
+        self.drain_interval_s = drain_interval_s
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.keys: dict[str, list[list[str]]] = {m: [] for m in _METHODS}
+        self._held: collections.deque[anyio.Event] = collections.deque()
+        self._next_start = 0.0
+        self.completed: collections.Counter[str] = collections.Counter()
+        self.fail_puts: bool | str = False
+        self.fail_gets: bool | str = False
+
+    # ---- control ---------------------------------------------------------------------
+    def hold(self, *, puts: bool = True, gets: bool = False) -> None:
+        """Start holding new calls of the given kinds at the gate."""
+        self.hold_puts = puts
+        self.hold_gets = gets
+
+    def release(self, n: int = 1) -> int:
+        """Let the ``n`` oldest held calls through; returns how many were released."""
+        done = 0
+        while self._held and done < n:
+            self._held.popleft().set()
+            done += 1
+        return done
+
+    def open(self) -> None:
+        """Stop holding and pacing; release every held call."""
+        self.hold_puts = self.hold_gets = False
+        self.drain_interval_s = None
+        self.release(len(self._held))
+
+    @property
+    def held(self) -> int:
+        """Calls waiting at the gate now."""
+        return len(self._held)
+
+    async def wait_held(self, n: int, timeout_s: float = 5.0) -> None:
+        """Wait until at least ``n`` calls are held at the gate."""
+        with anyio.fail_after(timeout_s):
+            while len(self._held) < n:
+                await anyio.sleep(0.001)
+
+    def put_keys(self) -> list[str]:
+        """Every key ever put, flattened in call order."""
+        return [k for call in self.keys["put"] for k in call]
+
+    def touched_keys(self) -> list[list[str]]:
+        return list(self.keys["touch"])
+
+    async def _gate(self, gated: bool) -> None:
+        if gated:
+            ev = anyio.Event()
+            self._held.append(ev)
+            try:
+                await ev.wait()
+            except BaseException:
+                if ev in self._held:
+                    self._held.remove(ev)
+                raise
+        while self.drain_interval_s is not None:
+            now = time.monotonic()
+            if now >= self._next_start:
+                self._next_start = now + self.drain_interval_s
+                return
+            await anyio.sleep(min(self._next_start - now, 0.005))
+
+    @staticmethod
+    def _failing(keys: Sequence[str], rule: bool | str) -> set[int]:
+        if rule is True:
+            return set(range(len(keys)))
+        if isinstance(rule, str) and rule:
+            return {i for i, k in enumerate(keys) if rule in k}
+        return set()
+
+    def _record(self, method: str, keys: Sequence[str]) -> None:
+        self.calls[method] += 1
+        self.keys[method].append(list(keys))
+
+    # ---- the store protocol ---------------------------------------------------------------
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return self.inner.capabilities
+
+    def register(self, region: torch.Tensor) -> None:
+        self.inner.register(region)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._record("exists", keys)
+        out = await self.inner.exists(keys)
+        self.completed["exists"] += 1
+        return out
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
+        self._record("put", keys)
+        await self._gate(self.hold_puts)
+        failed = self._failing(keys, self.fail_puts)
+        send = [i for i in range(len(keys)) if i not in failed]
+        got = await self.inner.put([keys[i] for i in send], [buffers[i] for i in send]) if send else []
+        out = [Outcome.FAILED] * len(keys)
+        for i, o in zip(send, got):
+            out[i] = o
+        self.completed["put"] += 1
+        return out
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        self._record("get", keys)
+        await self._gate(self.hold_gets)
+        failed = self._failing(keys, self.fail_gets)
+        send = [i for i in range(len(keys)) if i not in failed]
+        got = await self.inner.get([keys[i] for i in send], [buffers[i] for i in send]) if send else []
+        out = [GetResult(Outcome.FAILED)] * len(keys)
+        for i, r in zip(send, got):
+            out[i] = r
+        self.completed["get"] += 1
+        return out
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        self._record("touch", keys)
+        await self.inner.touch(keys)
+        self.completed["touch"] += 1
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        self._record("remove", keys)
+        out = await self.inner.remove(keys)
+        self.completed["remove"] += 1
+        return out
+
+    def statistics(self) -> StoreStatistics:
+        return self.inner.statistics()
+
+    async def close(self) -> None:
+        self.open()
+        await self.inner.close()
+
+
+# ---- layouts and synthetic content ------------------------------------------------------------
+
+
+def small_hybrid_layout(*, page_size: int = 4, chunk_size: int = 8, draft: bool = True,
+                        hybrid: bool = True, tp_rank: int = 0, tp_size: int = 1,
+                        replicated: Sequence[PoolKind | str] = ()) -> ModelLayout:
+    """Two full-attention layers (bf16 rows ``[2, 4]``), two linear layers (fp32 conv
+    ``[3, 8]`` + temporal ``[2, 4, 4]``) and one draft layer; grid ``lcm(C, P)``."""
+    mamba = [MambaLayerSpec(0, (3, 8), torch.float32, (2, 4, 4), torch.float32),
+             MambaLayerSpec(2, (3, 8), torch.float32, (2, 4, 4), torch.float32)] if hybrid else []
+    return ModelLayout.create(
+        page_size=page_size, chunk_size=chunk_size, full_layers=[1, 3], kv_row_shape=[2, 4],
+        kv_dtype="bfloat16", mamba_layers=mamba, draft_layers=1 if draft else 0,
+        draft_row_shape=[2, 4] if draft else None, tp_rank=tp_rank, tp_size=tp_size,
+        replicated=replicated)
+
+
+def _pattern(keys: Sequence[bytes], numel: int, salt: int) -> torch.Tensor:
+    """``[len(keys), numel]`` small integers (exact in every float dtype hylinker allows),
+    a function of each key and the salt."""
+    base = torch.tensor([int.from_bytes(k[:6], "little") % 1_000_003 for k in keys],
+                        dtype=torch.int64) + salt * 7919
+    idx = torch.arange(numel, dtype=torch.int64) * 40503
+    return ((idx[None, :] + base[:, None]) % 241 - 120).to(torch.float32)
+
+
+class SyntheticContent:
+    """Deterministic pool content: a function of the page key (KV, draft rows of that page)
+    or of the boundary's last page key (a state). Same key, same bytes, on every rank."""
+
+    def __init__(self, pools: HybridPools) -> None:
+        self.pools = pools
+        self.layout = pools.layout
+        self.page = self.layout.page_size
+
+    def _pages(self, t: torch.Tensor, keys: Sequence[bytes], salt: int) -> torch.Tensor:
+        """Content of ``keys``' pages for pool tensor ``t``, shaped like ``t[:, rows]``."""
+        per_page = t.shape[0] * self.page * int(torch.Size(t.shape[2:]).numel())
+        x = _pattern(keys, per_page, salt).view(len(keys), t.shape[0], self.page, *t.shape[2:])
+        return x.transpose(0, 1).reshape(t.shape[0], len(keys) * self.page, *t.shape[2:]).to(t.dtype)
+
+    def write_pages(self, keys: Sequence[bytes], rows: torch.Tensor) -> None:
+        """Write page ``i``'s content into ``rows[i*P:(i+1)*P]`` of the KV (and draft) pool."""
+        self._check_rows(keys, rows)
+        if not keys:
+            return
+        for salt, t in self._page_tensors():
+            t[:, rows] = self._pages(t, keys, salt)
+
+    def pages_match(self, keys: Sequence[bytes], rows: torch.Tensor) -> list[int]:
+        """Indices of pages whose rows do not hold their content (empty: all good)."""
+        self._check_rows(keys, rows)
+        if not keys:
+            return []
+        bad: set[int] = set()
+        for salt, t in self._page_tensors():
+            have = t[:, rows].view(torch.uint8).reshape(t.shape[0], len(keys), -1)
+            want = self._pages(t, keys, salt).view(torch.uint8).reshape(t.shape[0], len(keys), -1)
+            diff = (have != want).any(dim=2).any(dim=0)
+            bad.update(int(i) for i in torch.nonzero(diff).flatten())
+        return sorted(bad)
+
+    def write_state(self, key: bytes, slot: int) -> None:
+        """Write the state of the boundary whose last page key is ``key`` into ``slot``."""
+        assert self.pools.mamba is not None
+        for salt, t in enumerate(self.pools.mamba.tensors(), start=10):
+            t[slot] = _pattern([key], t[slot].numel(), salt).view(t.shape[1:]).to(t.dtype)
+
+    def state_matches(self, key: bytes, slot: int) -> bool:
+        assert self.pools.mamba is not None
+        for salt, t in enumerate(self.pools.mamba.tensors(), start=10):
+            want = _pattern([key], t[slot].numel(), salt).view(t.shape[1:]).to(t.dtype)
+            if not torch.equal(t[slot], want):
+                return False
+        return True
+
+    def _page_tensors(self) -> list[tuple[int, torch.Tensor]]:
+        out = [(1, self.pools.kv.tensor)]
+        if self.pools.draft is not None:
+            out.append((2, self.pools.draft.tensor))
+        return out
+
+    def _check_rows(self, keys: Sequence[bytes], rows: torch.Tensor) -> None:
+        if rows.numel() != len(keys) * self.page:
+            raise ValueError(f"{len(keys)} pages need {len(keys) * self.page} rows, got {rows.numel()}")
+
+    def prefix_problems(self, linker: Linker, req: Request) -> list[str]:
+        """What is wrong with the request's cached prefix: its rows and its state source
+        must hold the content of its page keys (empty list: all good)."""
+        keys = page_keys(req.tokens, self.page, req.seed, max_pages=req.prefix_pages)
+        problems = [f"page {i}" for i in self.pages_match(keys, req.rows[: req.prefix_tokens])]
+        if self.layout.is_hybrid and req.prefix_pages:
+            if req.state_source is None:
+                problems.append("no state source")
+            elif not self.state_matches(keys[-1], req.state_source):
+                problems.append(f"state at page {req.prefix_pages}")
+        return problems
+
+
+async def synthetic_prefill(linker: Linker, content: SyntheticContent, req: Request, *,
+                            fence: DeviceEvent | None = None, offload: bool | None = None) -> int:
+    """Play the forward of ``req`` after its cached prefix: extend to the prompt, write the
+    synthetic content of every new whole page, take the working state (copy-on-write), donate
+    a checkpoint at the grid depth and insert. Returns the inserted depth (0: nothing)."""
+    layout = linker.layout
+    page = layout.page_size
+    n = len(req.tokens)
+    keys = page_keys(req.tokens, page, req.seed)
+    rows = linker.extend(req, n)
+    first, whole = req.prefix_pages, n // page
+    content.write_pages(keys[first:whole], rows[first * page: whole * page])
+    if layout.is_hybrid:
+        linker.working_slot(req)
+        depth = linker.checkpoint_depth(req, n - req.prefix_tokens)
+        if depth is None:
+            return 0
+        slot = linker.checkpoint_slot(req)
+        content.write_state(keys[depth // page - 1], slot)
+        await linker.insert(req, depth, checkpoint_slot=slot, fence=fence,
+                            offload=offload)
+        return depth
+    depth = whole * page
+    if depth <= req.prefix_tokens:
+        return 0
+    await linker.insert(req, depth, fence=fence, offload=offload)
+    return depth
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0,
+                     poll_s: float = 0.001) -> None:
+    """Poll ``predicate`` on the event loop until it holds (``TimeoutError`` after
+    ``timeout_s``)."""
+    with anyio.fail_after(timeout_s):
+        while not predicate():
+            await anyio.sleep(poll_s)
+
+
+__all__ = [
+    "FakeClock",
+    "FakeDeviceEvent",
+    "GatedStore",
+    "SyntheticContent",
+    "attach_clock",
+    "small_hybrid_layout",
+    "synthetic_prefill",
+    "wait_until",
+]

@@ -1,0 +1,296 @@
+"""``hylinker bench``: control-path latency, event-loop lag and the data path, as JSON.
+
+Timing lives here, never in tests. Every figure is measured side by side in one run and
+printed; ``--json PATH`` writes one object::
+
+    {"control_path": {"lookup_us": {"16k": {"p50", "p99"}, "128k": {...}},
+                      "restore_us": {"16k": {...}, "128k": {...}}},
+     "loop_lag_ms": {"p50", "p99", "offloaded_bytes", "seconds"},
+     "data_path": [{"store", "object_bytes", "direction", "runtime_gbps", "raw_gbps",
+                    "memcpy_gbps", "runtime_vs_raw"}...],
+     "key_hashing": {...}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from ..components.layout import ModelLayout
+from ..components.pools import HybridPools
+from ..runtime.config import LinkerConfig
+from ..runtime.linker import Linker
+from ..stores.base import Store
+from ..stores.embedded import EmbeddedStore
+
+HELP = "benchmarks: control path, event-loop lag, data path (JSON with --json PATH)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
+    parser.add_argument("--only", choices=["control", "lag", "data", "keys"], action="append",
+                        help="run only these sections (repeatable)")
+    parser.add_argument("--mooncake", choices=["auto", "yes", "no"], default="auto",
+                        help="include Mooncake in the data path (auto: when importable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    sections = set(args.only or ["control", "lag", "data", "keys"])
+    out: dict[str, Any] = {}
+    if "keys" in sections:
+        out["key_hashing"] = _key_hashing(args.quick)
+        _print_section("key hashing (ms per prompt)", out["key_hashing"])
+    if "control" in sections:
+        out["control_path"] = anyio.run(control_path, args.quick)
+        _print_section("control path (µs)", out["control_path"])
+    if "lag" in sections:
+        out["loop_lag_ms"] = anyio.run(loop_lag, args.quick)
+        _print_section("event-loop lag while offloading", out["loop_lag_ms"])
+    if "data" in sections:
+        out["data_path"] = data_path(args.quick, args.mooncake)
+        _print_data_path(out["data_path"])
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {"p50": round(float(np.percentile(a, 50)), 1), "p99": round(float(np.percentile(a, 99)), 1),
+            "n": len(values)}
+
+
+def _print_section(title: str, data: dict[str, Any]) -> None:
+    print(f"\n== {title}")
+    print(json.dumps(data, indent=1))
+
+
+def _key_hashing(quick: bool) -> dict[str, Any]:
+    try:
+        from .bench_keys import measure_key_hashing
+    except ImportError:
+        return {}
+    return measure_key_hashing(repeats=3 if quick else 7)
+
+
+# ---- control path -------------------------------------------------------------------
+
+def control_layout(page: int = 64) -> ModelLayout:
+    """A small-row layout: the control path, not bytes, dominates."""
+    return ModelLayout.create(page_size=page, chunk_size=64, full_layers=[0], kv_row_shape=[64],
+                              kv_dtype="uint8",
+                              mamba_layers=[{"layer_id": 1, "conv_shape": (4, 64), "conv_dtype": "float32",
+                                             "temporal_shape": (64, 64), "temporal_dtype": "float32"}])
+
+
+async def control_path(quick: bool = False) -> dict[str, Any]:
+    """Scheduler-visible lookup cost and the whole lookup→load→commit path."""
+    layout = control_layout()
+    repeats = 10 if quick else 40
+    out: dict[str, Any] = {"lookup_us": {}, "restore_us": {}, "layout": "page 64, grid 64, 1 KV layer x 64 B, 1 state"}
+    store = EmbeddedStore(1 << 30)
+    rng = np.random.default_rng(0)
+    for label, n_tokens in (("16k", 16384), ("128k", 131072)):
+        pools = HybridPools(layout, kv_pages=n_tokens // 64 + 64, mamba_slots=8)
+        tokens = rng.integers(1, 50000, n_tokens + 1)
+        async with Linker(layout, pools, store, LinkerConfig(touch=False)) as lk:
+            req = lk.request("seed", tokens)
+            await lk.lookup(req)
+            lk.extend(req, n_tokens)
+            depth = lk.checkpoint_depth(req, n_tokens)
+            assert depth is not None
+            cs = lk.checkpoint_slot(req)
+            await lk.insert(req, depth, checkpoint_slot=cs)
+            await lk.release(req)
+            await lk.drain()
+            lk.flush_device()
+            lookups: list[float] = []
+            restores: list[float] = []
+            for i in range(repeats):
+                r = lk.request(f"l{i}", tokens)
+                t0 = time.perf_counter()
+                hit = await lk.lookup(r)
+                lookups.append((time.perf_counter() - t0) * 1e6)
+                assert hit.store_tokens == depth, (hit, depth)
+                await lk.release(r)
+                r = lk.request(f"r{i}", tokens)
+                t0 = time.perf_counter()
+                await lk.lookup(r)
+                load = await lk.load(r)
+                assert load is not None
+                restored = await lk.commit(load)
+                restores.append((time.perf_counter() - t0) * 1e6)
+                assert restored == depth
+                await lk.release(r)
+                lk.flush_device()
+            out["lookup_us"][label] = _pct(lookups)
+            out["restore_us"][label] = _pct(restores)
+    await store.close()
+    return out
+
+
+# ---- loop lag -------------------------------------------------------------------------
+
+async def loop_lag(quick: bool = False) -> dict[str, Any]:
+    """Event-loop lag (timer overshoot, 1 ms ticks) while the actors move ~1 GB of offloads."""
+    total = (256 if quick else 1024) << 20
+    page = 64
+    row = 16384  # 1 MiB KV page objects
+    layout = ModelLayout.create(page_size=page, full_layers=[0], kv_row_shape=[row], kv_dtype="uint8")
+    pages_per_req = 64
+    n_req = max(1, total // (pages_per_req * page * row))
+    pools = HybridPools(layout, kv_pages=pages_per_req * 4)
+    store = EmbeddedStore(total + (64 << 20))
+    lags: list[float] = []
+    stop = anyio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await anyio.sleep(0.001)
+            lags.append(max(0.0, (time.perf_counter() - t0) * 1e3 - 1.0))
+
+    rng = np.random.default_rng(1)
+    t_start = time.perf_counter()
+    async with Linker(layout, pools, store, LinkerConfig(touch=False, latency_high_ms=1e6,
+                                                          latency_low_ms=1e5)) as lk:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            for i in range(n_req):
+                tokens = rng.integers(1, 50000, pages_per_req * page + 1)
+                r = lk.request(f"o{i}", tokens)
+                await lk.lookup(r)
+                rows = lk.extend(r, pages_per_req * page)
+                pools.kv.tensor[:, rows] = 7
+                await lk.insert(r, pages_per_req * page)
+                await lk.release(r)
+                await lk.drain()
+                lk.flush_device()
+            stop.set()
+        offloaded = sum(s.bytes_offloaded for s in lk.pool_statistics().values())
+    await store.close()
+    res = _pct(lags)
+    return {"p50": round(res["p50"], 3), "p99": round(res["p99"], 3), "ticks": len(lags),
+            "offloaded_bytes": offloaded, "seconds": round(time.perf_counter() - t_start, 2)}
+
+
+# ---- data path ------------------------------------------------------------------------
+
+StoreFactory = Callable[[int], Awaitable[Store]]
+
+
+async def runtime_transfer(store: Store, object_bytes: int, n_objects: int) -> dict[str, float]:
+    """Offload then load ``n_objects`` KV page objects through the whole runtime (GB/s)."""
+    from ..stores.framing import HEADER_BYTES
+
+    page = 64
+    payload = object_bytes - HEADER_BYTES
+    row = payload // page
+    layout = ModelLayout.create(page_size=page, full_layers=[0], kv_row_shape=[row], kv_dtype="uint8",
+                                model_name=f"bench-{object_bytes}")
+    pools = HybridPools(layout, kv_pages=n_objects + 1)
+    tokens = np.random.default_rng(object_bytes).integers(1, 50000, n_objects * page + 1)
+    cfg = LinkerConfig(touch=False, latency_high_ms=1e6, latency_low_ms=1e5,
+                       staging_bytes_per_pool=256 << 20)
+    nbytes = n_objects * (HEADER_BYTES + payload)
+    async with Linker(layout, pools, store, cfg) as lk:
+        r = lk.request("w", tokens)
+        await lk.lookup(r)
+        rows = lk.extend(r, n_objects * page)
+        pools.kv.tensor[:, rows] = 3
+        t0 = time.perf_counter()
+        await lk.insert(r, n_objects * page)
+        await lk.drain()
+        t_put = time.perf_counter() - t0
+        await lk.release(r)
+        lk.flush_device()
+        r = lk.request("r", tokens)
+        t0 = time.perf_counter()
+        await lk.lookup(r)
+        load = await lk.load(r)
+        assert load is not None
+        restored = await lk.commit(load)
+        t_get = time.perf_counter() - t0
+        assert restored == n_objects * page, restored
+        await lk.release(r)
+    return {"put": nbytes / t_put / 1e9, "get": nbytes / t_get / 1e9}
+
+
+def data_path(quick: bool, mooncake: str = "auto") -> list[dict[str, Any]]:
+    from .bench_store import measure_raw_vs_memcpy
+
+    rows: list[dict[str, Any]] = []
+    total = (128 if quick else 512) << 20
+    factories: list[tuple[str, Callable[[int], Any]]] = [("embedded", lambda cap: EmbeddedStore(cap))]
+    factories.extend(_mooncake_factories(mooncake))
+    for name, make in factories:
+        for object_bytes in (64 << 10, 1 << 20):
+            n = max(16, total // object_bytes)
+            raw = {(r["direction"]): r for r in measure_raw_vs_memcpy(
+                lambda: make(total * 3), object_bytes, n, repeats=3)}
+
+            async def _rt(make: Callable[[int], Any] = make, object_bytes: int = object_bytes,
+                          n: int = n) -> dict[str, float]:
+                store = await _maybe_await(make(total * 3))
+                try:
+                    return await runtime_transfer(store, object_bytes, n)
+                finally:
+                    await store.close()
+
+            best: dict[str, float] = {"put": 0.0, "get": 0.0}
+            for _ in range(3):
+                got = anyio.run(_rt)
+                best = {k: max(best[k], got[k]) for k in best}
+            for direction in ("put", "get"):
+                r = raw[direction]
+                rows.append({
+                    "store": name,
+                    "object_bytes": object_bytes,
+                    "direction": direction,
+                    "runtime_gbps": round(best[direction], 2),
+                    "raw_gbps": round(r["raw_gbps"], 2),
+                    "memcpy_gbps": round(r["memcpy_gbps"], 2),
+                    "runtime_vs_raw": round(best[direction] / r["raw_gbps"], 3) if r["raw_gbps"] else None,
+                })
+    return rows
+
+
+async def _maybe_await(x: Any) -> Any:
+    if hasattr(x, "__await__"):
+        return await x
+    return x
+
+
+def _mooncake_factories(mode: str) -> list[tuple[str, Callable[[int], Any]]]:
+    if mode == "no":
+        return []
+    try:
+        from .bench_mooncake import mooncake_factories
+    except ImportError:
+        if mode == "yes":
+            raise
+        return []
+    return mooncake_factories()
+
+
+def _print_data_path(rows: list[dict[str, Any]]) -> None:
+    from .report import format_table
+
+    print("\n== data path (GB/s; best of 3)")
+    print(format_table(rows, ["store", "object_bytes", "direction", "runtime_gbps", "raw_gbps",
+                              "memcpy_gbps", "runtime_vs_raw"]))
+
+
+def measure_torch_threads() -> int:
+    return torch.get_num_threads()

@@ -1,0 +1,281 @@
+"""``hylinker demo``: a multi-turn agentic conversation on the reference hybrid model.
+
+Every turn goes through the runtime (LOOKUP → LOAD → COMMIT → forward → INSERT → OFFLOAD)
+with the device tree flushed before it, so every cached token comes back from the store.
+Each turn is also recomputed from scratch on the same chunk schedule: the two must give the
+very same logprobs (max |Δ| = 0, KL = 0). A last request restores the final prompt with the
+recurrent state zeroed at COMMIT: that negative control must show (KL > 0).
+
+``--large`` replays a conversation of thousands of tokens (a long system prompt, tool
+results), where restoring the prefix beats recomputing it, and reports the time-to-first-token
+ratio recompute / restore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+HELP = "multi-turn agentic chat on the reference hybrid model; restores must be bit-exact"
+
+STORES = ("embedded", "mooncake")
+PAGE_SIZE = 16
+CHUNK_TOKENS = 64
+MIB = 1 << 20
+
+
+@attrs.frozen
+class ConversationShape:
+    """How long the conversation's parts are (tokens)."""
+
+    system_tokens: int
+    message_tokens: tuple[int, int]  # each turn's new user message / tool result: [lo, hi]
+    response_tokens: int  # greedy-decoded assistant reply appended after each turn
+    turns: int
+
+
+DEFAULT_SHAPE = ConversationShape(system_tokens=128, message_tokens=(48, 144), response_tokens=8, turns=4)
+LARGE_SHAPE = ConversationShape(system_tokens=2048, message_tokens=(96, 192), response_tokens=8, turns=3)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from .reference.models import DEFAULT_ARCH, SUPPORTED_ARCHS
+
+    parser.add_argument("--arch", default=DEFAULT_ARCH,
+                        help=f"transformers model type (tested: {', '.join(SUPPORTED_ARCHS)}; "
+                             f"default {DEFAULT_ARCH})")
+    parser.add_argument("--turns", type=int, default=None,
+                        help=f"conversation turns (default {DEFAULT_SHAPE.turns}, "
+                             f"{LARGE_SHAPE.turns} with --large)")
+    parser.add_argument("--store", choices=STORES, default="embedded",
+                        help="where offloaded prefixes live (mooncake starts a loopback master)")
+    parser.add_argument("--large", action="store_true",
+                        help=f"a conversation of thousands of tokens (a {LARGE_SHAPE.system_tokens}-"
+                             "token system prompt): restoring clearly beats recomputing")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the per-turn figures here")
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = LARGE_SHAPE if args.large else DEFAULT_SHAPE
+    if args.turns is not None:
+        if args.turns < 1:
+            print(f"hylinker demo: --turns must be at least 1, got {args.turns}", file=sys.stderr)
+            return 2
+        shape = attrs.evolve(shape, turns=args.turns)
+    import anyio
+
+    try:
+        report = anyio.run(_run_with_store, args.arch, args.store, shape, args.seed, args.large)
+    except DemoSetupError as exc:
+        print(f"hylinker demo: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    return 0 if report["passed"] else 1
+
+
+class DemoSetupError(RuntimeError):
+    """The demo cannot start (unknown model type, mooncake missing, ...)."""
+
+
+async def _run_with_store(arch: str, store_kind: str, shape: ConversationShape, seed: int,
+                          large: bool) -> dict[str, Any]:
+    from ..stores.base import Store
+    from .reference.models import UnsupportedModelError
+
+    store: Store
+    master: Any = None
+    if store_kind == "embedded":
+        from ..stores.embedded import EmbeddedStore
+
+        store = EmbeddedStore(256 * MIB)
+    else:
+        try:
+            from ..stores.mooncake import MooncakeConfig, MooncakeStore
+            from ..stores.mooncake_master import MooncakeMaster
+
+            master = MooncakeMaster().start()
+            store = await MooncakeStore.open(MooncakeConfig(
+                master_address=master.address, segment_bytes=128 * MIB, workers=2))
+        except (ImportError, OSError, RuntimeError) as exc:
+            if master is not None:
+                master.close()
+            raise DemoSetupError(f"cannot start the mooncake store: {exc}") from exc
+    try:
+        return await run_demo(arch, shape, store=store, store_name=store_kind, seed=seed, large=large)
+    except UnsupportedModelError as exc:
+        raise DemoSetupError(str(exc)) from exc
+    finally:
+        await store.close()
+        if master is not None:
+            master.close()
+
+
+def _messages(shape: ConversationShape, vocab: int, seed: int) -> list[list[int]]:
+    """Turn ``k``'s new tokens (turn 0 starts with the system prompt)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    lo, hi = shape.message_tokens
+    out: list[list[int]] = []
+    for k in range(shape.turns):
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        if k == 0:
+            n += shape.system_tokens
+        out.append(torch.randint(3, vocab, (n,), generator=gen).tolist())
+    return out
+
+
+async def run_demo(
+    arch: str,
+    shape: ConversationShape,
+    *,
+    store: Any,
+    store_name: str = "embedded",
+    seed: int = 0,
+    large: bool = False,
+    engine: Any = None,
+    out: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the conversation on ``store``; print the table; return the JSON report.
+
+    ``engine``: a prebuilt :class:`ReferenceEngine` (with a draft model) to reuse.
+    """
+    import torch
+
+    from ..components.mamba import restorable_ceiling
+    from ..components.pools import HybridPools
+    from ..runtime.linker import Linker
+    from .reference import ReferenceEngine, build_draft_model, build_model, kl_divergence, max_abs_diff
+    from .reference.runtime_engine import LinkedEngine
+    from .report import format_table
+
+    t_build = time.perf_counter()
+    if engine is None:
+        engine = ReferenceEngine(build_model(arch, seed=seed), build_draft_model(seed=seed + 1),
+                                 chunk_tokens=CHUNK_TOKENS)
+    # one short forward first: the first call into a model pays one-time setup, not prefill
+    engine.extend(engine.new_sequence(), [3] * 8)
+    build_s = time.perf_counter() - t_build
+    layout = engine.layout(page_size=PAGE_SIZE, chunk_size=CHUNK_TOKENS)
+    g = engine.geometry
+    vocab = int(engine.model.config.get_text_config().vocab_size)
+    messages = _messages(shape, vocab, seed)
+    longest = sum(len(m) for m in messages) + shape.response_tokens * shape.turns
+    pools = HybridPools(layout, kv_pages=2 * (-(-longest // PAGE_SIZE)) + 8, mamba_slots=8)
+    out(f"hylinker demo: {g.model_type} reference model ({g.num_layers} layers: "
+        f"{len(g.linear)} linear-attention, {len(g.full_layers)} full-attention) + "
+        f"{'a llama draft model' if engine.draft_model is not None else 'no draft model'}, "
+        f"fp32 CPU, built in {build_s:.1f}s")
+    out(f"store: {store_name}; page {layout.page_size} tokens, checkpoint grid {layout.grid}, "
+        f"chunk schedule {engine.chunk_tokens} tokens on the absolute grid")
+    out("the device tree is flushed before every turn: every cached token is restored from the store")
+
+    turns: list[dict[str, Any]] = []
+    donated: list[int] = []
+    history: list[int] = []
+    last_ref: torch.Tensor | None = None
+    async with Linker(layout, pools, store) as linker:
+        served = LinkedEngine(engine, linker)
+        for k, message in enumerate(messages):
+            prompt = history + message
+            await linker.drain()
+            linker.flush_device()
+            ceiling = restorable_ceiling(len(prompt), layout.grid)
+            expected = max((d for d in donated if d <= ceiling), default=0)
+            res = await served.prefill(f"turn{k + 1}", prompt)
+            t0 = time.perf_counter()
+            ref = served.recompute(prompt)
+            ttft_recompute = time.perf_counter() - t0
+            want = ref.logprobs[res.cached_tokens:]
+            draft_diff = None
+            if res.draft_logprobs is not None and ref.draft_logprobs is not None:
+                draft_diff = max_abs_diff(res.draft_logprobs, ref.draft_logprobs[res.cached_tokens:])
+            donated.extend(res.checkpoints)
+            reply, _ = engine.decode_greedy(res.sequence, shape.response_tokens)
+            history = prompt + reply
+            last_ref = ref.logprobs
+            turns.append({
+                "turn": k + 1,
+                "prompt_tokens": len(prompt),
+                "restored_tokens": res.restored_tokens,
+                "expected_restored_tokens": expected,
+                "recomputed_tokens": res.computed_tokens,
+                "max_abs_logprob_diff": max_abs_diff(res.logprobs, want),
+                "draft_max_abs_logprob_diff": draft_diff,
+                "kl": kl_divergence(want, res.logprobs),
+                "ttft_restore_s": res.ttft_s,
+                "ttft_recompute_s": ttft_recompute,
+            })
+        # negative control: the last prompt again, recurrent state zeroed at COMMIT
+        await linker.drain()
+        linker.flush_device()
+        neg = await served.prefill("negative-control", history[: turns[-1]["prompt_tokens"]],
+                                   linear_state="zero")
+        assert last_ref is not None
+        neg_kl = (kl_divergence(last_ref[neg.cached_tokens:], neg.logprobs)
+                  if neg.cached_tokens else None)
+        await linker.drain()
+        stats = linker.statistics()
+
+    rows = [{
+        **t,
+        "ttft_restore_ms": 1e3 * t["ttft_restore_s"],
+        "ttft_recompute_ms": 1e3 * t["ttft_recompute_s"],
+        "speedup": t["ttft_recompute_s"] / t["ttft_restore_s"],
+    } for t in turns]
+    out("")
+    out(format_table(rows, [
+        ("turn", "turn"), ("prompt_tokens", "prompt"), ("restored_tokens", "restored"),
+        ("expected_restored_tokens", "expected"), ("recomputed_tokens", "recomputed"),
+        ("ttft_restore_ms", "ttft restore ms"), ("ttft_recompute_ms", "ttft recompute ms"),
+        ("speedup", "recompute/restore"), ("max_abs_logprob_diff", "max|Δ logprob|"),
+        ("draft_max_abs_logprob_diff", "draft max|Δ|"), ("kl", "KL")]))
+    restored_turns = [t for t in turns if t["restored_tokens"] > 0]
+    ratio = None
+    if restored_turns:
+        ratio = (sum(t["ttft_recompute_s"] for t in restored_turns)
+                 / sum(t["ttft_restore_s"] for t in restored_turns))
+    out("")
+    if neg_kl is None:
+        out("negative control: nothing was restored, so it could not run")
+    else:
+        out(f"negative control (recurrent state zeroed at COMMIT, {neg.cached_tokens} tokens "
+            f"restored): KL = {neg_kl:.3e} -> {'detected' if neg_kl > 0 else 'NOT DETECTED'}")
+    if ratio is not None:
+        out(f"time to first token, recompute / restore over the {len(restored_turns)} turns that "
+            f"restored: {ratio:.2f}x")
+    out(f"store hits: {stats.store_hit_tokens} tokens; verify failures {stats.verify_failures}; "
+        f"offload failures {stats.offload_failures}")
+    exact = all(t["max_abs_logprob_diff"] == 0.0 and t["kl"] == 0.0
+                and t["draft_max_abs_logprob_diff"] in (None, 0.0) for t in turns)
+    restored_ok = all(t["restored_tokens"] == t["expected_restored_tokens"] for t in turns)
+    passed = exact and restored_ok and neg_kl is not None and neg_kl > 0
+    problems = [msg for ok, msg in (
+        (exact, "restored logprobs differ from the recompute"),
+        (restored_ok, "a turn restored fewer tokens than the store holds"),
+        (neg_kl is not None and neg_kl > 0, "the negative control was not detected"),
+    ) if not ok]
+    out("result: " + ("PASS (every restore bit-exact)" if passed else "FAIL: " + "; ".join(problems)))
+    return {
+        "arch": g.model_type,
+        "store": store_name,
+        "large": large,
+        "turns": [{key: t[key] for key in (
+            "prompt_tokens", "restored_tokens", "expected_restored_tokens", "recomputed_tokens",
+            "max_abs_logprob_diff", "draft_max_abs_logprob_diff", "kl", "ttft_restore_s",
+            "ttft_recompute_s")} for t in turns],
+        "negative_control_kl": neg_kl,
+        "ttft_ratio_recompute_over_restore": ratio,
+        "passed": passed,
+    }
