@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -46,6 +47,7 @@ from hylinker.tools.reference.runtime_engine import pool_views
 
 PAGE_SIZE = 16
 CHUNK_TOKENS = 64  # the linear-attention chunk; every checkpoint is a chunk end
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Frontend:
         self.views = pool_views(linker.pools)
         self.device = anyio.Lock()  # one forward at a time, as on one accelerator
 
-    async def _on_device(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    async def _on_device(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a forward off the event loop, so offloads and loads of others keep going."""
         async with self.device:
             return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
@@ -128,12 +130,15 @@ class Session:
     completions: list[Completion] = field(default_factory=list)
 
 
+SYSTEM_PROMPT = torch.randint(3, 512, (100,), generator=torch.Generator().manual_seed(99)).tolist()
+
+
 async def run_session_turns(frontend: Frontend, session: Session, turns: int,
-                            gen: torch.Generator, *, reply_tokens: int, first_turn: int) -> None:
+                            gen: torch.Generator, reply_tokens: int, first_turn: int) -> None:
     for k in range(turns):
         n = int(torch.randint(40, 120, (1,), generator=gen))
         message = torch.randint(3, 512, (n,), generator=gen).tolist()
-        prompt = session.history + message
+        prompt = (session.history or SYSTEM_PROMPT) + message
         done = await frontend.generate(f"{session.name}/turn{first_turn + k}", prompt, reply_tokens)
         session.completions.append(done)
         session.history = prompt + done.generated
@@ -146,15 +151,15 @@ async def serve(engine: ReferenceEngine, store: Store, *, sessions: int, turns: 
     layout = engine.layout(page_size=PAGE_SIZE, chunk_size=CHUNK_TOKENS)
     chats = [Session(f"s{i}") for i in range(sessions)]
     gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(sessions)]
-    kv_pages = sessions * ((turns + 1) * (120 + reply_tokens) // PAGE_SIZE + 2) * 2
+    longest = len(SYSTEM_PROMPT) + (turns + 1) * (120 + reply_tokens)
+    kv_pages = 2 * sessions * (longest // PAGE_SIZE + 2)
     for replica, n_turns, first in (("A", turns, 1), ("B", 1, turns + 1)):
         pools = HybridPools(layout, kv_pages=kv_pages, mamba_slots=4 * sessions)
         async with Linker(layout, pools, store) as linker:
             frontend = Frontend(engine, linker)
             async with anyio.create_task_group() as tg:
                 for chat, gen in zip(chats, gens):
-                    tg.start_soon(lambda c=chat, g=gen: run_session_turns(
-                        frontend, c, n_turns, g, reply_tokens=reply_tokens, first_turn=first))
+                    tg.start_soon(run_session_turns, frontend, chat, n_turns, gen, reply_tokens, first)
             await linker.drain()  # every offload acknowledged before the replica goes away
             linker.check_idle()
             s = linker.statistics()
@@ -179,20 +184,29 @@ def check_against_recompute(engine: ReferenceEngine, chats: list[Session]) -> li
     return problems
 
 
-async def main_async(arch: str, sessions: int, turns: int, seed: int = 0) -> tuple[list[Session], list[str]]:
+@dataclass
+class ServingRun:
+    engine: ReferenceEngine
+    chats: list[Session]
+    problems: list[str]  # completions that differ from the run without the cache
+
+
+async def main_async(arch: str, sessions: int, turns: int, seed: int = 0) -> ServingRun:
     t0 = time.perf_counter()
     engine = ReferenceEngine(build_model(arch, seed=seed), build_draft_model(seed=seed + 1),
                              chunk_tokens=CHUNK_TOKENS)
     print(f"{arch} reference model + draft built in {time.perf_counter() - t0:.1f}s")
-    async with EmbeddedStore(64 << 20) as store:
+    store = EmbeddedStore(64 << 20)  # in-process; a MooncakeStore spans machines
+    try:
         chats = await serve(engine, store, sessions=sessions, turns=turns, seed=seed)
+    finally:
+        await store.close()
     print(f"{'request':<12} {'prompt':>6} {'device':>6} {'store':>6} {'computed':>8}")
     for chat in chats:
         for c in chat.completions:
             print(f"{c.request_id:<12} {len(c.prompt):>6} {c.device_tokens:>6} "
                   f"{c.restored_tokens:>6} {len(c.prompt) - c.cached_tokens:>8}")
-    problems = check_against_recompute(engine, chats)
-    return chats, problems
+    return ServingRun(engine, chats, check_against_recompute(engine, chats))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sessions < 1 or args.turns < 1:
         parser.error("--sessions and --turns must be at least 1")
-    _, problems = anyio.run(main_async, args.arch, args.sessions, args.turns, args.seed)
+    problems = anyio.run(main_async, args.arch, args.sessions, args.turns, args.seed).problems
     if problems:
         print("MISMATCH:\n  " + "\n  ".join(problems))
         return 1

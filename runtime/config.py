@@ -19,9 +19,11 @@ class LinkerConfig:
     #: jobs each pool actor queues per direction before submitters wait
     queue_depth: int = attrs.field(default=64, validator=_positive)
     #: host staging bytes per pool actor and direction (at least one object is always kept)
-    staging_bytes_per_pool: int = attrs.field(default=64 << 20, validator=_positive)
+    staging_bytes_per_pool: int = attrs.field(default=16 << 20, validator=_positive)
     #: worker threads for gather/scatter copies
     copy_threads: int = attrs.field(default=2, validator=_positive)
+    #: host sub-batches up to this many bytes are copied on the event loop (no thread hop)
+    inline_copy_bytes: int = attrs.field(default=4 << 20, validator=_positive)
     #: write new nodes through to the store after insert
     offload: bool = True
     #: skip an offload that carries a state while queued states hold >= this share of the pool

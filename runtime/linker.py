@@ -170,7 +170,8 @@ class Linker:
             frames = max(1, self.config.staging_bytes_per_pool // max(1, codec.payload_bytes + 64))
             self.actors[kind] = PoolActor(
                 kind, codec, store, layout, staging_frames=frames, queue_depth=self.config.queue_depth,
-                latency=self.latency, thread_limiter=self._limiter)
+                latency=self.latency, thread_limiter=self._limiter,
+                inline_bytes=self.config.inline_copy_bytes)
         self._requests: dict[str, Request] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._offloads_in_flight = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Generic, TypeVar
 
 import anyio
@@ -35,6 +36,7 @@ from .statistics import PoolActorStatistics, QueueStatistics
 from .tracing import trace
 
 T = TypeVar("T")
+_FRAME_FAULTS = frozenset(f.value for f in framing.FrameFault)
 
 
 class Completion(Generic[T]):
@@ -179,6 +181,7 @@ class PoolActor:
         queue_depth: int,
         latency: LatencyMonitor,
         thread_limiter: anyio.CapacityLimiter,
+        inline_bytes: int = 1 << 20,
     ) -> None:
         from .transfer import PoolCodec
 
@@ -192,9 +195,12 @@ class PoolActor:
         # 64-byte aligned frames; one arena per direction so loads never wait for offloads
         stride = -(-self.frame_bytes // 64) * 64
         self.stride = stride
-        self.frames = max(1, staging_frames)
+        self.frames = max(2, staging_frames)
+        # objects per sub-batch: two halves, double buffered; ~8 MiB keeps the pipeline busy
+        self.batch = max(1, min(self.frames // 2, (8 << 20) // stride))
+        # filled once here so first use does not pay page faults on the hot path
         self._arenas = {
-            d: torch.zeros(self.frames * stride, dtype=torch.uint8) for d in ("offload", "load")
+            d: torch.empty(self.frames * stride, dtype=torch.uint8).fill_(0) for d in ("offload", "load")
         }
         for arena in self._arenas.values():
             store.register(arena)
@@ -202,6 +208,7 @@ class PoolActor:
         self.load_q = _Queue(queue_depth)
         self.latency = latency
         self.limiter = thread_limiter
+        self.inline_bytes = inline_bytes
         self.pending_states = 0
         self._c = dict(objects_offloaded=0, objects_already_stored=0, bytes_offloaded=0,
                        offload_failures=0, objects_loaded=0, bytes_loaded=0, load_misses=0,
@@ -258,35 +265,60 @@ class PoolActor:
                 finally:
                     self.load_q.depth -= 1
 
-    def _views(self, direction: str, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _views(self, direction: str, half: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Frames of one half of a direction's arena (double buffering)."""
         arena = self._arenas[direction]
-        grid = arena[: n * self.stride].view(n, self.stride)
-        frames = [arena[i * self.stride: i * self.stride + self.frame_bytes] for i in range(n)]
+        base = half * self.batch * self.stride
+        grid = arena[base: base + n * self.stride].view(n, self.stride)
+        frames = [arena[base + i * self.stride: base + i * self.stride + self.frame_bytes] for i in range(n)]
         return grid, frames
 
+    def _inline(self, batch: tuple[int, int]) -> bool:
+        """Small host copies run on the loop: two thread hops cost more than the copy."""
+        return self.codec.device.type == "cpu" and (batch[1] - batch[0]) * self.frame_bytes <= self.inline_bytes
+
+    def _batches(self, n: int) -> list[tuple[int, int]]:
+        return [(lo, min(n, lo + self.batch)) for lo in range(0, n, self.batch)]
+
     async def _offload(self, job: TransferJob) -> OffloadResult:
+        """Gather + frame sub-batch k in a thread while sub-batch k-1 is being put."""
         await wait_fence(job.fence)
-        outcomes: list[Outcome] = []
         t0 = time.perf_counter()
-        for lo in range(0, len(job.keys), self.frames):
-            keys = job.keys[lo: lo + self.frames]
-            index = job.index[lo: lo + self.frames]
-            grid, frames = self._views("offload", len(keys))
+        batches = self._batches(len(job.keys))
+        results: list[list[Outcome]] = [[] for _ in batches]
 
-            def pack(keys: list[str] = keys, index: torch.Tensor = index,
-                     grid: torch.Tensor = grid, frames: list[torch.Tensor] = frames) -> None:
-                self.codec.gather(index, grid[:, framing.HEADER_BYTES: self.frame_bytes])
-                for k, f in zip(keys, frames):
-                    framing.seal(f, k, self.fingerprint)
+        def pack(k: int) -> list[torch.Tensor]:
+            lo, hi = batches[k]
+            grid, frames = self._views("offload", k % 2, hi - lo)
+            self.codec.gather(job.index[lo:hi], grid[:, framing.HEADER_BYTES: self.frame_bytes])
+            for key, f in zip(job.keys[lo:hi], frames):
+                framing.seal(f, key, self.fingerprint)
+            return frames
 
-            await anyio.to_thread.run_sync(pack, limiter=self.limiter)
+        async def put(k: int, frames: list[torch.Tensor]) -> None:
+            lo, hi = batches[k]
             start = time.perf_counter()
             try:
-                got = await self.store.put(keys, frames)
+                results[k] = await self.store.put(job.keys[lo:hi], frames)
             except StoreError:
-                got = [Outcome.UNREACHABLE] * len(keys)
+                results[k] = [Outcome.UNREACHABLE] * (hi - lo)
             self.latency.observe(time.perf_counter() - start)
-            outcomes.extend(got)
+
+        ready: tuple[int, list[torch.Tensor]] | None = None
+        for k in range(len(batches)):
+            if self._inline(batches[k]):
+                frames = pack(k)  # small: cheaper than two thread hops
+                if ready is not None:
+                    await put(*ready)
+            else:
+                async with anyio.create_task_group() as tg:
+                    if ready is not None:
+                        tg.start_soon(put, *ready)
+                    frames = await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
+            ready = (k, frames)
+        if ready is not None:
+            await put(*ready)
+        outcomes = [o for r in results for o in r]
         for o in outcomes:
             if o is Outcome.OK:
                 self._c["objects_offloaded"] += 1
@@ -301,56 +333,71 @@ class PoolActor:
         return OffloadResult(outcomes)
 
     async def _load(self, job: TransferJob) -> LoadResult:
-        ok: list[bool] = []
+        """Get sub-batch k while sub-batch k-1 is verified and scattered in a thread."""
         faults: dict[str, int] = {}
         t0 = time.perf_counter()
-        for lo in range(0, len(job.keys), self.frames):
-            keys = job.keys[lo: lo + self.frames]
-            index = job.index[lo: lo + self.frames]
-            grid, frames = self._views("load", len(keys))
+        batches = self._batches(len(job.keys))
+        good: list[list[bool]] = [[] for _ in batches]
+
+        def unpack(k: int, results: list[GetResult]) -> None:
+            lo, hi = batches[k]
+            grid, frames = self._views("load", k % 2, hi - lo)
+            ok: list[bool] = []
+            for key, f, r in zip(job.keys[lo:hi], frames, results):
+                if r.outcome is not Outcome.OK:
+                    faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
+                    ok.append(False)
+                    continue
+                try:
+                    framing.verify(f, r.nbytes, key, self.fingerprint)
+                except framing.FrameError as exc:
+                    faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
+                    ok.append(False)
+                    continue
+                ok.append(True)
+            index = job.index[lo:hi]
+            sel = [i for i, g in enumerate(ok) if g]
+            if len(sel) == len(ok):
+                last = k == len(batches) - 1
+                self.codec.scatter(grid[:, framing.HEADER_BYTES: self.frame_bytes], index,
+                                   job.on_layer if last else None)
+            elif sel:
+                pick = torch.tensor(sel, dtype=torch.int64)
+                self.codec.scatter(grid[pick, framing.HEADER_BYTES: self.frame_bytes], index[pick], None)
+            good[k] = ok
+
+        async def get(k: int) -> list[GetResult]:
+            lo, hi = batches[k]
+            _, frames = self._views("load", k % 2, hi - lo)
             start = time.perf_counter()
             try:
-                results = await self.store.get(keys, frames)
+                results = await self.store.get(job.keys[lo:hi], frames)
             except StoreError:
-                results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
+                results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
             self.latency.observe(time.perf_counter() - start)
+            return results
 
-            on_layer = job.on_layer if lo + len(keys) >= len(job.keys) else None
-
-            def unpack(keys: list[str] = keys, index: torch.Tensor = index,
-                       grid: torch.Tensor = grid, frames: list[torch.Tensor] = frames,
-                       results: list[GetResult] = results,
-                       on_layer: Callable[[int], None] | None = on_layer) -> list[bool]:
-                good: list[bool] = []
-                for k, f, r in zip(keys, frames, results):
-                    if r.outcome is not Outcome.OK:
-                        faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
-                        good.append(False)
-                        continue
-                    try:
-                        framing.verify(f, r.nbytes, k, self.fingerprint)
-                    except framing.FrameError as exc:
-                        faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
-                        good.append(False)
-                        continue
-                    good.append(True)
-                sel = [i for i, g in enumerate(good) if g]
-                if sel:
-                    if len(sel) == len(good):
-                        self.codec.scatter(grid[:, framing.HEADER_BYTES: self.frame_bytes], index,
-                                           on_layer)
+        landed: tuple[int, list[GetResult]] | None = None
+        for k in range(len(batches)):
+            async with anyio.create_task_group() as tg:
+                if landed is not None:
+                    if self._inline(batches[landed[0]]):
+                        unpack(*landed)
                     else:
-                        pick = torch.tensor(sel, dtype=torch.int64)
-                        self.codec.scatter(grid[pick, framing.HEADER_BYTES: self.frame_bytes],
-                                           index[pick], None)
-                return good
-
-            ok.extend(await anyio.to_thread.run_sync(unpack, limiter=self.limiter))
+                        tg.start_soon(partial(anyio.to_thread.run_sync, unpack, *landed, limiter=self.limiter))
+                results = await get(k)
+            landed = (k, results)
+        if landed is not None:
+            if self._inline(batches[landed[0]]):
+                unpack(*landed)
+            else:
+                await anyio.to_thread.run_sync(unpack, *landed, limiter=self.limiter)
+        ok = [g for batch in good for g in batch]
         n_ok = sum(ok)
         self._c["objects_loaded"] += n_ok
         self._c["bytes_loaded"] += n_ok * self.frame_bytes
         self._c["load_misses"] += faults.get(Outcome.MISSING.value, 0)
-        verify = sum(v for k, v in faults.items() if k in {f.value for f in framing.FrameFault})
+        verify = sum(v for k, v in faults.items() if k in _FRAME_FAULTS)
         self._c["verify_failures"] += verify
         self._c["load_failures"] += len(ok) - n_ok - faults.get(Outcome.MISSING.value, 0) - verify
         trace("load", pool=self.kind.value, request_id=job.request_id, objects=len(job.keys),

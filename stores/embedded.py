@@ -53,7 +53,7 @@ SLOT_ALIGN = 64
 """Slot sizes are multiples of this many bytes (keeps every object 64-byte aligned)."""
 
 DEFAULT_CHUNK_BYTES = 16 << 20
-DEFAULT_THREAD_THRESHOLD_BYTES = 1 << 20
+DEFAULT_THREAD_THRESHOLD_BYTES = 4 << 20
 
 _log = structlog.get_logger(__name__)
 

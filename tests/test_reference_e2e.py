@@ -38,7 +38,7 @@ from hylinker.tools.reference.runtime_engine import LinkedEngine, PrefillResult,
 
 PAGE = 16
 PROMPT_LEN = 250  # ceiling 192 on the 64-token grid; the prefill donates at 192
-TURN2_NEW = 150  # new user tokens of the second turn
+TURN2_NEW = 80  # new user tokens of the second turn
 DECODE = 3
 KV_PAGES = 96
 SLOTS = 12
@@ -245,3 +245,36 @@ async def test_engine_and_layout_must_agree(kimi: Oracle) -> None:
                 await LinkedEngine(kimi.engine, linker).prefill("empty", [])
     finally:
         await store.close()
+
+
+async def test_demo_conversation_is_exact(kimi: Oracle) -> None:
+    from hylinker.tools.demo import ConversationShape, run_demo
+
+    lines: list[str] = []
+    store = EmbeddedStore(64 << 20)
+    try:
+        report = await run_demo("kimi_linear", ConversationShape(64, (40, 60), 4, 2),
+                                store=store, engine=kimi.engine, warmup=False, out=lines.append)
+    finally:
+        await store.close()
+    assert report["passed"], "\n".join(lines)
+    first, second = report["turns"]
+    assert first["restored_tokens"] == 0
+    assert second["restored_tokens"] == second["expected_restored_tokens"] == \
+        first["prompt_tokens"] // 64 * 64 > 0
+    assert all(t["max_abs_logprob_diff"] == 0.0 and t["kl"] == 0.0 for t in report["turns"])
+    assert report["negative_control_kl"] > 0
+    assert any("flushed before every turn" in line for line in lines)
+    assert lines[-1].startswith("result: PASS")
+
+
+def test_demo_cli_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from hylinker.tools.cli import build_parser, main
+
+    args = build_parser().parse_args(
+        ["demo", "--arch", "qwen3_next", "--store", "mooncake", "--large", "--turns", "2",
+         "--json", "out.json"])
+    assert (args.arch, args.store, args.large, args.turns, args.json) == (
+        "qwen3_next", "mooncake", True, 2, "out.json")
+    assert main(["demo", "--turns", "0"]) == 2
+    assert "--turns must be at least 1" in capsys.readouterr().err

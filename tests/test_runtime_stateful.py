@@ -256,41 +256,44 @@ class LinkerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.linker is not None and len(self.open) < MAX_OPEN)
     @rule(base=st.integers(0, len(BASES) - 1), cut=st.sampled_from([16, 24, 40, 48]),
-          tail=st.lists(st.integers(1, 9), max_size=6), restore=st.sampled_from(["commit", "abort"]),
-          drain=st.booleans(), cold=st.booleans())
-    def serve(self, base: int, cut: int, tail: list[int], restore: str, drain: bool,
+          tails=st.lists(st.lists(st.integers(1, 9), max_size=6), min_size=1, max_size=3),
+          restore=st.sampled_from(["commit", "abort"]), drain=st.booleans(),
+          cold=st.booleans())
+    def serve(self, base: int, cut: int, tails: list[list[int]], restore: str, drain: bool,
               cold: bool) -> None:
-        """One whole request: lookup, restore (commit or abort), prefill, release. ``cold``:
-        the device evicted everything it could first (the store has to serve the prefix)."""
-        tokens = np.concatenate([BASES[base][:cut], np.array(tail, dtype=np.int32)])
-        self.ids += 1
-        rid = f"s{self.ids}"
+        """Up to three concurrent whole requests sharing a prefix: lookup, restore (commit or
+        abort), prefill, release. ``cold``: the device first evicted everything it could, so
+        the store has to serve the prefix (and concurrent restores of it race at COMMIT)."""
+        lk = self.linker
 
-        async def serve() -> tuple[Request, int]:
-            lk = self.linker
-            if cold:
-                lk.tree.tree.evict_states(SLOTS)
-                lk.tree.tree.evict_pages(KV_PAGES)
+        async def one(rid: str, tokens: np.ndarray) -> None:
             async with lk.session(rid, tokens) as req:
                 await lk.lookup(req)
-                restored = 0
                 load = await lk.load(req)
                 if load is not None:
                     if restore == "commit":
-                        restored = await lk.commit(load)
+                        await lk.commit(load)
                     else:
                         await lk.abort(load)
                 problems = self.content.prefix_problems(lk, req)
                 assert problems == [], f"{rid}: wrong restored content {problems}"
                 with contextlib.suppress(PoolExhaustedError):
                     await synthetic_prefill(lk, self.content, req)
+            assert req.released
+
+        async def serve() -> None:
+            if cold:
+                lk.tree.tree.evict_states(SLOTS)
+                lk.tree.tree.evict_pages(KV_PAGES)
+            async with anyio.create_task_group() as tg:
+                for tail in tails:
+                    self.ids += 1
+                    tokens = np.concatenate([BASES[base][:cut], np.array(tail, dtype=np.int32)])
+                    tg.start_soon(one, f"s{self.ids}", tokens)
             if drain:
                 await lk.drain()
-            return req, restored
 
-        req, restored = self._call(serve)
-        assert req.released
-        self.restored += bool(restored)
+        self._call(serve)
 
     @precondition(lambda self: self.linker is not None)
     @rule()

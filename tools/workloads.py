@@ -286,6 +286,7 @@ def synthetic_agentic(
     tool_result_tokens: tuple[int, int] = (64, 1024),
     mean_turns: float = 6.0,
     branch_probability: float = 0.15,
+    max_branches: int = 4,
     long_context_probability: float = 0.1,
     long_context_tokens: tuple[int, int] = (16384, 65536),
     max_prompt_tokens: int = 131072,
@@ -301,7 +302,8 @@ def synthetic_agentic(
     long document after it, then a user message. Every next turn is the previous prompt + the
     previous output + new text (a user message, or a tool result when the session forks).
     With ``branch_probability`` a turn forks into two continuations (parallel tool calls) that
-    share everything up to and including the output that issued them. Turns of one branch
+    share everything up to and including the output that issued them (at most
+    ``max_branches`` branches per session, so the fork process stays finite). Turns of one branch
     follow each other after an exponential think time (mean ``mean_think_s``); a branch ends
     after a geometric number of turns (mean ``mean_turns``) or when its prompt would exceed
     ``max_prompt_tokens``. ``scale`` multiplies every token size, so ``scale=0.05`` makes a
@@ -320,6 +322,8 @@ def synthetic_agentic(
                     ("long_context_probability", long_context_probability)):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"{name} must lie in [0, 1], got {p}")
+    if max_branches < 1:
+        raise ValueError(f"max_branches must be >= 1, got {max_branches}")
     if not mean_turns >= 1.0:
         raise ValueError(f"mean_turns must be >= 1, got {mean_turns}")
     if not (session_rate > 0 and math.isfinite(session_rate)):
@@ -381,7 +385,7 @@ def synthetic_agentic(
                     break
                 after = prompt.extended(out)
                 arrival += float(rng.exponential(mean_think_s)) if mean_think_s > 0 else 0.0
-                if rng.random() < branch_probability:
+                if rng.random() < branch_probability and n_branches < max_branches:
                     # Two parallel tool calls: both continue from the same prefix.
                     fork = after.extended(new_segment(tool_result_tokens))
                     if fork.length <= max_prompt_tokens:
