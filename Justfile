@@ -9,7 +9,8 @@ setup:
 
 # the main job: a stress run through the whole runtime on the embedded store (~1 minute)
 run *ARGS: setup
-    {{py}} -m hylinker stress --store embedded {{ARGS}}
+    mkdir -p bench-results
+    {{py}} -m hylinker stress --store embedded --json bench-results/stress.json --plot bench-results/stress.png {{ARGS}}
 
 # the whole test suite, slow suites and the real Mooncake master included
 test *ARGS: setup

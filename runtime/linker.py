@@ -480,6 +480,10 @@ class Linker:
         req.prefix_pages = node.end_page
         req.rows = torch.cat([self.tree.tree.path_rows(node), own])
         req.state_source = node.mamba_slot
+        # the store probe was relative to the old prefix: a later load must not chain its
+        # keys onto the new one (that would insert a path of keys no prompt has)
+        req.store_pages = 0
+        req.store_keys = []
 
     # ---- the forward's resources -------------------------------------------------------
     def extend(self, req: Request, n_tokens: int) -> torch.Tensor:

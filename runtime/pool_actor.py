@@ -197,7 +197,7 @@ class PoolActor:
         self.stride = stride
         self.frames = max(2, staging_frames)
         # objects per sub-batch: two halves, double buffered; ~8 MiB keeps the pipeline busy
-        self.batch = max(1, min(self.frames // 2, (8 << 20) // stride))
+        self.batch = max(1, min(self.frames // 2, (32 << 20) // stride))
         # filled once here so first use does not pay page faults on the hot path
         self._arenas = {
             d: torch.empty(self.frames * stride, dtype=torch.uint8).fill_(0) for d in ("offload", "load")

@@ -16,6 +16,7 @@ import math
 import anyio
 import attrs
 import numpy as np
+
 from hylinker.components.pools import HybridPools
 from hylinker.runtime.config import LinkerConfig
 from hylinker.runtime.linker import Linker

@@ -8,6 +8,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
+
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
 from hylinker.runtime.config import LinkerConfig

@@ -16,6 +16,7 @@ import anyio
 import attrs
 import numpy as np
 import pytest
+
 from hylinker.components.keys import object_key, page_keys
 from hylinker.components.layout import ModelLayout, PoolKind
 from hylinker.components.pools import HybridPools
@@ -727,3 +728,27 @@ async def test_close_drains_offloads_before_releasing_locks() -> None:
         assert node.stored == ALL_POOLS
         with pytest.raises(PhaseError):
             lk.request("late", p)
+
+
+async def test_a_second_load_after_commit_is_a_plain_miss() -> None:
+    """The store probe is relative to the prefix at lookup: once COMMIT (or an insert) moved
+    the prefix, a further load must not chain the old store keys onto the new prefix."""
+    p = prompt(49, seed=25)
+    async with harness() as env:
+        await donate(env, p[:17])  # states at 16 and 48 in the store
+        await donate(env, p)
+        env.linker.flush_device()
+        req, hit = await open_request(env, p)
+        assert hit.store_tokens == 48
+        load = await env.linker.load(req)
+        assert load is not None and await env.linker.commit(load) == 48
+        assert await env.linker.load(req) is None
+        assert req.prefix_tokens == 48
+        assert env.linker.tree.tree.statistics().pages == 12
+        await env.linker.release(req)
+
+        req, hit = await open_request(env, p[:17])  # the device has no state at 16: the store
+        assert (hit.device_tokens, hit.store_tokens) == (0, 16)
+        await synthetic_prefill(env.linker, env.content, req)  # recompute, insert at 16
+        assert await env.linker.load(req) is None
+        await env.linker.release(req)

@@ -27,14 +27,6 @@ import anyio
 import anyio.from_thread
 import attrs
 import numpy as np
-from hylinker.components.pools import HybridPools
-from hylinker.components.radix import Node
-from hylinker.runtime.config import LinkerConfig
-from hylinker.runtime.linker import LoadHandle, Request
-from hylinker.runtime.tree_actor import PoolExhaustedError
-from hylinker.stores.embedded import EmbeddedStore
-from hylinker.stores.faulty import FaultPlan, FaultyStore
-from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout, synthetic_prefill
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -45,12 +37,20 @@ from hypothesis.stateful import (
     rule,
 )
 
+from hylinker.components.pools import HybridPools
+from hylinker.components.radix import Node
+from hylinker.runtime.config import LinkerConfig
+from hylinker.runtime.linker import LoadHandle, Request
+from hylinker.runtime.tree_actor import PoolExhaustedError
+from hylinker.stores.embedded import EmbeddedStore
+from hylinker.stores.faulty import FaultPlan, FaultyStore
+from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout, synthetic_prefill
+
 LAYOUT = small_hybrid_layout()  # P = 4, G = 8
 P = LAYOUT.page_size
 KV_PAGES = 40
 SLOTS = 10
 MAX_OPEN = 5
-SEEN: list[Any] = []
 BASES = [np.random.default_rng(100 + i).integers(1, 500, size=48).astype(np.int32) for i in range(3)]
 
 plans = st.builds(
@@ -79,7 +79,6 @@ class LinkerMachine(RuleBasedStateMachine):
         self.portal = self._portal_cm.__enter__()
         self.open: dict[str, Open] = {}
         self.ids = 0
-        self.restored = 0
         self.linker: Any = None
 
     # ---- set-up / tear-down ------------------------------------------------------------
@@ -98,19 +97,25 @@ class LinkerMachine(RuleBasedStateMachine):
         self._linker_cm.__enter__()
 
     def teardown(self) -> None:
+        error: BaseException | None = None
         try:
             if self.linker is not None:
-                for rid in list(self.open):
-                    self._release(rid)
-                self.portal.call(self.linker.drain)
-                self.portal.call(self._check_quiet)
-                SEEN.append(self.linker.statistics())
-                self._linker_cm.__exit__(None, None, None)
+                try:
+                    for rid in list(self.open):
+                        self._release(rid)
+                    self.portal.call(self.linker.drain)
+                    self.portal.call(self._check_quiet)
+                finally:
+                    self._linker_cm.__exit__(None, None, None)
                 self.linker.flush_device()
                 self.pools.check_idle()
                 self.portal.call(self.inner.close)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            self._portal_cm.__exit__(None, None, None)
+            # on a failure, cancel whatever is left so a failing example never hangs
+            self._portal_cm.__exit__(type(error) if error else None, error, None)
 
     def _check_quiet(self) -> None:
         lk = self.linker
@@ -210,7 +215,6 @@ class LinkerMachine(RuleBasedStateMachine):
         n = self._call(self.linker.commit, o.load)
         assert o.load.finished
         if n:
-            self.restored += 1
             assert o.req.prefix_tokens == before + n
             self._prefix_ok(o.req)
         else:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from hylinker.components.pools import HybridPools
 from hylinker.runtime.config import LinkerConfig
 from hylinker.runtime.linker import Linker

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "stress": "stress",
     "demo": "demo",
     "bench": "bench",
+    "study": "studies",
     "mooncake": "mooncake_cli",
 }
 

@@ -154,12 +154,14 @@ class StressConfig:
     preset: str = "kimi"
     page_size: int = 64
     chunk_size: int = 64
-    kv_pages: int = 16384
-    mamba_slots: int = 96
+    kv_pages: int = 4096
+    mamba_slots: int = 48
     concurrency: int = 8
     time_scale: float = 0.0  # 0: as fast as possible
     touch: bool = True
-    policy: str = "end"
+    policy: str = "marconi"
+    #: prefix granularity of the workload (512 for Mooncake traces: sharing is known per block)
+    block_tokens: int = 0
     seed: int = 0
     linker: LinkerConfig = attrs.field(factory=LinkerConfig)
 
@@ -186,6 +188,8 @@ class StressRun:
             "restore_mismatches", "alloc_failures", "checkpoints_donated", "recomputed_loads")}
         self.hits_over_time: list[tuple[float, float]] = []
         self.seen_pages: set[bytes] = set()
+        #: (request id, prompt tokens, device hit tokens, store tokens found by lookup)
+        self.per_request: list[tuple[str, int, int, int]] = []
         self.lags: list[float] = []
 
     async def run(self, show_progress: bool = True) -> StressResult:
@@ -260,6 +264,7 @@ class StressRun:
             hit = await lk.lookup(req)
             self.lat["lookup"].append(time.perf_counter() - t0)
             self.c["device_hit_tokens"] += hit.device_tokens
+            self.per_request.append((wr.request_id, L, hit.device_tokens, hit.store_tokens))
             if hit.store_tokens:
                 t0 = time.perf_counter()
                 load = await lk.load(req)
@@ -302,6 +307,10 @@ class StressRun:
         if self.cfg.policy == "grid":
             return list(range(prefix + G, end + 1, G))
         depths = {end}
+        if end == L and end - G > prefix:
+            # a prompt ending on the grid restores at most L - G (one token must run): donate
+            # there too, or resubmitting the same prompt could restore nothing
+            depths.add(end - G)
         if self.cfg.policy == "marconi":
             # the branch point: where this prompt leaves every earlier prompt
             shared = 0
@@ -310,6 +319,11 @@ class StressRun:
             branch = shared * self.layout.page_size // G * G
             if prefix < branch < end:
                 depths.add(branch)
+            # the end of the turn, as far as the workload can share it: its last whole block
+            if self.cfg.block_tokens:
+                last_block = L // self.cfg.block_tokens * self.cfg.block_tokens // G * G
+                if prefix < last_block < end:
+                    depths.add(last_block)
         return sorted(depths)
 
     async def _forward(self, lk: Linker, req: Request, keys: list[bytes]) -> None:
@@ -407,10 +421,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", choices=PRESETS, default="kimi")
     g.add_argument("--page-size", type=int, default=64)
     g.add_argument("--chunk-size", type=int, default=64)
-    g.add_argument("--kv-pages", type=int, default=16384, help="device KV pool, in pages")
-    g.add_argument("--mamba-slots", type=int, default=96, help="device state pool, in slots")
+    g.add_argument("--kv-pages", type=int, default=4096, help="device KV pool, in pages")
+    g.add_argument("--mamba-slots", type=int, default=48, help="device state pool, in slots")
     g.add_argument("--concurrency", type=int, default=8)
-    g.add_argument("--policy", choices=POLICIES, default="end",
+    g.add_argument("--policy", choices=POLICIES, default="marconi",
                    help="checkpoint admission: end of prefill / + branch points / every grid boundary")
     s = parser.add_argument_group("store")
     s.add_argument("--store", choices=("embedded", "mooncake"), default="embedded")
@@ -435,7 +449,7 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
             raise SystemExit(f"stress: trace file not found: {args.trace}")
         reqs = read_mooncake_trace(args.trace, first_n=args.requests, time_scale=1.0)
     else:
-        reqs = synthetic_agentic(args.requests or 400, seed=args.seed, scale=args.synthetic_scale)
+        reqs = synthetic_agentic(args.requests or 2500, seed=args.seed, scale=args.synthetic_scale)
     return reqs
 
 
@@ -471,6 +485,7 @@ async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) 
         preset=args.preset, page_size=args.page_size, chunk_size=args.chunk_size,
         kv_pages=args.kv_pages, mamba_slots=args.mamba_slots, concurrency=args.concurrency,
         time_scale=args.time_scale, touch=args.touch, policy=args.policy, seed=args.seed,
+        block_tokens=512 if args.trace is not None else 0,
         linker=LinkerConfig(mamba_backpressure=not args.no_mamba_backpressure),
     )
     try:

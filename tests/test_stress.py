@@ -1,0 +1,97 @@
+"""The stress tool end to end: real runtime, real stores, synthetic forward, every restore checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hylinker.tools.cli import main
+from hylinker.tools.stress import Content, preset_layout
+from hylinker.components.pools import HybridPools
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+SUMMARY_KEYS = {
+    "requests", "prompt_tokens", "device_hit_tokens", "store_hit_tokens", "hit_rate",
+    "bound_hit_rate", "restores_verified", "restore_mismatches", "leaked_rows", "leaked_slots",
+    "locked_nodes_at_end", "offloads_skipped", "offloads_dropped", "bytes_offloaded",
+    "bytes_loaded", "latency_ms", "loop_lag_ms",
+}
+
+
+def _run(tmp_path: Path, *extra: str) -> dict[str, object]:
+    out = tmp_path / "stress.json"
+    rc = main(["stress", "--no-progress", "--json", str(out), *extra])
+    summary = json.loads(out.read_text())
+    assert rc == 0, summary
+    return summary
+
+
+def _assert_clean(s: dict[str, object]) -> None:
+    assert s["restore_mismatches"] == 0
+    assert s["leaked_rows"] == 0
+    assert s["leaked_slots"] == 0
+    assert s["locked_nodes_at_end"] == 0
+    assert s["idle_check_failed"] == 0
+
+
+def test_short_stress_with_faults_is_exact_and_leak_free(tmp_path: Path) -> None:
+    s = _run(tmp_path, "--requests", "120", "--synthetic-scale", "0.1", "--kv-pages", "1024",
+             "--mamba-slots", "24", "--fault-rate", "0.05", "--seed", "3")
+    assert SUMMARY_KEYS <= set(s)
+    _assert_clean(s)
+    # the run really used the store and really met faults
+    assert s["store_hit_tokens"] > 0
+    assert s["restores_verified"] > 0
+    assert s["dropped_loads"] + s["offload_failures"] > 0
+    assert 0 < s["hit_rate"] <= s["bound_hit_rate"] + 1e-9
+    assert set(s["bytes_offloaded"]) == {"kv", "mamba", "draft"}
+    assert s["bytes_offloaded"]["mamba"] > 0 and s["bytes_loaded"]["kv"] > 0
+
+
+def test_plain_attention_preset(tmp_path: Path) -> None:
+    s = _run(tmp_path, "--preset", "attention", "--requests", "80", "--synthetic-scale", "0.1",
+             "--kv-pages", "48")
+    _assert_clean(s)
+    assert s["bytes_offloaded"]["mamba"] == 0 and s["store_hit_tokens"] > 0
+
+
+def test_trace_replay_and_plot(tmp_path: Path) -> None:
+    if not TRACE.exists():
+        pytest.skip(f"trace not found at {TRACE}")
+    png = tmp_path / "stress.png"
+    s = _run(tmp_path, "--trace", str(TRACE), "--requests", "40", "--kv-pages", "4096",
+             "--plot", str(png))
+    _assert_clean(s)
+    assert s["requests"] == 40
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_content_detects_a_swapped_page() -> None:
+    layout = preset_layout("kimi")
+    pools = HybridPools(layout, kv_pages=8, mamba_slots=2)
+    content = Content(layout, pools)
+    P = layout.page_size
+    keys = [bytes([i]) * 16 for i in range(1, 4)]
+    import torch
+
+    rows = torch.arange(3 * P)
+    content.write_pages(keys, rows)
+    assert content.check_pages(keys, rows) == 0
+    swapped = torch.cat([rows[P:2 * P], rows[:P], rows[2 * P:]])
+    assert content.check_pages(keys, swapped) == 2
+    content.write_state(keys[0], 0)
+    assert content.check_state(keys[0], 0)
+    assert not content.check_state(keys[1], 0)
+
+
+@pytest.mark.mooncake
+def test_short_stress_on_mooncake(tmp_path: Path, mooncake_master: object) -> None:
+    address = mooncake_master.address  # type: ignore[attr-defined]
+    s = _run(tmp_path, "--store", "mooncake", "--mooncake-master", address, "--requests", "60",
+             "--synthetic-scale", "0.1", "--kv-pages", "1024", "--mamba-slots", "24",
+             "--store-capacity-mb", "256")
+    _assert_clean(s)
+    assert s["store_hit_tokens"] > 0
