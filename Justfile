@@ -24,4 +24,4 @@ bench *ARGS: setup
 # ruff and mypy
 lint: setup
     {{py}} -m ruff check .
-    {{py}} -m mypy
+    bash .ci/typecheck.sh

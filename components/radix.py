@@ -287,10 +287,18 @@ class RadixTree:
         return freed
 
     def evict_for_alloc(self, kind: PoolKind, n: int) -> bool:
-        """Evict until ``n`` pages (FULL) or slots (MAMBA) are free; report success."""
+        """Evict until ``n`` pages (FULL) or slots (MAMBA) are free; report success.
+
+        When even evicting everything unlocked could not make room, nothing is evicted: a
+        request that can never fit does not flush the device cache for nothing.
+        """
         if kind is PoolKind.FULL:
             short = n - self.pools.kv.num_free_pages
             if short > 0:
+                # an unlocked node has no locked descendant, so all of these can go, leaves first
+                evictable = sum(len(x.keys) for x in self.nodes() if x.lock == 0)
+                if evictable < short:
+                    return False
                 self.evict_pages(short)
             return self.pools.kv.num_free_pages >= n
         if kind is PoolKind.MAMBA:
@@ -298,6 +306,10 @@ class RadixTree:
                 raise PoolError("no mamba pool")
             short = n - self.pools.mamba.num_free
             if short > 0:
+                evictable = sum(1 for x in self.nodes() if x.mamba_slot is not None and x.mamba_lock == 0
+                                and PoolKind.MAMBA not in x.pending)
+                if evictable < short:
+                    return False
                 self.evict_states(short)
             return self.pools.mamba.num_free >= n
         raise ValueError(f"{kind} has no allocator of its own")

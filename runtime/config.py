@@ -35,6 +35,8 @@ class LinkerConfig:
     #: send TOUCH for a device-hit node at most once per interval
     touch: bool = True
     touch_interval_s: float = attrs.field(default=5.0, validator=_positive)
+    #: a device fence still pending after this long fails its offload (FenceError)
+    fence_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     #: look up the store on admission
     store_lookup: bool = True
 

@@ -31,20 +31,27 @@ async def wait_fence(
     max_poll_s: float = 2e-3,
     timeout_s: float | None = None,
 ) -> None:
-    """Wait until ``fence`` completes without blocking the loop."""
+    """Wait until ``fence`` completes without blocking the loop.
+
+    A fence still pending after ``timeout_s`` is a :class:`FenceError` too: a pool actor must
+    not stall forever behind a device that never answers.
+    """
     if fence is None:
         return
     delay = first_poll_s
-    with anyio.fail_after(timeout_s) if timeout_s is not None else _nullscope():
-        while True:
-            try:
-                done = fence.query()
-            except Exception as exc:  # the device said no
-                raise FenceError(f"device fence failed: {exc}") from exc
-            if done:
-                return
-            await anyio.sleep(delay)
-            delay = min(delay * 2, max_poll_s)
+    try:
+        with anyio.fail_after(timeout_s) if timeout_s is not None else _nullscope():
+            while True:
+                try:
+                    done = fence.query()
+                except Exception as exc:  # the device said no
+                    raise FenceError(f"device fence failed: {exc}") from exc
+                if done:
+                    return
+                await anyio.sleep(delay)
+                delay = min(delay * 2, max_poll_s)
+    except TimeoutError:
+        raise FenceError(f"device fence still pending after {timeout_s} s") from None
 
 
 def record_fence(device: torch.device) -> DeviceEvent | None:

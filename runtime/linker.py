@@ -171,7 +171,8 @@ class Linker:
             self.actors[kind] = PoolActor(
                 kind, codec, store, layout, staging_frames=frames, queue_depth=self.config.queue_depth,
                 latency=self.latency, thread_limiter=self._limiter,
-                inline_bytes=self.config.inline_copy_bytes)
+                inline_bytes=self.config.inline_copy_bytes,
+                fence_timeout_s=self.config.fence_timeout_s)
         self._requests: dict[str, Request] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._offloads_in_flight = 0

@@ -182,6 +182,7 @@ class PoolActor:
         latency: LatencyMonitor,
         thread_limiter: anyio.CapacityLimiter,
         inline_bytes: int = 1 << 20,
+        fence_timeout_s: float | None = None,
     ) -> None:
         from .transfer import PoolCodec
 
@@ -209,6 +210,7 @@ class PoolActor:
         self.latency = latency
         self.limiter = thread_limiter
         self.inline_bytes = inline_bytes
+        self.fence_timeout_s = fence_timeout_s
         self.pending_states = 0
         self._c = dict(objects_offloaded=0, objects_already_stored=0, bytes_offloaded=0,
                        offload_failures=0, objects_loaded=0, bytes_loaded=0, load_misses=0,
@@ -282,7 +284,7 @@ class PoolActor:
 
     async def _offload(self, job: TransferJob) -> OffloadResult:
         """Gather + frame sub-batch k in a thread while sub-batch k-1 is being put."""
-        await wait_fence(job.fence)
+        await wait_fence(job.fence, timeout_s=self.fence_timeout_s)
         t0 = time.perf_counter()
         batches = self._batches(len(job.keys))
         results: list[list[Outcome]] = [[] for _ in batches]

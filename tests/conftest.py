@@ -12,6 +12,7 @@ import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+
 from hylinker.stores.base import Store
 
 MOONCAKE_SEGMENT_BYTES = 64 << 20

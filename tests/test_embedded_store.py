@@ -8,6 +8,7 @@ import uuid
 import anyio
 import pytest
 import torch
+
 from hylinker.stores.base import GetResult, Outcome
 from hylinker.stores.embedded import SLOT_ALIGN, EmbeddedStore
 
@@ -40,7 +41,7 @@ async def put_each(store: EmbeddedStore, keys: list[str], nbytes: int = OBJ) -> 
 )
 def test_bad_configuration_is_rejected(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        EmbeddedStore(**kwargs)
+        EmbeddedStore(**kwargs)  # type: ignore[arg-type]
 
 
 async def test_lru_order_follows_puts_gets_and_touches() -> None:

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 import torch
+
 from hylinker.stores.base import GetResult, Outcome, StoreUnavailableError
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultStatistics, FaultyStore

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+
 from hylinker.stores.framing import (
     FORMAT_VERSION,
     HEADER_BYTES,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from hylinker.components.layout import ModelLayout
 from hylinker.components.mamba import checkpoint_depth, checkpoint_grid, restorable_ceiling
 

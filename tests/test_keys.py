@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from hylinker.components.keys import (
     KEY_BYTES,
     MAX_TOKEN_ID,
@@ -212,7 +213,7 @@ def test_spellings_give_the_same_keys() -> None:
     ids = list(range(100, 100 + 4 * P))
     ref = page_keys(as_tokens(ids), P, SEED)
     for spelling in (np.array(ids, dtype=">i8"), torch.tensor(ids), tuple(ids)):
-        assert page_keys(as_tokens(spelling), P, SEED) == ref
+        assert page_keys(as_tokens(spelling), P, SEED) == ref  # type: ignore[arg-type]
 
 
 def test_empty_tokens() -> None:

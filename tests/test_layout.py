@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from hylinker.components.layout import LayoutError, MambaLayerSpec, ModelLayout, PoolKind
 from hylinker.components.mamba import checkpoint_grid
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from hylinker.components.layout import PoolKind
 from hylinker.components.lookup import all_pages, restorable_page_counts, trailing_pages
 
@@ -89,4 +90,4 @@ def test_result_never_exceeds_what_every_pool_can_restore() -> None:
 
 def test_accepts_any_bool_sequence() -> None:
     assert restorable_page_counts({FULL: (True, True), MAMBA: [False, True]}) == {2}
-    assert restorable_page_counts({FULL: [1, 1, 0], MAMBA: [0, 1, 1]}) == {2}
+    assert restorable_page_counts({FULL: [1, 1, 0], MAMBA: [0, 1, 1]}) == {2}  # type: ignore[list-item]

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+
 from hylinker.stores import framing
 from hylinker.stores.base import (
     GetResult,

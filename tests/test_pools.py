@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from hylinker.components.layout import ModelLayout, PoolKind
 from hylinker.components.pools import (
     DraftPool,

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from hylinker.components.keys import as_tokens, namespace_seed, page_keys
 from hylinker.components.layout import ModelLayout, PoolKind
 from hylinker.components.pools import HybridPools, PoolError, pages_of_rows
@@ -507,8 +508,8 @@ def test_consistent_after_random_operations(hybrid: bool, seed: int) -> None:
         elif hybrid:
             env.tree.evict_states(rng.randrange(1, 3))
         env.audit()
-        for n in locked:  # locked work is never evicted from under its owner
-            assert n.path()[0].parent is env.tree.root
+        for held in locked:  # locked work is never evicted from under its owner
+            assert held.path()[0].parent is env.tree.root
     st = env.tree.statistics()  # the run did exercise the interesting paths
     assert st.splits > 0 and st.evicted_pages > 0
     if hybrid:

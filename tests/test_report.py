@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from hylinker.tools.report import ProgressBar, format_table, percentiles, plot_stress, progress_bar
 
 
@@ -42,7 +43,7 @@ def test_format_table_default_columns_and_errors() -> None:
     assert text.splitlines()[0].split() == ["a", "b"]
     assert format_table([], ["a", "b"]).splitlines()[0].split() == ["a", "b"]
     with pytest.raises(TypeError, match="column"):
-        format_table([{"a": 1}], [("a",)])
+        format_table([{"a": 1}], [("a",)])  # type: ignore[list-item]
 
 
 def test_percentiles() -> None:

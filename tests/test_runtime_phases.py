@@ -335,7 +335,7 @@ async def test_concurrent_restores_of_one_prefix_free_the_loser_once() -> None:
         assert env.content.state_matches(key, wa) and env.content.state_matches(key, wb)
         for t in mamba.tensors():
             t[wa] += 1  # the forward writes its own state
-        assert env.content.state_matches(key, la.slot)
+        assert la.slot is not None and env.content.state_matches(key, la.slot)
         assert env.content.prefix_problems(env.linker, a) == []
         await env.linker.release(a)
         await env.linker.release(b)
@@ -709,7 +709,7 @@ async def test_close_drains_offloads_before_releasing_locks() -> None:
             seen.append((r.id, env.store.completed["put"]))
             await release(r)
 
-        lk.release = recording_release  # type: ignore[method-assign]
+        lk.release = recording_release  # type: ignore[method-assign, assignment]
         closed = anyio.Event()
 
         async def close() -> None:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 import anyio
 import pytest
 import torch
+
 from hylinker.stores.base import (
     GetResult,
     Outcome,

@@ -22,7 +22,8 @@ def _layout(kv_dtype: str) -> ModelLayout:
 
 def _fill_random(pools: HybridPools, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    tensors = [pools.kv.tensor, *pools.mamba.tensors()]  # type: ignore[union-attr]
+    assert pools.mamba is not None
+    tensors = [pools.kv.tensor, *pools.mamba.tensors()]
     if pools.draft is not None:
         tensors.append(pools.draft.tensor)
     for t in tensors:

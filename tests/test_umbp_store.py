@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+
 from hylinker.stores.base import GetResult, Outcome, StoreUnavailableError
 from hylinker.stores.umbp import SIZE_RECORD_SUFFIX, UmbpStore, UnsupportedStoreOperation
 from hylinker.testing.umbp_double import UMBPClientDouble
@@ -23,7 +24,7 @@ def obj(i: int, nbytes: int = 1024) -> torch.Tensor:
 
 def test_without_mori_the_error_names_the_package() -> None:
     try:
-        import mori.umbp  # type: ignore[import-not-found]  # noqa: F401
+        import mori.umbp  # noqa: F401
     except ImportError:
         pass
     else:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from hylinker.components.mamba import restorable_ceiling
 from hylinker.tools.workloads import (
     PromptTokens,
