@@ -344,20 +344,30 @@ class PoolActor:
         def unpack(k: int, results: list[GetResult]) -> None:
             lo, hi = batches[k]
             grid, frames = self._views("load", k % 2, hi - lo)
+            index = job.index[lo:hi]
+            # host pools: land each object right after verifying it, while it is still in cache
+            fused = self.codec.host_path(index)
             ok: list[bool] = []
-            for key, f, r in zip(job.keys[lo:hi], frames, results):
+            for i, (key, f, r) in enumerate(zip(job.keys[lo:hi], frames, results)):
                 if r.outcome is not Outcome.OK:
                     faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
                     ok.append(False)
                     continue
                 try:
-                    framing.verify(f, r.nbytes, key, self.fingerprint)
+                    payload = framing.verify(f, r.nbytes, key, self.fingerprint)
                 except framing.FrameError as exc:
                     faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
                     ok.append(False)
                     continue
+                if fused:
+                    self.codec.scatter_one(payload, index[i])
                 ok.append(True)
-            index = job.index[lo:hi]
+            if fused:
+                if all(ok) and k == len(batches) - 1 and job.on_layer is not None:
+                    for layer in self.codec.layer_ids:
+                        job.on_layer(layer)
+                good[k] = ok
+                return
             sel = [i for i, g in enumerate(ok) if g]
             if len(sel) == len(ok):
                 last = k == len(batches) - 1

@@ -252,7 +252,7 @@ def data_path(quick: bool, mooncake: str = "auto") -> list[dict[str, Any]]:
                 n = max(16, total // object_bytes)
                 if name == "mooncake-remote" and object_bytes < (1 << 20):
                     n = min(n, 1024)  # big batches of small objects stall over loopback TCP
-                factory: Callable[[], Any] = functools.partial(make, total * 8)
+                factory: Callable[[], Any] = functools.partial(_warm_store, make, total * 8, object_bytes, 3 * n)
                 raw = {r["direction"]: r for r in measure_raw_vs_memcpy(factory, object_bytes, n, repeats=3)}
 
                 async def _rt(make: Callable[[int], Any] = make, object_bytes: int = object_bytes,
@@ -291,6 +291,12 @@ async def _warm(store: Store, object_bytes: int, n: int) -> None:
         keys = [f"warm-{i}" for i in range(lo, min(n, lo + 256))]
         await store.put(keys, [buf] * len(keys))
         await store.remove(keys)
+
+
+async def _warm_store(make: Callable[[int], Any], capacity: int, object_bytes: int, n: int) -> Store:
+    store: Store = await _maybe_await(make(capacity))
+    await _warm(store, object_bytes, n)
+    return store
 
 
 async def _maybe_await(x: Any) -> Any:
