@@ -25,6 +25,7 @@ from typing import Generic, TypeVar
 
 import anyio
 import attrs
+import numpy as np
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -203,6 +204,7 @@ class PoolActor:
         self._arenas = {
             d: torch.empty(self.frames * stride, dtype=torch.uint8).fill_(0) for d in ("offload", "load")
         }
+        self._arenas_np = {d: a.numpy() for d, a in self._arenas.items()}
         for arena in self._arenas.values():
             store.register(arena)
         self.offload_q = _Queue(queue_depth)
@@ -275,6 +277,12 @@ class PoolActor:
         frames = [arena[base + i * self.stride: base + i * self.stride + self.frame_bytes] for i in range(n)]
         return grid, frames
 
+    def _np_frames(self, direction: str, half: int, n: int) -> list[np.ndarray]:
+        """The same frames as NumPy views: framing and host copies need no tensor per object."""
+        arena = self._arenas_np[direction]
+        base = half * self.batch * self.stride
+        return [arena[base + i * self.stride: base + i * self.stride + self.frame_bytes] for i in range(n)]
+
     def _inline(self, batch: tuple[int, int]) -> bool:
         """Small host copies run on the loop: two thread hops cost more than the copy."""
         return self.codec.device.type == "cpu" and (batch[1] - batch[0]) * self.frame_bytes <= self.inline_bytes
@@ -293,8 +301,8 @@ class PoolActor:
             lo, hi = batches[k]
             grid, frames = self._views("offload", k % 2, hi - lo)
             self.codec.gather(job.index[lo:hi], grid[:, framing.HEADER_BYTES: self.frame_bytes])
-            for key, f in zip(job.keys[lo:hi], frames):
-                framing.seal(f, key, self.fingerprint)
+            for key, f in zip(job.keys[lo:hi], self._np_frames("offload", k % 2, hi - lo)):
+                framing.seal_array(f, key, self.fingerprint)
             return frames
 
         async def put(k: int, frames: list[torch.Tensor]) -> None:
@@ -343,10 +351,12 @@ class PoolActor:
 
         def unpack(k: int, results: list[GetResult]) -> None:
             lo, hi = batches[k]
-            grid, frames = self._views("load", k % 2, hi - lo)
+            grid, _ = self._views("load", k % 2, hi - lo)
+            frames = self._np_frames("load", k % 2, hi - lo)
             index = job.index[lo:hi]
             # host pools: land each object right after verifying it, while it is still in cache
             fused = self.codec.host_path(index)
+            rows = index[:, 0].tolist()
             ok: list[bool] = []
             for i, (key, f, r) in enumerate(zip(job.keys[lo:hi], frames, results)):
                 if r.outcome is not Outcome.OK:
@@ -354,13 +364,13 @@ class PoolActor:
                     ok.append(False)
                     continue
                 try:
-                    payload = framing.verify(f, r.nbytes, key, self.fingerprint)
+                    payload = framing.verify_array(f, r.nbytes, key, self.fingerprint)
                 except framing.FrameError as exc:
                     faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
                     ok.append(False)
                     continue
                 if fused:
-                    self.codec.scatter_one(payload, index[i])
+                    self.codec.scatter_one(payload, rows[i])
                 ok.append(True)
             if fused:
                 if all(ok) and k == len(batches) - 1 and job.on_layer is not None:

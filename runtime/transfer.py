@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..components.layout import ModelLayout, PoolKind
@@ -99,22 +100,20 @@ class PoolCodec:
         """Whether these objects move by plain memcpy between host memory and frames."""
         return self._host is not None and _runs(index)
 
-    def scatter_one(self, payload: torch.Tensor, index_row: torch.Tensor) -> None:
-        """Host path: write one object's verified payload into its rows (or slot)."""
+    def scatter_one(self, payload: np.ndarray, first: int) -> None:
+        """Host path: write one object's verified payload into its rows starting at row
+        ``first`` (a page's first row, or the state's slot)."""
         assert self._host is not None
-        src = payload.numpy()
         if self.kind is PoolKind.MAMBA:
-            slot = int(index_row[0])
             off = 0
             for dst in self._host:
                 w = dst.shape[1]
-                dst[slot] = src[off:off + w]
+                dst[first] = payload[off:off + w]
                 off += w
             return
         dst = self._host[0]
-        per = index_row.shape[0]
-        r0 = int(index_row[0])
-        dst[:, r0:r0 + per] = src.reshape(dst.shape[0], per, dst.shape[2])
+        per = self.layout.page_size
+        dst[:, first:first + per] = payload.reshape(dst.shape[0], per, dst.shape[2])
 
     def scatter(self, src: torch.Tensor, index: torch.Tensor,
                 on_layer: Callable[[int], None] | None = None) -> None:

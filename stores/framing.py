@@ -75,18 +75,7 @@ def payload_view(frame: torch.Tensor) -> torch.Tensor:
 
 def seal(frame: torch.Tensor, key: str, layout_fingerprint: bytes) -> None:
     """Write the header of ``frame`` for the payload already in ``payload_view(frame)``."""
-    payload = payload_view(frame)
-    header = _HEADER.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        0,
-        layout_fingerprint[:8],
-        key_digest(key),
-        payload.numel(),
-        payload_checksum(payload),
-        b"\0" * 16,
-    )
-    _as_numpy(frame)[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+    seal_array(_as_numpy(frame), key, layout_fingerprint)
 
 
 def verify(frame: torch.Tensor, nbytes: int, key: str, layout_fingerprint: bytes) -> torch.Tensor:
@@ -96,10 +85,30 @@ def verify(frame: torch.Tensor, nbytes: int, key: str, layout_fingerprint: bytes
     """
     if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
         raise ValueError(f"frames are contiguous uint8 1-D tensors, got {getattr(frame, 'shape', type(frame))}")
-    if nbytes < HEADER_BYTES:
+    length = verify_array(_as_numpy(frame), nbytes, key, layout_fingerprint).shape[0]
+    return frame[HEADER_BYTES: HEADER_BYTES + length]
+
+
+def seal_array(frame: np.ndarray, key: str, layout_fingerprint: bytes) -> None:
+    """:func:`seal` on a 1-D uint8 NumPy view (the runtime's hot path: no tensor per object)."""
+    payload = frame[HEADER_BYTES:]
+    frame[:HEADER_BYTES] = np.frombuffer(_HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        layout_fingerprint[:8],
+        key_digest(key),
+        payload.shape[0],
+        xxhash.xxh3_64_intdigest(payload.data),
+        b"\0" * 16,
+    ), dtype=np.uint8)
+
+
+def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes) -> np.ndarray:
+    """:func:`verify` on a 1-D uint8 NumPy view; returns the payload view."""
+    if nbytes < HEADER_BYTES or frame.shape[0] < HEADER_BYTES:
         raise FrameError(FrameFault.TRUNCATED, key, f"{nbytes} bytes, header needs {HEADER_BYTES}")
-    raw = _as_numpy(frame)[:HEADER_BYTES].tobytes()
-    magic, version, _flags, layout, digest, length, checksum, _ = _HEADER.unpack(raw)
+    magic, version, _flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(frame.data, 0)
     if magic != MAGIC:
         raise FrameError(FrameFault.BAD_MAGIC, key)
     if version != FORMAT_VERSION:
@@ -108,14 +117,15 @@ def verify(frame: torch.Tensor, nbytes: int, key: str, layout_fingerprint: bytes
         raise FrameError(FrameFault.OTHER_LAYOUT, key)
     if digest != key_digest(key):
         raise FrameError(FrameFault.OTHER_KEY, key)
-    if length != nbytes - HEADER_BYTES or length > frame.numel() - HEADER_BYTES:
+    room = frame.shape[0] - HEADER_BYTES
+    if length != nbytes - HEADER_BYTES or length > room:
         raise FrameError(
-            FrameFault.BAD_LENGTH if length <= frame.numel() - HEADER_BYTES else FrameFault.TRUNCATED,
+            FrameFault.BAD_LENGTH if length <= room else FrameFault.TRUNCATED,
             key,
             f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}",
         )
-    payload = frame[HEADER_BYTES : HEADER_BYTES + length]
-    if payload_checksum(payload) != checksum:
+    payload = frame[HEADER_BYTES: HEADER_BYTES + length]
+    if xxhash.xxh3_64_intdigest(payload.data) != checksum:
         raise FrameError(FrameFault.BAD_CHECKSUM, key)
     return payload
 
