@@ -173,7 +173,8 @@ async def loop_lag(quick: bool = False) -> dict[str, Any]:
                 r = lk.request(f"o{i}", tokens)
                 await lk.lookup(r)
                 rows = lk.extend(r, pages_per_req * page)
-                pools.kv.tensor[:, rows] = 7
+                # the "forward" writing the rows is device work: keep it off the loop
+                await anyio.to_thread.run_sync(pools.kv.tensor.index_fill_, 1, rows, 7)
                 await lk.insert(r, pages_per_req * page)
                 await lk.release(r)
                 await lk.drain()
