@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Generic, TypeVar
 
@@ -238,36 +238,29 @@ class PoolActor:
 
     # ---- workers -------------------------------------------------------------------
     async def run_offloads(self) -> None:
-        async with self.offload_q.rx:
-            async for job in self.offload_q.rx:
-                try:
-                    with anyio.CancelScope(shield=True):
-                        result = await self._offload(job)
-                except Exception as exc:
-                    self.offload_q.failed += 1
-                    job.completion.fail(exc)
-                else:
-                    self.offload_q.completed += 1
-                    job.completion.set(result)
-                finally:
-                    self.offload_q.depth -= 1
-                    if self.kind is PoolKind.MAMBA:
-                        self.pending_states -= len(job.keys)
+        await self._serve(self.offload_q, self._offload, counts_states=self.kind is PoolKind.MAMBA)
 
     async def run_loads(self) -> None:
-        async with self.load_q.rx:
-            async for job in self.load_q.rx:
+        await self._serve(self.load_q, self._load, counts_states=False)
+
+    async def _serve(self, queue: _Queue, work: Callable[[TransferJob], Awaitable[object]],
+                     *, counts_states: bool) -> None:
+        """One worker: jobs in FIFO order, one at a time, exactly one result each."""
+        async with queue.rx:
+            async for job in queue.rx:
                 try:
-                    with anyio.CancelScope(shield=True):
-                        result = await self._load(job)
+                    with anyio.CancelScope(shield=True):  # never abandon a store call mid-flight
+                        result = await work(job)
                 except Exception as exc:
-                    self.load_q.failed += 1
+                    queue.failed += 1
                     job.completion.fail(exc)
                 else:
-                    self.load_q.completed += 1
+                    queue.completed += 1
                     job.completion.set(result)
                 finally:
-                    self.load_q.depth -= 1
+                    queue.depth -= 1
+                    if counts_states:
+                        self.pending_states -= len(job.keys)
 
     def _views(self, direction: str, half: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Frames of one half of a direction's arena (double buffering)."""
