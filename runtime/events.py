@@ -40,7 +40,7 @@ async def wait_fence(
         return
     delay = first_poll_s
     try:
-        with anyio.fail_after(timeout_s) if timeout_s is not None else _nullscope():
+        with anyio.fail_after(timeout_s):  # None: no deadline
             while True:
                 try:
                     done = fence.query()
@@ -61,11 +61,3 @@ def record_fence(device: torch.device) -> DeviceEvent | None:
         ev.record(torch.cuda.current_stream(device))
         return ev
     return None
-
-
-class _nullscope:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -581,8 +581,8 @@ class Linker:
         if PoolKind.MAMBA in plan and self.config.mamba_backpressure:
             assert self.pools.mamba is not None
             limit = self.config.mamba_backpressure_share * self.pools.mamba.slots.capacity
-            if self.actors[PoolKind.MAMBA].pending_states + len(plan[PoolKind.MAMBA]) > limit - 1e-9 or \
-                    self.actors[PoolKind.MAMBA].pending_states >= limit:
+            # queued and in-flight states must stay below the limit (3/4 of the pool)
+            if self.actors[PoolKind.MAMBA].pending_states + len(plan[PoolKind.MAMBA]) >= limit:
                 self._c["offloads_skipped"] += 1
                 trace("offload.skipped", request_id=req.id, reason="mamba_backpressure",
                       pending=self.actors[PoolKind.MAMBA].pending_states)
