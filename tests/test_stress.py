@@ -52,6 +52,18 @@ def test_short_stress_with_faults_is_exact_and_leak_free(tmp_path: Path) -> None
     assert s["bytes_offloaded"]["mamba"] > 0 and s["bytes_loaded"]["kv"] > 0
 
 
+def test_fault_plan_from_the_command_line(tmp_path: Path) -> None:
+    s = _run(tmp_path, "--requests", "60", "--synthetic-scale", "0.1", "--kv-pages", "256",
+             "--mamba-slots", "24", "--faults", "corrupt=0.3,vanish=0.1")
+    _assert_clean(s)
+    assert s["dropped_loads"] > 0  # corrupt and vanished objects were caught, then recomputed
+
+
+def test_a_bad_fault_plan_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown fault plan field"):
+        main(["stress", "--no-progress", "--requests", "2", "--faults", "melt=0.5"])
+
+
 def test_plain_attention_preset(tmp_path: Path) -> None:
     s = _run(tmp_path, "--preset", "attention", "--requests", "80", "--synthetic-scale", "0.1",
              "--kv-pages", "48")

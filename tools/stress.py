@@ -433,6 +433,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="HOST:PORT of a running mooncake_master (default: start one on loopback)")
     s.add_argument("--fault-rate", type=float, default=0.0,
                    help="inject store faults (failures, torn/corrupt objects, vanishing keys) at this rate")
+    s.add_argument("--faults", default=None, metavar="SPEC",
+                   help="a full fault plan, e.g. 'fail=0.02,corrupt=0.01,vanish=0.05,latency_ms=1' "
+                        "(fields of hylinker.stores.faulty.FaultPlan; overrides --fault-rate)")
     s.add_argument("--touch", action=argparse.BooleanOptionalAction, default=True,
                    help="tell the store about device hits (TOUCH)")
     s.add_argument("--no-mamba-backpressure", action="store_true",
@@ -472,10 +475,11 @@ async def open_store(args: argparse.Namespace) -> tuple[Store, Any]:
             extra = MooncakeMaster().start()
             address = extra.address
         inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
-    if args.fault_rate > 0:
+    if args.faults or args.fault_rate > 0:
         from ..stores.faulty import FaultPlan, FaultyStore
 
-        return FaultyStore(inner, FaultPlan.uniform(args.fault_rate), seed=args.seed), (extra, inner)
+        plan = FaultPlan.parse(args.faults) if args.faults else FaultPlan.uniform(args.fault_rate)
+        return FaultyStore(inner, plan, seed=args.seed), (extra, inner)
     return inner, (extra, None)
 
 
