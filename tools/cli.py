@@ -1,4 +1,4 @@
-"""``hylinker`` command line: one subcommand per tool module.
+"""The hylinker command line: one subcommand per tool module.
 
 Each tool module exposes ``HELP: str``, ``configure(parser)`` and ``run(args) -> int``; it
 keeps heavy imports (transformers, matplotlib, mooncake) inside ``run`` so ``--help`` is fast.
