@@ -18,7 +18,7 @@ fi
 
 if ! "$PYTHON" -c 'import mooncake.store' >/dev/null 2>&1; then
   echo "mooncake-setup: installing mooncake-transfer-engine-non-cuda"
-  "$PYTHON" -m pip install --no-input -q mooncake-transfer-engine-non-cuda
+  "$PYTHON" -m pip install --no-input -q "mooncake-transfer-engine-non-cuda>=0.3.13,<0.4"
 else
   echo "mooncake-setup: mooncake.store importable"
 fi
