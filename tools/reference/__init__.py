@@ -35,6 +35,7 @@ from .models import (
     draft_config,
     tiny_config,
 )
+from .runtime_engine import LinkedEngine, PrefillResult, pool_views
 
 __all__ = [
     "DEFAULT_ARCH",
@@ -46,6 +47,8 @@ __all__ = [
     "KVRowSpec",
     "LinearStateMode",
     "LinearStateSpec",
+    "LinkedEngine",
+    "PrefillResult",
     "ReferenceEngine",
     "ReferencePools",
     "ReferenceSequence",
@@ -59,6 +62,7 @@ __all__ = [
     "kl_divergence",
     "layout_for",
     "max_abs_diff",
+    "pool_views",
     "read_boundary",
     "state_nbytes",
     "tiny_config",
