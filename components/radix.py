@@ -256,9 +256,22 @@ class RadixTree:
             n = n.parent
 
     # ---- eviction ------------------------------------------------------------------
-    def evict_pages(self, n_pages: int) -> int:
-        """Evict unlocked leaves, least recently used first, until ``n_pages`` are freed."""
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if not n.children and n.lock == 0]
+    def evict_pages(self, n_pages: int, *, all_or_nothing: bool = False) -> int:
+        """Evict unlocked leaves, least recently used first, until ``n_pages`` are freed.
+
+        With ``all_or_nothing``, evict nothing unless ``n_pages`` can be freed. One walk of
+        the tree finds both the leaves and how much is evictable: an unlocked node has no
+        locked descendant, so every unlocked page can go, leaves first.
+        """
+        heap: list[tuple[int, int, Node]] = []
+        evictable = 0
+        for n in self.nodes():
+            if n.lock == 0:
+                evictable += len(n.keys)
+                if not n.children:
+                    heap.append((n.last_access, n.id, n))
+        if all_or_nothing and evictable < n_pages:
+            return 0
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n_pages:
@@ -269,10 +282,15 @@ class RadixTree:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
-    def evict_states(self, n_slots: int) -> int:
-        """Free unlocked states, least recently used first, until ``n_slots`` are freed."""
+    def evict_states(self, n_slots: int, *, all_or_nothing: bool = False) -> int:
+        """Free unlocked states, least recently used first, until ``n_slots`` are freed.
+
+        A state an offload is still reading is never a candidate (the runtime also locks it).
+        """
         heap = [(n.last_access, n.id, n) for n in self.nodes()
                 if n.mamba_slot is not None and n.mamba_lock == 0 and PoolKind.MAMBA not in n.pending]
+        if all_or_nothing and len(heap) < n_slots:
+            return 0
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n_slots:
@@ -295,22 +313,14 @@ class RadixTree:
         if kind is PoolKind.FULL:
             short = n - self.pools.kv.num_free_pages
             if short > 0:
-                # an unlocked node has no locked descendant, so all of these can go, leaves first
-                evictable = sum(len(x.keys) for x in self.nodes() if x.lock == 0)
-                if evictable < short:
-                    return False
-                self.evict_pages(short)
+                self.evict_pages(short, all_or_nothing=True)
             return self.pools.kv.num_free_pages >= n
         if kind is PoolKind.MAMBA:
             if self.pools.mamba is None:
                 raise PoolError("no mamba pool")
             short = n - self.pools.mamba.num_free
             if short > 0:
-                evictable = sum(1 for x in self.nodes() if x.mamba_slot is not None and x.mamba_lock == 0
-                                and PoolKind.MAMBA not in x.pending)
-                if evictable < short:
-                    return False
-                self.evict_states(short)
+                self.evict_states(short, all_or_nothing=True)
             return self.pools.mamba.num_free >= n
         raise ValueError(f"{kind} has no allocator of its own")
 

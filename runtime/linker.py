@@ -1,6 +1,6 @@
 """The :class:`Linker`: what a serving frontend embeds.
 
-One request goes through the phases of the design (docs/design.md §2)::
+One request goes through the phases of the design (docs/design.md §3)::
 
     req = linker.request("r1", tokens)          # validate, hash nothing yet
     hit = await linker.lookup(req)              # LOOKUP: device match (locked) + store probe
@@ -14,14 +14,17 @@ One request goes through the phases of the design (docs/design.md §2)::
     await linker.insert(req, depth, checkpoint_slot=..., fence=event)  # donate + OFFLOAD
     await linker.release(req)                   # unlock, free what the request still owns
 
-Every method that can fail on a store failure degrades to recompute and counts it; only
-misuse (bad tokens, wrong phase order, a failed device fence) raises.
+Store failures never raise: they degrade to recompute (a miss, a dropped load) or to an
+unwritten offload, and are counted. A failed device fence fails its offload the same way
+(``offload_failures``, traced). Misuse raises: bad tokens (``TokenError``), a phase out of
+order or a linker that is not running (``PhaseError``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -39,9 +42,10 @@ from ..components.mamba import checkpoint_depth, restorable_ceiling
 from ..components.pools import HybridPools
 from ..components.radix import Node
 from ..stores.base import Store, StoreError
+from ..stores.framing import FrameFault
 from .config import LinkerConfig
 from .events import DeviceEvent
-from .pool_actor import LatencyMonitor, LoadResult, OffloadResult, PoolActor, TransferJob
+from .pool_actor import STORED, LatencyMonitor, LoadResult, OffloadResult, PoolActor, TransferJob
 from .statistics import LinkerStatistics, PoolActorStatistics
 from .tracing import trace
 from .transfer import PoolCodec
@@ -103,9 +107,12 @@ class LoadHandle:
         self.results: dict[PoolKind, LoadResult] = {}
         self._layer_events = {layer: anyio.Event() for layer in layers}
         self._layer_pending: dict[int, int] = {layer: 0 for layer in layers}
-        self.done = anyio.Event()
+        self._landed_layers: set[int] = set()
+        self.done = anyio.Event()  # every queued read has ended
         self.error: BaseException | None = None
-        self.finished = False  # committed or aborted
+        self.finished = False  # committed or aborted: rows and slot belong to someone now
+        self.claimed_by: str | None = None  # "commit" or "abort" while one of them runs
+        self.claim_changed = anyio.Event()  # set (and renewed) when a commit lets go
 
     def _expect(self, layers: Sequence[int]) -> None:
         for layer in layers:
@@ -114,6 +121,7 @@ class LoadHandle:
     def _landed(self, layer: int) -> None:
         self._layer_pending[layer] -= 1
         if self._layer_pending[layer] <= 0:
+            self._landed_layers.add(layer)
             self._layer_events[layer].set()
 
     async def wait(self) -> bool:
@@ -123,8 +131,9 @@ class LoadHandle:
             raise self.error
         return all(r.all_ok for r in self.results.values())
 
-    async def wait_layer(self, layer_id: int) -> None:
-        """Wait until ``layer_id``'s restored data is in the pools (or the load ended)."""
+    async def wait_layer(self, layer_id: int) -> bool:
+        """Wait until ``layer_id``'s restored data is in the pools, or the load ended without
+        it; True in the first case. The load still has to be committed as a whole."""
         if layer_id not in self._layer_events:
             raise KeyError(f"layer {layer_id} is not restored by this load")
         with anyio.CancelScope() as scope:
@@ -136,6 +145,7 @@ class LoadHandle:
                 tg.start_soon(_on_done)
                 await self._layer_events[layer_id].wait()
                 scope.cancel()
+        return layer_id in self._landed_layers
 
     @property
     def tokens(self) -> int:
@@ -186,6 +196,7 @@ class Linker:
             "offloads_skipped", "offloads_dropped", "offload_failures", "touches", "touch_keys",
             "verifications", "verify_failures")}
         self._layer_of_pool = {k: a.codec.layer_ids for k, a in self.actors.items()}
+        self._restored_layers = sorted({layer for ids in self._layer_of_pool.values() for layer in ids})
 
     # ---- lifecycle -----------------------------------------------------------------
     async def __aenter__(self) -> Linker:
@@ -200,7 +211,8 @@ class Linker:
         with anyio.CancelScope(shield=True):
             await self.close()
         assert self._tg is not None
-        return await self._tg.__aexit__(*exc)
+        tg, self._tg = self._tg, None
+        return await tg.__aexit__(*exc)
 
     async def close(self) -> None:
         """Quiesce: finish queued offloads and loads, then release every open request."""
@@ -218,16 +230,20 @@ class Linker:
         await self._offloads_idle.wait()
 
     def _spawn(self, fn: Any, *args: Any) -> None:
+        assert self._tg is not None, "checked by _check_running before any side effect"
+        self._tg.start_soon(fn, *args)
+
+    def _check_running(self) -> None:
         if self._tg is None:
             raise PhaseError("the linker is not running: use `async with Linker(...)`")
-        self._tg.start_soon(fn, *args)
+        if self._closing:
+            raise PhaseError("the linker is closing")
 
     # ---- requests ------------------------------------------------------------------
     def request(self, request_id: str, tokens: Sequence[int] | npt.NDArray[np.integer],
                 *, salt: bytes | str | None = None) -> Request:
         """Register a request (validates token ids; raises ``TokenError`` on bad input)."""
-        if self._closing:
-            raise PhaseError("the linker is closing")
+        self._check_running()
         if request_id in self._requests:
             raise PhaseError(f"request {request_id!r} is already open")
         toks = as_tokens(tokens)
@@ -252,6 +268,7 @@ class Linker:
     def _check_open(self, req: Request) -> None:
         if req.released or self._requests.get(req.id) is not req:
             raise PhaseError(f"request {req.id!r} is not open")
+        self._check_running()
 
     def ceiling_tokens(self, req: Request) -> int:
         return restorable_ceiling(len(req.tokens), self.grid)
@@ -305,6 +322,10 @@ class Linker:
             trace("lookup.store_error", request_id=req.id, error=str(exc))
             return 0
         self.latency.observe(time.perf_counter() - start)
+        if len(present) != len(names):  # a store that breaks the protocol: fail closed
+            trace("lookup.store_error", request_id=req.id,
+                  error=f"exists answered {len(present)} of {len(names)} keys")
+            return 0
         bits: dict[PoolKind, list[bool]] = {}
         for kind, (off, pos) in spans.items():
             b = [False] * len(keys)
@@ -362,10 +383,7 @@ class Linker:
             self._c["load_misses"] += 1
             trace("load.miss", request_id=req.id, reason="allocation", pages=n)
             return None
-        layers: list[int] = []
-        for kind in self.layout.pools:
-            layers.extend(self._layer_of_pool[kind])
-        handle = LoadHandle(self, req, n, rows, slot, sorted(set(layers)))
+        handle = LoadHandle(self, req, n, rows, slot, self._restored_layers)
         req.load = handle
         first = req.prefix_pages
         for kind in self.layout.pools:
@@ -390,11 +408,13 @@ class Linker:
         return handle
 
     def _layer_callback(self, handle: LoadHandle) -> Any:
+        loop_thread = threading.get_ident()
+
         def landed(layer: int) -> None:
-            try:
-                anyio.from_thread.run_sync(handle._landed, layer)
-            except RuntimeError:
+            if threading.get_ident() == loop_thread:  # a small load scattered on the loop
                 handle._landed(layer)
+            else:
+                anyio.from_thread.run_sync(handle._landed, layer)
         return landed
 
     async def _finish_load(self, handle: LoadHandle) -> None:
@@ -406,9 +426,11 @@ class Linker:
                 else:
                     res = LoadResult([False] * len(job.keys), {"not_queued": len(job.keys)})
                 handle.results[kind] = res
-        except BaseException as exc:
+        except Exception as exc:
             handle.error = exc
-        finally:
+        finally:  # cancellation (linker shutdown) still releases every waiter
+            if not handle.done.is_set() and len(handle.results) < len(handle.jobs) and handle.error is None:
+                handle.error = PhaseError("the load was cancelled by the linker's shutdown")
             for ev in handle._layer_events.values():
                 ev.set()
             handle.done.set()
@@ -418,22 +440,36 @@ class Linker:
         """Insert the restored prefix; returns tokens restored (0: dropped, recompute)."""
         req = load.request
         self._check_open(req)
-        if load.finished:
-            raise PhaseError("this load was already committed or aborted")
+        if load.claimed_by is not None:
+            raise PhaseError(f"this load was already {load.claimed_by}ed")
         if req.rows.numel() != req.prefix_tokens:
             raise PhaseError("commit must come before extend: the request already owns rows")
         if req.working is not None or req.checkpoints:
             raise PhaseError("commit must come before working_slot/checkpoint_slot: the working "
                              "state would not start from the restored prefix's state")
+        # claim the load while waiting: an abort (a release, close) that arrives meanwhile waits
+        # for this commit instead of freeing rows the tree may adopt. The wait itself stays
+        # cancellable; everything after it runs without awaiting.
+        load.claimed_by = "commit"
+        try:
+            return await self._commit(load)
+        finally:
+            if not load.finished:  # cancelled while waiting: the request still owns the load
+                load.claimed_by = None
+            changed, load.claim_changed = load.claim_changed, anyio.Event()
+            changed.set()
+
+    async def _commit(self, load: LoadHandle) -> int:
+        req = load.request
         try:
             ok = await load.wait()
         except Exception as exc:
             trace("commit.error", request_id=req.id, error=str(exc))
             ok = False
         for res in load.results.values():
-            n_verify = sum(res.ok) + sum(v for k, v in res.faults.items() if k not in _STORE_FAULTS)
-            self._c["verifications"] += n_verify
-            self._c["verify_failures"] += sum(v for k, v in res.faults.items() if k not in _STORE_FAULTS)
+            rejected = sum(v for k, v in res.faults.items() if k in _FRAME_FAULTS)
+            self._c["verifications"] += sum(res.ok) + rejected
+            self._c["verify_failures"] += rejected
         if not ok:
             self._c["dropped_loads"] += 1
             self._free_load(load)
@@ -457,9 +493,20 @@ class Linker:
         return load.pages * self.page
 
     async def abort(self, load: LoadHandle) -> None:
-        """Release what a load allocated (only before COMMIT); waits for in-flight reads."""
+        """Release what a load allocated (only before COMMIT); waits for in-flight reads.
+
+        If a commit already claimed the load, this waits for that commit to settle instead.
+        """
         if load.finished:
-            raise PhaseError("this load was already committed or aborted")
+            raise PhaseError(f"this load was already {load.claimed_by or 'abort'}ed")
+        while load.claimed_by == "commit":  # a commit is waiting on the reads: let it finish
+            with anyio.CancelScope(shield=True):
+                await load.claim_changed.wait()
+            if load.finished:
+                return  # the commit settled it: nothing here is ours any more
+        if load.claimed_by == "abort":
+            raise PhaseError("this load is already being aborted")
+        load.claimed_by = "abort"
         with anyio.CancelScope(shield=True):
             await load.done.wait()
         self._c["aborts"] += 1
@@ -533,6 +580,8 @@ class Linker:
         not-yet-stored ancestors are queued for offload once ``fence`` completes.
         """
         self._check_open(req)
+        if req.load is not None and not req.load.finished:
+            raise PhaseError("insert while a load is in flight: commit or abort it first")
         if n_tokens % self.page or n_tokens <= 0:
             raise ValueError(f"insert takes whole pages: {n_tokens} is not a positive multiple of {self.page}")
         if n_tokens > len(req.tokens):
@@ -552,9 +601,9 @@ class Linker:
         keys = page_keys(req.tokens, self.page, req.seed, max_pages=n_pages)
         rows = req.rows[:n_tokens]
         rest = req.rows[n_tokens:].clone()
-        if checkpoint_slot is not None:
-            req.checkpoints.remove(checkpoint_slot)
         res = self.tree.insert(keys, rows, checkpoint_slot, req.prefix_pages)
+        if checkpoint_slot is not None:
+            req.checkpoints.remove(checkpoint_slot)  # the tree owns it now
         self._c["inserts"] += 1
         req.rows = torch.cat([req.rows[: req.prefix_tokens], rest])
         self._move_lock(req, res.node)
@@ -593,15 +642,15 @@ class Linker:
             return
         job_id = next(self._job_ids)
         jobs: dict[PoolKind, tuple[TransferJob | None, dict[int, int]]] = {}
-        locked: list[Node] = []
+        locked: dict[int, Node] = {}  # node id -> node, locked once per offload
         for kind, nodes in plan.items():
             # absolute page -> position of its object in the job (MAMBA: the state's key page)
             where: dict[int, int] = {}
             for n in nodes:
                 n.pending[kind] = job_id
-                if n not in locked:
+                if n.id not in locked:
                     self.tree.lock(n)
-                    locked.append(n)
+                    locked[n.id] = n
                 if kind is PoolKind.MAMBA:
                     where[n.end_page - 1] = len(where)
                 else:
@@ -630,7 +679,7 @@ class Linker:
                     await self.actors[kind].submit_offload(job)
                 submitted.append(kind)
         finally:
-            self._spawn(self._finish_offload, job_id, node, jobs, submitted, locked)
+            self._spawn(self._finish_offload, job_id, node, jobs, submitted, list(locked.values()))
 
     async def _finish_offload(self, job_id: int, end: Node,
                               jobs: dict[PoolKind, tuple[TransferJob | None, dict[int, int]]],
@@ -654,7 +703,7 @@ class Linker:
                     except Exception as exc:
                         trace("offload.error", pool=kind.value, error=str(exc))
                         outcomes = None
-                if outcomes is None or not all(o in (Outcome.OK, Outcome.EXISTS) for o in outcomes):
+                if outcomes is None or not OffloadResult(outcomes).ok:
                     failed = True
                 self._settle(kind, job_id, end, where, outcomes)
         finally:
@@ -671,9 +720,7 @@ class Linker:
         """Clear this job's pending marks along ``end``'s path (split fragments included);
         mark ``stored`` where every object of the node reached the store. A failure never
         clears a ``stored`` flag an earlier success set."""
-        from ..stores.base import Outcome
 
-        good = (Outcome.OK, Outcome.EXISTS)
         for n in end.path():
             if n.pending.get(kind) != job_id:
                 continue
@@ -681,7 +728,7 @@ class Linker:
             if outcomes is None:
                 continue
             pages = [n.end_page - 1] if kind is PoolKind.MAMBA else range(n.start_page, n.end_page)
-            if all(j in where and outcomes[where[j]] in good for j in pages):
+            if all(j in where and outcomes[where[j]] in STORED for j in pages):
                 n.stored.add(kind)
 
     # ---- RELEASE -------------------------------------------------------------------
@@ -690,7 +737,7 @@ class Linker:
         if req.released:
             return
         if req.load is not None and not req.load.finished:
-            await self.abort(req.load)
+            await self.abort(req.load)  # waits for a commit in progress instead
         req.released = True
         self._requests.pop(req.id, None)
         own = req.rows[req.prefix_pages * self.page:]
@@ -735,6 +782,6 @@ class Linker:
         self.tree.tree.reset()
 
 
-_STORE_FAULTS = {"missing", "unreachable", "failed", "leased", "too_small", "full", "exists"}
+_FRAME_FAULTS = frozenset(f.value for f in FrameFault)
 
 __all__ = ["Linker", "LoadHandle", "LookupResult", "PhaseError", "PoolExhaustedError", "Request"]

@@ -67,13 +67,16 @@ class Completion(Generic[T]):
         return self._value  # type: ignore[return-value]
 
 
+STORED = (Outcome.OK, Outcome.EXISTS)  # the object is in the store either way
+
+
 @attrs.frozen
 class OffloadResult:
     outcomes: list[Outcome]
 
     @property
     def ok(self) -> bool:
-        return all(o in (Outcome.OK, Outcome.EXISTS) for o in self.outcomes)
+        return all(o in STORED for o in self.outcomes)
 
 
 @attrs.frozen
@@ -198,7 +201,7 @@ class PoolActor:
         stride = -(-self.frame_bytes // 64) * 64
         self.stride = stride
         self.frames = max(2, staging_frames)
-        # objects per sub-batch: two halves, double buffered; ~8 MiB keeps the pipeline busy
+        # objects per sub-batch: two halves, double buffered, at most 32 MiB each
         self.batch = max(1, min(self.frames // 2, (32 << 20) // stride))
         # filled once here so first use does not pay page faults on the hot path
         self._arenas = {
@@ -302,9 +305,12 @@ class PoolActor:
             lo, hi = batches[k]
             start = time.perf_counter()
             try:
-                results[k] = await self.store.put(job.keys[lo:hi], frames)
+                got = await self.store.put(job.keys[lo:hi], frames)
             except StoreError:
-                results[k] = [Outcome.UNREACHABLE] * (hi - lo)
+                got = [Outcome.UNREACHABLE] * (hi - lo)
+            if len(got) != hi - lo:  # a store that breaks the protocol: nothing is known stored
+                got = [Outcome.FAILED] * (hi - lo)
+            results[k] = got
             self.latency.observe(time.perf_counter() - start)
 
         ready: tuple[int, list[torch.Tensor]] | None = None
@@ -344,7 +350,6 @@ class PoolActor:
 
         def unpack(k: int, results: list[GetResult]) -> None:
             lo, hi = batches[k]
-            grid, _ = self._views("load", k % 2, hi - lo)
             frames = self._np_frames("load", k % 2, hi - lo)
             index = job.index[lo:hi]
             # host pools: land each object right after verifying it, while it is still in cache
@@ -365,21 +370,21 @@ class PoolActor:
                 if fused:
                     self.codec.scatter_one(payload, rows[i])
                 ok.append(True)
+            good[k] = ok
+            # layers are reported only when every object of the job has landed
+            report = job.on_layer if k == len(batches) - 1 and all(all(g) for g in good) else None
             if fused:
-                if all(ok) and k == len(batches) - 1 and job.on_layer is not None:
+                if report is not None:
                     for layer in self.codec.layer_ids:
-                        job.on_layer(layer)
-                good[k] = ok
+                        report(layer)
                 return
+            grid, _ = self._views("load", k % 2, hi - lo)
             sel = [i for i, g in enumerate(ok) if g]
             if len(sel) == len(ok):
-                last = k == len(batches) - 1
-                self.codec.scatter(grid[:, framing.HEADER_BYTES: self.frame_bytes], index,
-                                   job.on_layer if last else None)
+                self.codec.scatter(grid[:, framing.HEADER_BYTES: self.frame_bytes], index, report)
             elif sel:
                 pick = torch.tensor(sel, dtype=torch.int64)
                 self.codec.scatter(grid[pick, framing.HEADER_BYTES: self.frame_bytes], index[pick], None)
-            good[k] = ok
 
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
@@ -389,6 +394,8 @@ class PoolActor:
                 results = await self.store.get(job.keys[lo:hi], frames)
             except StoreError:
                 results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
+            if len(results) != hi - lo:  # a store that breaks the protocol: trust nothing
+                results = [GetResult(Outcome.FAILED)] * (hi - lo)
             self.latency.observe(time.perf_counter() - start)
             return results
 

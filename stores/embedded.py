@@ -503,6 +503,11 @@ class EmbeddedStore:
     def _finish_get(self, plan: list[tuple[int, _Loc]], copied: bool) -> None:
         with self._lock:
             for _, (cls, slot, nbytes) in plan:
+                if copied:
+                    self._stats["gets"] += 1
+                    self._stats["get_bytes"] += nbytes
+                else:
+                    self._stats["get_failures"] += 1
                 pin = (cls, slot)
                 left = self._pins[pin] - 1
                 if left:
@@ -512,11 +517,6 @@ class EmbeddedStore:
                 if pin in self._doomed:
                     self._doomed.discard(pin)
                     self._release(cls, slot)
-                if copied:
-                    self._stats["gets"] += 1
-                    self._stats["get_bytes"] += nbytes
-                else:
-                    self._stats["get_failures"] += 1
 
     async def _copy(
         self, targets: list[np.ndarray], sources: list[np.ndarray], nbytes: int
