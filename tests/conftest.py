@@ -4,6 +4,10 @@ Mooncake: ``mooncake_master`` is one loopback master for the whole session; ``mo
 is a fresh :class:`~hylinker.stores.mooncake.MooncakeStore` per test, connected to it with its
 own 64 MiB segment. Tests share the master, so use unique key prefixes (``uuid4().hex``).
 Without mooncake installed these fixtures skip, except in CI (``CI=true``), where they fail.
+
+Hypothesis: in CI the search is derandomized (the same examples every run), so whether a
+submission lands never depends on luck; local runs explore new examples each time and keep any
+failure in ``.hypothesis/`` to replay it.
 """
 
 from __future__ import annotations
@@ -12,8 +16,13 @@ import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from hypothesis import settings
 
 from hylinker.stores.base import Store
+
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI") == "true":
+    settings.load_profile("ci")
 
 MOONCAKE_SEGMENT_BYTES = 64 << 20
 MOONCAKE_LEASE_TTL_MS = 1000  # short, so eviction tests need not wait 10 s
