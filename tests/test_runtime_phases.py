@@ -262,9 +262,11 @@ async def test_wait_layer_gives_layerwise_readiness() -> None:
         ready: list[int] = []
 
         async def waiter(layer: int) -> None:
-            await load.wait_layer(layer)
+            assert await load.wait_layer(layer)  # True: the layer's data landed
             ready.append(layer)
 
+        # layers fed by each pool: KV 1, 3; draft 1 (rides with full layer 1); states 0, 2
+        feeds = {"kv": {1, 3}, "draft": {1}, "mamba": {0, 2}}
         async with anyio.create_task_group() as tg:
             for layer in (0, 1, 2, 3):
                 tg.start_soon(waiter, layer)
@@ -272,7 +274,21 @@ async def test_wait_layer_gives_layerwise_readiness() -> None:
             for _ in range(20):
                 await anyio.sleep(0)
             assert ready == []  # nothing landed yet
-            env.store.open()
+            held_pools = [call[0].split(":")[1] for call in env.store.keys["get"][-3:]]
+            landed: set[str] = set()
+            for pool in held_pools:  # let the reads through one pool at a time
+                env.store.release(1)
+                landed.add(pool)
+                done = set().union(*(feeds[p] for p in landed))
+                # a layer is ready exactly when every pool feeding it has landed
+                expected = {layer for layer in done
+                            if all(p in landed for p, ls in feeds.items() if layer in ls)}
+                with anyio.fail_after(5):
+                    while set(ready) != expected:
+                        await anyio.sleep(0.001)
+                for _ in range(20):
+                    await anyio.sleep(0)
+                assert set(ready) == expected, (pool, ready)
         assert sorted(ready) == [0, 1, 2, 3]
         assert await env.linker.commit(load) == hit.store_tokens == 40
         assert env.content.prefix_problems(env.linker, req) == []
@@ -294,9 +310,10 @@ async def test_wait_layer_never_hangs_when_the_load_fails(failure: str) -> None:
         load = await env.linker.load(req)
         assert load is not None
         with anyio.fail_after(5):
-            for layer in (0, 1, 2, 3):
-                await load.wait_layer(layer)
+            landed = [await load.wait_layer(layer) for layer in (0, 1, 2, 3)]
             assert await load.wait() is False
+        # states (layers 0, 2) landed whole unless every get failed; KV/draft layers did not
+        assert landed == ([True, False, True, False] if failure == "removed" else [False] * 4)
         assert await env.linker.commit(load) == 0  # dropped: recompute
         st = env.linker.statistics()
         assert (st.commits, st.dropped_loads, st.store_hit_tokens) == (0, 1, 0)
