@@ -758,6 +758,20 @@ class Linker:
     def pool_statistics(self) -> dict[str, PoolActorStatistics]:
         return {k.value: a.statistics() for k, a in self.actors.items()}
 
+    def leaked(self) -> tuple[int, int]:
+        """``(KV pages, state slots)`` allocated but held by neither the tree nor an open
+        request; both zero when nothing leaked."""
+        stats = self.tree.tree.statistics()
+        owned_pages = sum(req.rows.numel() // self.page - req.prefix_pages for req in self._requests.values())
+        owned_slots = sum(len(req.checkpoints) + (req.working is not None) for req in self._requests.values())
+        for req in self._requests.values():
+            if req.load is not None and not req.load.finished:
+                owned_pages += req.load.pages
+                owned_slots += req.load.slot is not None
+        used_pages = self.pools.kv.pages.capacity - self.pools.kv.num_free_pages
+        used_slots = 0 if self.pools.mamba is None else self.pools.mamba.slots.capacity - self.pools.mamba.num_free
+        return used_pages - stats.pages - owned_pages, used_slots - stats.states - owned_slots
+
     def check_idle(self) -> None:
         """Raise unless no request is open, nothing is locked and the tree matches the pools."""
         from ..components.pools import PoolError
@@ -768,14 +782,11 @@ class Linker:
         if locked:
             raise PoolError(f"{len(locked)} nodes are still locked: {locked[:3]}")
         self.tree.tree.check_consistent()
-        stats = self.tree.tree.statistics()
-        used = self.pools.kv.pages.capacity - self.pools.kv.num_free_pages
-        if used != stats.pages:
-            raise PoolError(f"{used - stats.pages} KV pages leaked (allocated but not in the tree)")
-        if self.pools.mamba is not None:
-            used_slots = self.pools.mamba.slots.capacity - self.pools.mamba.num_free
-            if used_slots != stats.states:
-                raise PoolError(f"{used_slots - stats.states} mamba slots leaked")
+        pages, slots = self.leaked()
+        if pages:
+            raise PoolError(f"{pages} KV pages leaked (allocated but not in the tree)")
+        if slots:
+            raise PoolError(f"{slots} mamba slots leaked")
 
     def flush_device(self) -> None:
         """Evict the whole device tree (nothing may be locked)."""

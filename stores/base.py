@@ -88,6 +88,35 @@ class StoreStatistics:
     capacity_bytes: int = 0
 
 
+def new_counters() -> dict[str, int]:
+    """Mutable counters with one entry per :class:`StoreStatistics` field, all zero."""
+    return dict.fromkeys((f.name for f in attrs.fields(StoreStatistics)), 0)
+
+
+def count_puts(counters: dict[str, int], outcomes: Sequence[Outcome], sizes: Sequence[int]) -> None:
+    """Add one put batch's outcomes (``sizes``: bytes of each buffer) to ``counters``."""
+    for outcome, size in zip(outcomes, sizes):
+        if outcome is Outcome.OK:
+            counters["puts"] += 1
+            counters["put_bytes"] += size
+        elif outcome is Outcome.EXISTS:
+            counters["put_exists"] += 1
+        else:
+            counters["put_failures"] += 1
+
+
+def count_gets(counters: dict[str, int], results: Sequence[GetResult]) -> None:
+    """Add one get batch's results to ``counters``."""
+    for result in results:
+        if result.outcome is Outcome.OK:
+            counters["gets"] += 1
+            counters["get_bytes"] += result.nbytes
+        elif result.outcome is Outcome.MISSING:
+            counters["get_misses"] += 1
+        else:
+            counters["get_failures"] += 1
+
+
 class StoreError(Exception):
     """Base class of store exceptions."""
 

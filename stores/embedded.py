@@ -35,7 +35,6 @@ from collections.abc import Sequence
 
 import anyio
 import anyio.to_thread
-import attrs
 import numpy as np
 import structlog
 import torch
@@ -47,6 +46,7 @@ from .base import (
     StoreClosedError,
     StoreStatistics,
     check_buffers,
+    new_counters,
 )
 
 SLOT_ALIGN = 64
@@ -240,9 +240,7 @@ class EmbeddedStore:
         self._used = 0
         self._allocated = 0  # chunk memory held, all size classes
         self._calls = InflightCalls(name)
-        self._stats: dict[str, int] = dict.fromkeys(
-            (f.name for f in attrs.fields(StoreStatistics)), 0
-        )
+        self._stats = new_counters()
 
     # ---- protocol -------------------------------------------------------------------------
 

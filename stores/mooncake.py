@@ -98,6 +98,9 @@ from .base import (
     StoreStatistics,
     StoreUnavailableError,
     check_buffers,
+    count_gets,
+    count_puts,
+    new_counters,
 )
 from .mooncake_master import port_accepts
 
@@ -200,21 +203,6 @@ class _Unreachable(Exception):
     """Internal: the master's port is closed; answer without calling the client."""
 
 
-@attrs.define
-class _Counters:
-    puts: int = 0
-    put_bytes: int = 0
-    put_exists: int = 0
-    put_failures: int = 0
-    gets: int = 0
-    get_bytes: int = 0
-    get_misses: int = 0
-    get_failures: int = 0
-    exists_calls: int = 0
-    touches: int = 0
-    removes: int = 0
-
-
 def _setup_client(mooncake_store: Any, config: MooncakeConfig) -> Any:
     client = mooncake_store.MooncakeDistributedStore()
     # Cap the client's connect retries: 20 by default, ~4.4 s each against a dead master.
@@ -264,7 +252,7 @@ class MooncakeStore:
         self._in_flight = 0
         self._drained: anyio.Event | None = None
         self._close_lock: anyio.Lock | None = None
-        self._counters = _Counters()
+        self._counters = new_counters()
 
     # -- construction --------------------------------------------------------------------
 
@@ -340,7 +328,7 @@ class MooncakeStore:
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         keys = self._check_keys(keys)
-        self._counters.exists_calls += 1
+        self._counters["exists_calls"] += 1
         if not keys:
             return []
         try:
@@ -371,15 +359,7 @@ class MooncakeStore:
         outcomes = [by_index[i] if i in by_index else
                     (Outcome.EXISTS if by_index[first[k]] in (Outcome.OK, Outcome.EXISTS) else by_index[first[k]])
                     for i, k in enumerate(keys)]
-        c = self._counters
-        for outcome, buf in zip(outcomes, buffers):
-            if outcome is Outcome.OK:
-                c.puts += 1
-                c.put_bytes += buf.numel()
-            elif outcome is Outcome.EXISTS:
-                c.put_exists += 1
-            else:
-                c.put_failures += 1
+        count_puts(self._counters, outcomes, [b.numel() for b in buffers])
         return outcomes
 
     async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
@@ -393,15 +373,7 @@ class MooncakeStore:
             results = await self._run(self._get_blocking, keys, buffers)
         except _Unreachable:
             results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
-        c = self._counters
-        for result in results:
-            if result.outcome is Outcome.OK:
-                c.gets += 1
-                c.get_bytes += result.nbytes
-            elif result.outcome is Outcome.MISSING:
-                c.get_misses += 1
-            else:
-                c.get_failures += 1
+        count_gets(self._counters, results)
         return results
 
     async def touch(self, keys: Sequence[str]) -> None:
@@ -417,7 +389,7 @@ class MooncakeStore:
         except _Unreachable:
             log.debug("mooncake touch skipped: master %s unreachable", self._config.master_address)
             return
-        self._counters.touches += sum(1 for code in codes if code == 1)
+        self._counters["touches"] += sum(1 for code in codes if code == 1)
 
     async def remove(self, keys: Sequence[str]) -> int:
         keys = self._check_keys(keys)
@@ -433,25 +405,11 @@ class MooncakeStore:
         leased = sum(1 for code in codes if code == OBJECT_HAS_LEASE)
         if leased:
             log.info("mooncake remove: %d leased key(s) kept (force_remove is off)", leased)
-        self._counters.removes += removed
+        self._counters["removes"] += removed
         return removed
 
     def statistics(self) -> StoreStatistics:
-        c = self._counters
-        return StoreStatistics(
-            puts=c.puts,
-            put_bytes=c.put_bytes,
-            put_exists=c.put_exists,
-            put_failures=c.put_failures,
-            gets=c.gets,
-            get_bytes=c.get_bytes,
-            get_misses=c.get_misses,
-            get_failures=c.get_failures,
-            exists_calls=c.exists_calls,
-            touches=c.touches,
-            removes=c.removes,
-            capacity_bytes=self._config.segment_bytes,
-        )
+        return StoreStatistics(**{**self._counters, "capacity_bytes": self._config.segment_bytes})
 
     async def close(self) -> None:
         """Refuse new calls, wait for those in flight, close the client. Idempotent."""

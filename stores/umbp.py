@@ -41,7 +41,6 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.to_thread
-import attrs
 import numpy as np
 import structlog
 import torch
@@ -55,6 +54,9 @@ from .base import (
     StoreStatistics,
     StoreUnavailableError,
     check_buffers,
+    count_gets,
+    count_puts,
+    new_counters,
 )
 from .embedded import InflightCalls, check_keys
 
@@ -136,9 +138,7 @@ class UmbpStore:
         self._regions: list[tuple[int, torch.Tensor]] = []
         self._capabilities = StoreCapabilities(name=name, touch=False, remove=False, zero_copy=True)
         self._calls = InflightCalls(name)
-        self._stats: dict[str, int] = dict.fromkeys(
-            (f.name for f in attrs.fields(StoreStatistics)), 0
-        )
+        self._stats = new_counters()
 
     # ---- protocol -------------------------------------------------------------------------
 
@@ -180,14 +180,7 @@ class UmbpStore:
             ptrs = [b.data_ptr() for b in buffers]
             sizes = [b.numel() for b in buffers]
             outcomes: list[Outcome] = await self._run(self._put_sync, list(keys), ptrs, sizes)
-            for outcome, size in zip(outcomes, sizes, strict=True):
-                if outcome is Outcome.OK:
-                    self._stats["puts"] += 1
-                    self._stats["put_bytes"] += size
-                elif outcome is Outcome.EXISTS:
-                    self._stats["put_exists"] += 1
-                else:
-                    self._stats["put_failures"] += 1
+            count_puts(self._stats, outcomes, sizes)
             return outcomes
         finally:
             self._calls.exit()
@@ -201,14 +194,7 @@ class UmbpStore:
             ptrs = [b.data_ptr() for b in buffers]
             sizes = [b.numel() for b in buffers]
             results: list[GetResult] = await self._run(self._get_sync, list(keys), ptrs, sizes)
-            for result in results:
-                if result.outcome is Outcome.OK:
-                    self._stats["gets"] += 1
-                    self._stats["get_bytes"] += result.nbytes
-                elif result.outcome is Outcome.MISSING:
-                    self._stats["get_misses"] += 1
-                else:
-                    self._stats["get_failures"] += 1
+            count_gets(self._stats, results)
             return results
         finally:
             self._calls.exit()

@@ -240,11 +240,8 @@ class StressRun:
                             self.hits_over_time, self.lat)
 
     def _leaks(self, lk: Linker) -> dict[str, int]:
-        tree = lk.tree.tree.statistics()
-        used_pages = self.pools.kv.pages.capacity - self.pools.kv.num_free_pages
-        used_slots = 0 if self.pools.mamba is None else self.pools.mamba.slots.capacity - self.pools.mamba.num_free
-        out = {"leaked_rows": (used_pages - tree.pages) * self.layout.page_size,
-               "leaked_slots": used_slots - tree.states}
+        pages, slots = lk.leaked()
+        out = {"leaked_rows": pages * self.layout.page_size, "leaked_slots": slots}
         try:
             lk.check_idle()
             lk.flush_device()
