@@ -6,6 +6,8 @@ from typing import Any
 
 import attrs
 
+from ..stores.resilient import ResiliencePolicy
+
 
 def _positive(inst: Any, attr: Any, value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -39,6 +41,16 @@ class LinkerConfig:
     fence_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     #: look up the store on admission
     store_lookup: bool = True
+    #: retries, timeouts and the circuit breaker every store call goes through
+    #: (``stores.resilient``); None talks to the store directly
+    resilience: ResiliencePolicy | None = attrs.field(factory=ResiliencePolicy)
+    #: skip an offload while pages locked by queued offloads would reach this share of the KV pool
+    kv_backpressure_share: float = attrs.field(default=0.5, validator=_positive)
+    #: ``close()`` waits this long for queued offloads before it stops the store's retries and
+    #: cancels calls still in flight (after ``resilience.close_grace_s``)
+    close_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    #: TOUCH batches: how long the toucher waits to gather touches into one call
+    touch_batch_s: float = attrs.field(default=0.005, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.latency_low_ms > self.latency_high_ms:
@@ -47,3 +59,5 @@ class LinkerConfig:
                 f"latency_high_ms={self.latency_high_ms}")
         if self.mamba_backpressure_share > 1:
             raise ValueError("LinkerConfig.mamba_backpressure_share must be in (0, 1]")
+        if self.kv_backpressure_share > 1:
+            raise ValueError("LinkerConfig.kv_backpressure_share must be in (0, 1]")

@@ -43,10 +43,12 @@ from ..components.pools import HybridPools
 from ..components.radix import Node
 from ..stores.base import Store, StoreError
 from ..stores.framing import FrameFault
+from ..stores.resilient import ResilienceStatistics, ResilientStore
 from .config import LinkerConfig
 from .events import DeviceEvent
 from .pool_actor import STORED, LatencyMonitor, LoadResult, OffloadResult, PoolActor, TransferJob
 from .statistics import LinkerStatistics, PoolActorStatistics
+from .touch import TouchBatcher
 from .tracing import trace
 from .transfer import PoolCodec
 from .tree_actor import PoolExhaustedError, TreeActor
@@ -86,6 +88,7 @@ class Request:
     load: LoadHandle | None = None
     looked_up: bool = False
     released: bool = False
+    releasing: anyio.Event | None = None  # set once a release has finished
 
     @property
     def prefix_tokens(self) -> int:
@@ -113,6 +116,7 @@ class LoadHandle:
         self.finished = False  # committed or aborted: rows and slot belong to someone now
         self.claimed_by: str | None = None  # "commit" or "abort" while one of them runs
         self.claim_changed = anyio.Event()  # set (and renewed) when a commit lets go
+        self.settled = anyio.Event()  # set once committed or aborted
 
     def _expect(self, layers: Sequence[int]) -> None:
         for layer in layers:
@@ -165,8 +169,12 @@ class Linker:
             raise ValueError("pools were built for another layout")
         self.layout = layout
         self.pools = pools
-        self.store = store
         self.config = config or LinkerConfig()
+        #: the caller's store (never closed here) and what every call goes through
+        self.inner_store = store
+        self.store: Store = store
+        if self.config.resilience is not None:
+            self.store = ResilientStore(store, self.config.resilience, owns_inner=False)
         self.page = layout.page_size
         self.grid = layout.grid
         self.grid_pages = self.grid // self.page
@@ -186,6 +194,7 @@ class Linker:
         self._requests: dict[str, Request] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._offloads_in_flight = 0
+        self._offload_locked_pages = 0  # KV pages of nodes locked by offloads in flight
         self._offloads_idle = anyio.Event()
         self._offloads_idle.set()
         self._closing = False
@@ -194,7 +203,9 @@ class Linker:
             "requests", "lookups", "lookup_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
             "loads", "load_misses", "commits", "dropped_loads", "aborts", "inserts", "offloads",
             "offloads_skipped", "offloads_dropped", "offload_failures", "touches", "touch_keys",
-            "verifications", "verify_failures")}
+            "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
+            "bad_objects_removed", "close_timeouts")}
+        self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         self._layer_of_pool = {k: a.codec.layer_ids for k, a in self.actors.items()}
         self._restored_layers = sorted({layer for ids in self._layer_of_pool.values() for layer in ids})
 
@@ -205,6 +216,7 @@ class Linker:
         for actor in self.actors.values():
             self._tg.start_soon(actor.run_offloads)
             self._tg.start_soon(actor.run_loads)
+        self._tg.start_soon(self.toucher.run)
         return self
 
     async def __aexit__(self, *exc: Any) -> bool | None:
@@ -215,15 +227,34 @@ class Linker:
         return await tg.__aexit__(*exc)
 
     async def close(self) -> None:
-        """Quiesce: finish queued offloads and loads, then release every open request."""
+        """Quiesce: finish queued offloads and loads, then release every open request.
+
+        Bounded in time: offloads get ``close_timeout_s`` to drain; then the store wrapper stops
+        retrying and cancels calls still in flight after its grace period, so the rest fails
+        fast (a store that hangs cannot hold ``close`` hostage). Without a resilience policy
+        the store's own calls bound it.
+        """
         if self._closing:
             return
         self._closing = True
+        self.toucher.stop()
+        with anyio.move_on_after(self.config.close_timeout_s) as scope:
+            await self.drain()
+        if scope.cancelled_caught:
+            self._c["close_timeouts"] += 1
+            trace("close.timeout", in_flight=self._offloads_in_flight)
+        if isinstance(self.store, ResilientStore):
+            await self.store.shutdown()
         await self.drain()
         for actor in self.actors.values():
             actor.close_queues()
         for req in list(self._requests.values()):
-            await self.release(req)
+            try:
+                await self.release(req)
+            except Exception as exc:  # one bad request must not keep the others locked
+                trace("close.release_error", request_id=req.id, error=repr(exc))
+        if isinstance(self.store, ResilientStore):
+            await self.store.close()  # the wrapper only: the caller's store stays open
 
     async def drain(self) -> None:
         """Wait until every submitted offload has been acknowledged and its locks dropped."""
@@ -348,13 +379,7 @@ class Linker:
             names.append(object_key(keys[-1], PoolKind.MAMBA, self.layout))
         self._c["touches"] += 1
         self._c["touch_keys"] += len(names)
-        self._spawn(self._touch, names)
-
-    async def _touch(self, names: list[str]) -> None:
-        try:
-            await self.store.touch(names)
-        except StoreError as exc:
-            trace("touch.store_error", error=str(exc), keys=len(names))
+        self.toucher.add(names)
 
     # ---- LOAD ----------------------------------------------------------------------
     async def load(self, req: Request) -> LoadHandle | None:
@@ -397,13 +422,21 @@ class Linker:
             handle._expect(self._layer_of_pool[kind])
             job = TransferJob(names, index, on_layer=self._layer_callback(handle), request_id=req.id)
             handle.jobs[kind] = job
+        closed = False
         try:
             for kind, job in handle.jobs.items():
                 await self.actors[kind].submit_load(job)
                 handle.submitted.append(kind)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            closed = True  # the linker closed while this load waited for queue space
         finally:
             # jobs that were queued still run; the load ends when they do
             self._spawn(self._finish_load, handle)
+        if closed:
+            self._c["load_misses"] += 1
+            trace("load.miss", request_id=req.id, reason="closing", pages=n)
+            await self._settle_load(handle)
+            return None
         trace("load.queued", request_id=req.id, pages=n, first_page=first, slot=slot)
         return handle
 
@@ -473,6 +506,7 @@ class Linker:
         if not ok:
             self._c["dropped_loads"] += 1
             self._free_load(load)
+            self._forget_bad_objects(load)
             trace("commit.dropped", request_id=req.id, faults={k.value: r.faults for k, r in load.results.items()})
             return 0
         keys = self.tree.tree.path_keys(req.node) + req.store_keys
@@ -484,6 +518,7 @@ class Linker:
         if load.slot is not None and not ins.mamba_exist:
             ins.node.stored.add(PoolKind.MAMBA)
         load.finished = True
+        load.settled.set()
         req.load = None
         self._move_lock(req, ins.node)
         self._c["commits"] += 1
@@ -512,12 +547,42 @@ class Linker:
         self._c["aborts"] += 1
         self._free_load(load)
 
+    async def _settle_load(self, load: LoadHandle) -> None:
+        """Abort ``load`` unless someone else already is (or a commit settles it): either way
+        return once it is settled. Never raises for a load already on its way out."""
+        if load.finished:
+            return
+        if load.claimed_by == "abort":
+            with anyio.CancelScope(shield=True):
+                await load.settled.wait()
+            return
+        await self.abort(load)
+
     def _free_load(self, load: LoadHandle) -> None:
         load.finished = True
+        load.settled.set()
         load.request.load = None
         self.tree.free_rows(load.rows)
         if load.slot is not None:
             self.tree.free_slot(load.slot)
+
+    def _forget_bad_objects(self, load: LoadHandle) -> None:
+        """Remove what failed to restore (corrupt, torn, unreadable) from the store: puts are
+        first-writer-wins, so a bad object stays bad until removed, and the next offload of
+        those pages writes a good one."""
+        if not self.store.capabilities.remove:
+            return
+        bad = [key for kind, job in load.jobs.items() if kind in load.results
+               for key, ok in zip(job.keys, load.results[kind].ok) if not ok]
+        if bad and self._tg is not None:
+            self._c["bad_objects_removed"] += len(bad)
+            self._tg.start_soon(self._remove_quietly, bad)
+
+    async def _remove_quietly(self, keys: list[str]) -> None:
+        try:
+            await self.store.remove(keys)
+        except StoreError as exc:
+            trace("remove.store_error", error=str(exc), keys=len(keys))
 
     def _move_lock(self, req: Request, node: Node) -> None:
         """The request now stands on ``node``: lock it, unlock the old prefix."""
@@ -540,8 +605,11 @@ class Linker:
         Raises :class:`PoolExhaustedError` when no pages can be freed.
         """
         self._check_open(req)
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 0:
+            raise ValueError(f"extend takes a token count >= 0, got {n_tokens!r}")
+        self._check_looked_up(req, "extend")
         have = req.rows.numel() // self.page
-        need = -(-n_tokens // self.page)
+        need = -(-int(n_tokens) // self.page)
         if need > have:
             req.rows = torch.cat([req.rows, self.tree.alloc_rows(need - have)])
         return req.rows
@@ -549,6 +617,7 @@ class Linker:
     def working_slot(self, req: Request) -> int:
         """The request's writable state slot, initialised from the prefix's state (COW)."""
         self._check_open(req)
+        self._check_looked_up(req, "working_slot")
         if self.pools.mamba is None:
             raise PhaseError("the layout has no mamba pool")
         if req.working is None:
@@ -563,9 +632,17 @@ class Linker:
     def checkpoint_slot(self, req: Request) -> int:
         """A fresh slot the forward copies the state at the checkpoint depth into."""
         self._check_open(req)
+        self._check_looked_up(req, "checkpoint_slot")
         slot = self.tree.alloc_slot()
         req.checkpoints.append(slot)
         return slot
+
+    @staticmethod
+    def _check_looked_up(req: Request, what: str) -> None:
+        # before lookup the request stands on no prefix yet: rows taken now would be dropped
+        # by lookup (a leak) and a working state would start from zeros under a restored prefix
+        if not req.looked_up:
+            raise PhaseError(f"{what} before lookup: look the request up first")
 
     def checkpoint_depth(self, req: Request, extend_len: int) -> int | None:
         """Where this request's prefill (after its cached prefix) donates a state."""
@@ -636,12 +713,21 @@ class Linker:
                 trace("offload.skipped", request_id=req.id, reason="mamba_backpressure",
                       pending=self.actors[PoolKind.MAMBA].pending_states)
                 return
+        # KV backpressure: nodes stay locked until their offload settles, so a slow store and
+        # long prompts could otherwise lock the whole KV pool and make `extend` fail
+        new_pages = sum(len(n.keys) for n in {n.id: n for ns in plan.values() for n in ns}.values())
+        kv_limit = self.config.kv_backpressure_share * self.pools.kv.pages.capacity
+        if self._offload_locked_pages and self._offload_locked_pages + new_pages > kv_limit:
+            self._c["offloads_skipped_kv"] += 1
+            trace("offload.skipped", request_id=req.id, reason="kv_backpressure",
+                  locked_pages=self._offload_locked_pages, pages=new_pages)
+            return
         if self.latency.should_drop():
             self._c["offloads_dropped"] += 1
             trace("offload.dropped", request_id=req.id, reason="latency", ema_ms=self.latency.ema_ms)
             return
         job_id = next(self._job_ids)
-        jobs: dict[PoolKind, tuple[TransferJob | None, dict[int, int]]] = {}
+        jobs: dict[PoolKind, _OffloadPlan] = {}
         locked: dict[int, Node] = {}  # node id -> node, locked once per offload
         for kind, nodes in plan.items():
             # absolute page -> position of its object in the job (MAMBA: the state's key page)
@@ -656,16 +742,19 @@ class Linker:
                 else:
                     for j in range(n.start_page, n.end_page):
                         where[j] = len(where)
-            if not self.layout.writes(kind):
-                jobs[kind] = (None, where)  # the owner rank writes a replicated pool
-                continue
             if kind is PoolKind.MAMBA:
                 names = [object_key(n.keys[-1], kind, self.layout) for n in nodes]
                 index = torch.tensor([[n.mamba_slot] for n in nodes], dtype=torch.int64)
             else:
                 names = object_keys([k for n in nodes for k in n.keys], kind, self.layout)
                 index = torch.cat([n.rows for n in nodes]).view(-1, self.page)
-            jobs[kind] = (TransferJob(names, index, fence=fence, request_id=req.id), where)
+            if not self.layout.writes(kind):
+                # the owner rank writes a replicated pool: settle by what the store holds
+                jobs[kind] = (None, where, names)
+                continue
+            jobs[kind] = (TransferJob(names, index, fence=fence, request_id=req.id), where, names)
+        locked_pages = sum(len(n.keys) for n in locked.values())
+        self._offload_locked_pages += locked_pages
         if self._offloads_in_flight == 0:
             self._offloads_idle = anyio.Event()
         self._offloads_in_flight += 1
@@ -674,25 +763,25 @@ class Linker:
             # MAMBA first: its submit counts the states as pending before its first await, so
             # no other task passes the backpressure check above on a stale count
             order = sorted(jobs.items(), key=lambda item: item[0] is not PoolKind.MAMBA)
-            for kind, (job, _) in order:
+            for kind, (job, _, _) in order:
                 if job is not None:
                     await self.actors[kind].submit_offload(job)
                 submitted.append(kind)
         finally:
-            self._spawn(self._finish_offload, job_id, node, jobs, submitted, list(locked.values()))
+            self._spawn(self._finish_offload, job_id, node, jobs, submitted, list(locked.values()),
+                        locked_pages)
 
-    async def _finish_offload(self, job_id: int, end: Node,
-                              jobs: dict[PoolKind, tuple[TransferJob | None, dict[int, int]]],
-                              submitted: list[PoolKind], locked: list[Node]) -> None:
+    async def _finish_offload(self, job_id: int, end: Node, jobs: dict[PoolKind, _OffloadPlan],
+                              submitted: list[PoolKind], locked: list[Node], locked_pages: int) -> None:
         """Exactly one settlement per offload: mark what reached the store, then unlock."""
         from ..stores.base import Outcome
 
         failed = False
         try:
-            for kind, (job, where) in jobs.items():
+            for kind, (job, where, names) in jobs.items():
                 outcomes: list[Outcome] | None
                 if job is None:
-                    outcomes = [Outcome.OK] * len(where)
+                    outcomes = await self._replica_outcomes(names)
                 elif kind not in submitted:
                     outcomes = None
                 else:
@@ -711,9 +800,25 @@ class Linker:
                 self._c["offload_failures"] += 1  # one result per offload, not one per pool
             for n in locked:
                 self.tree.unlock(n)
+            self._offload_locked_pages -= locked_pages
             self._offloads_in_flight -= 1
             if self._offloads_in_flight == 0:
                 self._offloads_idle.set()
+
+    async def _replica_outcomes(self, names: list[str]) -> list[Any]:
+        """A replicated pool another rank writes: stored only where the store holds it now (a
+        node found missing stays unstored and is planned again by a later insert)."""
+        from ..stores.base import Outcome
+
+        self._c["offloads_verified_replicas"] += 1
+        try:
+            present = await self.store.exists(names)
+        except StoreError as exc:
+            trace("offload.replica_check_error", error=str(exc), keys=len(names))
+            return [Outcome.UNREACHABLE] * len(names)
+        if len(present) != len(names):
+            return [Outcome.FAILED] * len(names)
+        return [Outcome.OK if here else Outcome.MISSING for here in present]
 
     def _settle(self, kind: PoolKind, job_id: int, end: Node, where: dict[int, int],
                 outcomes: list[Any] | None) -> None:
@@ -736,8 +841,19 @@ class Linker:
         """Unlock the request's prefix and free every row and slot it still owns."""
         if req.released:
             return
-        if req.load is not None and not req.load.finished:
-            await self.abort(req.load)  # waits for a commit in progress instead
+        if req.releasing is not None:  # another release is under way: wait for it
+            with anyio.CancelScope(shield=True):
+                await req.releasing.wait()
+            return
+        req.releasing = anyio.Event()
+        try:
+            if req.load is not None and not req.load.finished:
+                await self._settle_load(req.load)  # waits for a commit or abort in progress
+        finally:
+            self._release_now(req)
+
+    def _release_now(self, req: Request) -> None:
+        assert req.releasing is not None
         req.released = True
         self._requests.pop(req.id, None)
         own = req.rows[req.prefix_pages * self.page:]
@@ -748,12 +864,17 @@ class Linker:
         req.checkpoints.clear()
         req.working = None
         self.tree.unlock(req.node)
+        req.releasing.set()
         trace("release", request_id=req.id, node=req.node.id)
 
     # ---- inspection ----------------------------------------------------------------
     def statistics(self) -> LinkerStatistics:
         return LinkerStatistics(**self._c, store_latency_ema_ms=self.latency.ema_ms,
-                                dropping=self.latency.dropping)
+                                dropping=self.latency.dropping, touch_calls=self.toucher.calls)
+
+    def resilience_statistics(self) -> ResilienceStatistics | None:
+        """Retries, timeouts and breaker counts of the store wrapper (None: no wrapper)."""
+        return self.store.resilience() if isinstance(self.store, ResilientStore) else None
 
     def pool_statistics(self) -> dict[str, PoolActorStatistics]:
         return {k.value: a.statistics() for k, a in self.actors.items()}
@@ -794,5 +915,8 @@ class Linker:
 
 
 _FRAME_FAULTS = frozenset(f.value for f in FrameFault)
+#: one pool's part of an offload: the job (None: another rank writes this replicated pool),
+#: absolute page -> position of its object, and the object keys
+_OffloadPlan = tuple[TransferJob | None, dict[int, int], list[str]]
 
 __all__ = ["Linker", "LoadHandle", "LookupResult", "PhaseError", "PoolExhaustedError", "Request"]

@@ -56,3 +56,8 @@ class LinkerStatistics:
     verify_failures: int
     store_latency_ema_ms: float
     dropping: bool
+    offloads_skipped_kv: int = 0  # KV backpressure: offload backlog would lock too much of the pool
+    offloads_verified_replicas: int = 0  # replicated pools another rank writes, checked in the store
+    bad_objects_removed: int = 0  # objects that failed to restore, removed so they are rewritten
+    close_timeouts: int = 0  # close() gave up waiting for offloads and cut the store's retries
+    touch_calls: int = 0  # store.touch calls (touches are batched into these)

@@ -265,28 +265,35 @@ class FaultyStore:
         self._inner.register(region)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [o is Outcome.OK for o in await self.exists_outcomes(keys)]
+
+    async def exists_outcomes(self, keys: Sequence[str]) -> list[Outcome]:
+        """``exists`` per key: OK present, MISSING absent, FAILED / UNREACHABLE for an injected
+        failure (plain ``exists`` reports those as absent)."""
         check_keys(keys)
         self._calls.enter()
         try:
             scheduled = self._begin_call()
             if scheduled == "timeout":
                 await self._overrun()
-                return [False] * len(keys)
+                return [Outcome.UNREACHABLE] * len(keys)
             if scheduled == "failed":
-                return [False] * len(keys)
+                return [Outcome.FAILED] * len(keys)
             failed = self._draw_keys(len(keys), self._plan.fail, "failed_keys")
-            present = [False] * len(keys)
+            present = [Outcome.FAILED if failed[i] else Outcome.MISSING for i in range(len(keys))]
             ask = [i for i in range(len(keys)) if not failed[i] and keys[i] not in self._vanished]
             answer = await self._within_deadline(
                 lambda: self._inner.exists([keys[i] for i in ask])
             )
             if answer is None:
+                for i in ask:
+                    present[i] = Outcome.UNREACHABLE
                 return present
             gone: list[str] = []
             for i, here in zip(ask, answer, strict=True):
                 if here and self._plan.vanish and self._rng.random() < self._plan.vanish:
                     gone.append(keys[i])
-                present[i] = here
+                present[i] = Outcome.OK if here else Outcome.MISSING
             if gone:
                 await self._vanish(gone)
             return present

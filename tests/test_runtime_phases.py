@@ -607,13 +607,22 @@ async def test_a_replicated_pool_is_written_by_rank_zero_only() -> None:
         async with harness(layout=layout, inner=inner) as env:
             assert await donate(env, p) == 48
             node = next(iter(env.linker.tree.tree.root.children.values()))
-            assert node.stored == ALL_POOLS  # the owner writes; this rank reports success
+            # the owner writes; another rank checks the store and marks only what is there:
+            # rank 1 runs first, so rank 0's state is not in the store yet
+            assert node.stored == (ALL_POOLS - {PoolKind.MAMBA} if layout.tp_rank else ALL_POOLS)
             puts = env.store.put_keys()
             mamba_puts = [k for k in puts if ":mamba:" in k]
             assert mamba_puts == ([] if layout.tp_rank else [okey(p, 11, PoolKind.MAMBA, layout)])
             assert all(k.endswith(f":tp{layout.tp_rank}") for k in puts if ":mamba:" not in k)
     assert okey(p, 11, PoolKind.MAMBA, ranks[0]).endswith(":mamba:rep")
     assert inner.statistics().puts == 2 * (12 + 12) + 1
+    # now the state is there: rank 1, computing the prompt again, finds it and marks it stored
+    async with harness(layout=ranks[0], inner=inner,
+                       config=LinkerConfig(staging_bytes_per_pool=SMALL, store_lookup=False)) as env:
+        assert await donate(env, p) == 48
+        node = next(iter(env.linker.tree.tree.root.children.values()))
+        assert node.stored == ALL_POOLS
+        assert env.linker.statistics().offloads_verified_replicas == 1
     async with harness(layout=ranks[0], inner=inner) as env:  # rank 1 restores rank 0's state
         req, hit = await open_request(env, p)
         assert hit.store_tokens == 48
@@ -661,12 +670,14 @@ async def test_touch_once_per_interval_with_every_page_and_the_boundary_state() 
         await hit(p[:20])
         a.last_touch -= 10.0
         await hit(p[:20])
-        await wait_until(lambda: env.store.completed["touch"] == 4)
-        assert sorted(env.store.touched_keys()[2]) == sorted(keys_b)
-        assert sorted(env.store.touched_keys()[3]) == sorted(keys_a)
+        # B's and A's touches may share one batched call (TOUCH coalescing)
+        want = set(keys_b) | set(keys_a)
+        await wait_until(lambda: {k for c in env.store.touched_keys()[2:] for k in c} == want)
+        assert env.store.completed["touch"] in (3, 4)
         st = env.linker.statistics()
         assert (st.touches, st.touch_keys) == (4, 2 * 25 + 2 * 9)
-        assert env.inner.statistics().touches == 2 * 25 + 2 * 9
+        assert st.touch_calls == env.store.calls["touch"]
+        assert env.inner.statistics().touches == env.linker.toucher.keys_sent
 
 
 # ---- cancellation and close --------------------------------------------------------------------

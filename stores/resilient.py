@@ -1,0 +1,424 @@
+"""Retries, timeouts and a circuit breaker around any store: what every client of a store uses.
+
+:class:`ResilientStore` wraps a :class:`~hylinker.stores.base.Store` and keeps the protocol, so
+the linker, the data plane and engine plugins get the same behaviour by wrapping once:
+
+* **Timeouts.** Every call to the inner store runs under ``call_timeout_s``; a call that runs
+  past it answers :attr:`Outcome.UNREACHABLE` for each key (the inner call is cancelled; a
+  backend whose calls cannot be cancelled — a blocking client in a thread — still returns
+  before the wrapper does, so buffers are never written after the caller regains control).
+* **Retries, per key.** Transient outcomes — ``FAILED``, ``UNREACHABLE``, ``LEASED``, a call
+  that raised :class:`StoreUnavailableError` or timed out — are retried for the keys that had
+  them only, up to ``attempts`` tries, with exponential backoff and jitter, and never past the
+  transfer's ``deadline_s`` (one wrapper call is one transfer). Answers that are facts are not
+  retried: ``MISSING``, ``EXISTS``, ``FULL``, ``TOO_SMALL``. Data faults (corrupt, torn,
+  vanished objects) are found by framing after the get returned ``OK``; the wrapper never sees
+  them and the runtime falls back to recompute.
+  ``exists`` is retried per key when the inner store can tell a failed key from an absent one
+  (:class:`ReportsExistence`: ``exists_outcomes``); otherwise only a whole failed call is.
+* **Circuit breaker.** ``failure_threshold`` consecutive attempts in which the store answered
+  nothing (every key unreachable, the call raised or timed out) open the breaker: calls are
+  answered at once without reaching the store (``exists`` -> all absent, ``put``/``get`` ->
+  ``UNREACHABLE``, ``touch`` skipped, ``remove`` raises) and counted as ``rejected_calls``.
+  After ``probe_interval_s`` the next call is let through as a probe (one at a time); if the
+  store answers, the breaker closes (``resumes``), otherwise it stays open for another interval.
+* **Bounded close.** :meth:`ResilientStore.shutdown` makes every new call fail fast and gives
+  the calls in flight ``close_grace_s`` before cancelling them, so whoever drains work through
+  the wrapper finishes in bounded time even when the store hangs. ``close`` shuts down and then
+  closes the inner store only when the wrapper owns it (``owns_inner``).
+
+Everything is counted in :class:`ResilienceStatistics` (:meth:`ResilientStore.resilience`);
+:meth:`ResilientStore.statistics` is the inner store's own snapshot, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import anyio
+import attrs
+import torch
+
+from .base import (
+    GetResult,
+    Outcome,
+    Store,
+    StoreCapabilities,
+    StoreClosedError,
+    StoreError,
+    StoreStatistics,
+    StoreUnavailableError,
+)
+
+T = TypeVar("T")
+
+
+class _NoAnswer:
+    """An attempt that got no answer (timed out, raised, cancelled by shutdown)."""
+
+
+NO_ANSWER = _NoAnswer()
+
+#: per-key outcomes worth another try: the store did not say anything about the object
+TRANSIENT = frozenset({Outcome.FAILED, Outcome.UNREACHABLE, Outcome.LEASED})
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"ResiliencePolicy.{attribute.name} must be positive, got {value!r}")
+
+
+def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"ResiliencePolicy.{attribute.name} must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class ResiliencePolicy:
+    """How hard to try, and when to stop trying. Every field has a production default."""
+
+    #: tries per key per transfer (1: no retry)
+    attempts: int = attrs.field(default=4, validator=_positive)
+    #: first backoff; doubles per retry up to ``backoff_max_s``; +- ``jitter`` share at random
+    backoff_s: float = attrs.field(default=0.002, validator=_non_negative)
+    backoff_max_s: float = attrs.field(default=0.1, validator=_non_negative)
+    jitter: float = attrs.field(default=0.5, validator=_non_negative)
+    #: one call to the inner store may take this long; past it its keys are UNREACHABLE
+    call_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    #: one transfer (a wrapper call, all its attempts and backoffs) ends by this deadline
+    deadline_s: float = attrs.field(default=10.0, validator=_positive)
+    #: consecutive attempts with no answer that open the breaker (0: never open it)
+    failure_threshold: int = attrs.field(default=5, validator=_non_negative)
+    #: while open, let one call through as a probe this often
+    probe_interval_s: float = attrs.field(default=0.5, validator=_positive)
+    #: on shutdown, how long calls in flight may still run before they are cancelled
+    close_grace_s: float = attrs.field(default=1.0, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or not isinstance(self.failure_threshold, int):
+            raise ValueError("ResiliencePolicy.attempts and failure_threshold are integers")
+        if self.jitter > 1:
+            raise ValueError(f"ResiliencePolicy.jitter is a share in [0, 1], got {self.jitter}")
+
+
+@attrs.frozen
+class ResilienceStatistics:
+    """What the wrapper did, as counts (a snapshot)."""
+
+    calls: int  # wrapper calls (transfers)
+    attempts: int  # calls that reached the inner store
+    retries: int  # attempts beyond the first
+    retried_keys: int  # key-attempts repeated after a transient outcome
+    recovered_keys: int  # keys that succeeded on a retry
+    exhausted_keys: int  # keys still transient after every attempt or past the deadline
+    timeouts: int  # inner calls cut at call_timeout_s
+    unavailable: int  # inner calls that raised StoreUnavailableError (or another StoreError)
+    breaker_trips: int  # closed -> open
+    rejected_calls: int  # answered by the open breaker without reaching the store
+    probes: int  # calls let through while open
+    resumes: int  # open -> closed after a probe answered
+    cancelled_on_shutdown: int  # inner calls cancelled by shutdown after the grace period
+    breaker: str  # "closed", "open" or "half_open" now
+
+
+@runtime_checkable
+class ReportsExistence(Protocol):
+    """A store that can say, per key, whether ``exists`` failed rather than found nothing."""
+
+    async def exists_outcomes(self, keys: Sequence[str]) -> list[Outcome]:
+        """``OK`` present, ``MISSING`` absent, anything else: the store could not tell."""
+        ...
+
+
+class CircuitBreaker:
+    """Closed -> open after ``threshold`` consecutive failed attempts; one probe per interval."""
+
+    def __init__(self, threshold: int, probe_interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.threshold = threshold
+        self.interval = probe_interval_s
+        self.clock = clock
+        self.state = "closed"
+        self.failures = 0
+        self.opened_at = 0.0
+        self.probing = False
+        self.counts = {"breaker_trips": 0, "rejected_calls": 0, "probes": 0, "resumes": 0}
+
+    def admit(self) -> bool:
+        """Whether a call may reach the store now (a probe when the breaker is open)."""
+        if self.state == "closed":
+            return True
+        if not self.probing and self.clock() - self.opened_at >= self.interval:
+            self.probing = True
+            self.state = "half_open"
+            self.counts["probes"] += 1
+            return True
+        self.counts["rejected_calls"] += 1
+        return False
+
+    def success(self) -> None:
+        self.failures = 0
+        if self.state != "closed":
+            self.state = "closed"
+            self.probing = False
+            self.counts["resumes"] += 1
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.state == "half_open":
+            self._open()
+        elif self.state == "closed" and self.threshold and self.failures >= self.threshold:
+            self.counts["breaker_trips"] += 1
+            self._open()
+
+    def abandon_probe(self) -> None:
+        """A probe that ended without an answer either way (cancelled): let another try."""
+        if self.state == "half_open":
+            self._open()
+
+    def _open(self) -> None:
+        self.state = "open"
+        self.probing = False
+        self.opened_at = self.clock()
+
+
+class ResilientStore:
+    """Wraps ``inner`` with retries, timeouts and a circuit breaker. See the module doc."""
+
+    def __init__(self, inner: Store, policy: ResiliencePolicy | None = None, *,
+                 owns_inner: bool = True, seed: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(inner, Store):
+            raise TypeError(f"inner must implement the Store protocol, got {type(inner).__name__}")
+        self._inner = inner
+        self.policy = policy or ResiliencePolicy()
+        self.owns_inner = owns_inner
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self.breaker = CircuitBreaker(self.policy.failure_threshold, self.policy.probe_interval_s, clock)
+        caps = inner.capabilities
+        self._capabilities = attrs.evolve(caps, name=f"resilient({caps.name})")
+        self._c = dict.fromkeys(("calls", "attempts", "retries", "retried_keys", "recovered_keys",
+                                 "exhausted_keys", "timeouts", "unavailable",
+                                 "cancelled_on_shutdown"), 0)
+        self._inflight: set[anyio.CancelScope] = set()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._shutting_down = False
+        self._closed = False
+
+    @property
+    def inner(self) -> Store:
+        return self._inner
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return self._capabilities
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.breaker.state != "closed"
+
+    def register(self, region: torch.Tensor) -> None:
+        self._inner.register(region)
+
+    # ---- protocol ---------------------------------------------------------------------------
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        keys = list(keys)
+        self._check_open()
+        inner = self._inner
+        if isinstance(inner, ReportsExistence):
+            outcomes = await self._transfer(
+                len(keys), Outcome.UNREACHABLE,
+                lambda idx: inner.exists_outcomes([keys[i] for i in idx]))
+            return [o is Outcome.OK for o in outcomes]
+
+        async def plain(idx: list[int]) -> list[Outcome]:
+            found = await inner.exists([keys[i] for i in idx])
+            if len(found) != len(idx):
+                raise StoreError(f"exists answered {len(found)} of {len(idx)} keys")
+            return [Outcome.OK if here else Outcome.MISSING for here in found]
+
+        outcomes = await self._transfer(len(keys), Outcome.UNREACHABLE, plain)
+        return [o is Outcome.OK for o in outcomes]
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
+        keys, buffers = list(keys), list(buffers)
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        self._check_open()
+        return await self._transfer(
+            len(keys), Outcome.UNREACHABLE,
+            lambda idx: self._inner.put([keys[i] for i in idx], [buffers[i] for i in idx]))
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        keys, buffers = list(keys), list(buffers)
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        self._check_open()
+        sizes: dict[int, int] = {}
+
+        async def one(idx: list[int]) -> list[Outcome]:
+            res = await self._inner.get([keys[i] for i in idx], [buffers[i] for i in idx])
+            if len(res) != len(idx):
+                raise StoreError(f"get answered {len(res)} of {len(idx)} keys")
+            for i, r in zip(idx, res):
+                sizes[i] = r.nbytes
+            return [r.outcome for r in res]
+
+        outcomes = await self._transfer(len(keys), Outcome.UNREACHABLE, one)
+        return [GetResult(o, sizes.get(i, 0) if o is Outcome.OK else 0) for i, o in enumerate(outcomes)]
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        """One attempt (a hint is not worth a retry), skipped while the breaker is open."""
+        self._check_open()
+        keys = list(keys)
+        if not keys or self._shutting_down or not self.breaker.admit():
+            return
+        self._c["calls"] += 1
+        outcome = await self._probe_guard(self._attempt(lambda: self._inner.touch(keys)))
+        self._settle_breaker(outcome is not NO_ANSWER)
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        self._check_open()
+        keys = list(keys)
+        if self._shutting_down or not self.breaker.admit():
+            raise StoreUnavailableError("the store's circuit breaker is open")
+        self._c["calls"] += 1
+        answer = await self._probe_guard(self._attempt(lambda: self._inner.remove(keys)))
+        if isinstance(answer, _NoAnswer):
+            self._settle_breaker(False)
+            raise StoreUnavailableError("remove got no answer from the store")
+        self._settle_breaker(True)
+        return answer
+
+    def statistics(self) -> StoreStatistics:
+        return self._inner.statistics()
+
+    def resilience(self) -> ResilienceStatistics:
+        return ResilienceStatistics(**self._c, **self.breaker.counts, breaker=self.breaker.state)
+
+    async def shutdown(self) -> None:
+        """Fail every new call fast; give calls in flight ``close_grace_s``, then cancel them."""
+        self._shutting_down = True
+        if self._inflight:
+            with anyio.move_on_after(self.policy.close_grace_s):
+                await self._idle.wait()
+        if self._inflight:
+            self._c["cancelled_on_shutdown"] += len(self._inflight)
+            for scope in list(self._inflight):
+                scope.cancel()
+            await self._idle.wait()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        await self.shutdown()
+        self._closed = True
+        if self.owns_inner:
+            await self._inner.close()
+
+    # ---- the retry loop ---------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self._capabilities.name} is closed")
+
+    async def _transfer(self, n: int, fallback: Outcome,
+                        call: Callable[[list[int]], Awaitable[list[Outcome]]]) -> list[Outcome]:
+        """Run ``call`` on the keys that still need it until none is transient, attempts run
+        out, or the deadline passes. ``fallback`` answers keys that never got an answer."""
+        self._c["calls"] += 1
+        outcomes = [fallback] * n
+        if n == 0:
+            return outcomes
+        pol = self.policy
+        deadline = self._clock() + pol.deadline_s
+        todo = list(range(n))
+        retried: set[int] = set()
+        for attempt in range(pol.attempts):
+            if attempt:
+                delay = min(pol.backoff_max_s, pol.backoff_s * (2 ** (attempt - 1)))
+                delay *= 1 + pol.jitter * (2 * self._rng.random() - 1)
+                if self._clock() + delay >= deadline:
+                    break
+                await anyio.sleep(delay)
+                self._c["retries"] += 1
+                self._c["retried_keys"] += len(todo)
+                retried.update(todo)
+            if self._shutting_down or not self.breaker.admit():
+                break
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            answer = await self._probe_guard(
+                self._attempt(functools.partial(call, list(todo)), min(pol.call_timeout_s, left)))
+            if isinstance(answer, _NoAnswer) or len(answer) != len(todo):
+                self._settle_breaker(False)
+                continue
+            self._settle_breaker(not all(o is Outcome.UNREACHABLE for o in answer))
+            still: list[int] = []
+            for i, o in zip(todo, answer):
+                outcomes[i] = o
+                if o in TRANSIENT:
+                    still.append(i)
+                elif i in retried:
+                    self._c["recovered_keys"] += 1
+            todo = still
+            if not todo:
+                break
+        self._c["exhausted_keys"] += sum(outcomes[i] in TRANSIENT for i in todo)
+        return outcomes
+
+    async def _attempt(self, call: Callable[[], Awaitable[T]],
+                       timeout: float | None = None) -> T | _NoAnswer:
+        """One inner call under the call timeout; ``NO_ANSWER`` when it gave none."""
+        self._c["attempts"] += 1
+        scope = anyio.CancelScope(deadline=anyio.current_time() + (timeout or self.policy.call_timeout_s))
+        self._inflight.add(scope)
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        try:
+            with scope:
+                return await call()
+            # reached only when the scope cancelled the call
+            if not self._shutting_down:
+                self._c["timeouts"] += 1
+            return NO_ANSWER
+        except StoreClosedError:
+            raise
+        except StoreError:
+            self._c["unavailable"] += 1
+            return NO_ANSWER
+        finally:
+            self._inflight.discard(scope)
+            if not self._inflight:
+                self._idle.set()
+
+    async def _probe_guard(self, attempt: Awaitable[T]) -> T:
+        """Await an attempt; a probe that is cancelled before it settles lets another try."""
+        probe = self.breaker.state == "half_open"
+        try:
+            return await attempt
+        except BaseException:
+            if probe:
+                self.breaker.abandon_probe()
+            raise
+
+    def _settle_breaker(self, answered: bool) -> None:
+        if answered:
+            self.breaker.success()
+        else:
+            self.breaker.failure()
+
+
+__all__ = [
+    "TRANSIENT",
+    "CircuitBreaker",
+    "ReportsExistence",
+    "ResiliencePolicy",
+    "ResilienceStatistics",
+    "ResilientStore",
+]
