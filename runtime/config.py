@@ -49,6 +49,9 @@ class LinkerConfig:
     #: ``close()`` waits this long for queued offloads before it stops the store's retries and
     #: cancels calls still in flight (after ``resilience.close_grace_s``)
     close_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    #: a hybrid load also reads up to this many states at shallower boundaries the probe found,
+    #: so a failed object above one of them still leaves that prefix restorable
+    fallback_states: int = attrs.field(default=2, validator=attrs.validators.ge(0))
     #: TOUCH batches: how long the toucher waits to gather touches into one call
     touch_batch_s: float = attrs.field(default=0.005, validator=_positive)
 

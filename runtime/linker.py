@@ -39,6 +39,7 @@ from ..components.keys import as_tokens, namespace_seed, object_key, object_keys
 from ..components.layout import ModelLayout, PoolKind
 from ..components.lookup import restorable_page_counts
 from ..components.mamba import checkpoint_depth, restorable_ceiling
+from ..components.partial import kept_pages
 from ..components.pools import HybridPools
 from ..components.radix import Node
 from ..stores.base import Store, StoreError
@@ -82,6 +83,7 @@ class Request:
     rows: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.int64))
     store_pages: int = 0  # found by lookup
     store_keys: list[bytes] = attrs.field(factory=list)
+    store_boundaries: list[int] = attrs.field(factory=list)  # every restorable count found
     state_source: int | None = None  # the prefix node's state: copy-on-write source
     working: int | None = None
     checkpoints: list[int] = attrs.field(factory=list)
@@ -104,7 +106,9 @@ class LoadHandle:
         self.request = req
         self.pages = pages
         self.rows = rows
-        self.slot = slot
+        self.slot = slot  # the state at ``pages``
+        #: (pages, slot) of every state read, ascending; the last one is ``slot``'s
+        self.states: list[tuple[int, int]] = [] if slot is None else [(pages, slot)]
         self.jobs: dict[PoolKind, TransferJob] = {}
         self.submitted: list[PoolKind] = []
         self.results: dict[PoolKind, LoadResult] = {}
@@ -187,7 +191,7 @@ class Linker:
             codec = PoolCodec(kind, layout, pools)
             frames = max(1, self.config.staging_bytes_per_pool // max(1, codec.payload_bytes + 64))
             self.actors[kind] = PoolActor(
-                kind, codec, store, layout, staging_frames=frames, queue_depth=self.config.queue_depth,
+                kind, codec, self.store, layout, staging_frames=frames, queue_depth=self.config.queue_depth,
                 latency=self.latency, thread_limiter=self._limiter,
                 inline_bytes=self.config.inline_copy_bytes,
                 fence_timeout_s=self.config.fence_timeout_s)
@@ -204,7 +208,7 @@ class Linker:
             "loads", "load_misses", "commits", "dropped_loads", "aborts", "inserts", "offloads",
             "offloads_skipped", "offloads_dropped", "offload_failures", "touches", "touch_keys",
             "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
-            "bad_objects_removed", "close_timeouts")}
+            "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         self._layer_of_pool = {k: a.codec.layer_ids for k, a in self.actors.items()}
         self._restored_layers = sorted({layer for ids in self._layer_of_pool.values() for layer in ids})
@@ -326,15 +330,18 @@ class Linker:
         if m.pages and self.config.touch and self.store.capabilities.touch:
             self._maybe_touch(m.node)
         store_pages = 0
+        req.store_boundaries = []
         if self.config.store_lookup and ceiling_pages > m.pages:
-            store_pages = await self._probe(req, keys[m.pages:ceiling_pages], m.pages)
+            req.store_boundaries = await self._probe(req, keys[m.pages:ceiling_pages], m.pages)
+            store_pages = max(req.store_boundaries, default=0)
         req.store_pages = store_pages
         req.store_keys = keys[m.pages: m.pages + store_pages]
         trace("lookup", request_id=req.id, prompt=len(req.tokens), device_pages=m.pages,
               store_pages=store_pages, node=m.node.id, us=round((time.perf_counter() - t0) * 1e6))
         return LookupResult(len(req.tokens), m.pages * self.page, store_pages * self.page)
 
-    async def _probe(self, req: Request, keys: list[bytes], first_page: int) -> int:
+    async def _probe(self, req: Request, keys: list[bytes], first_page: int) -> list[int]:
+        """Every restorable page count above the device hit, ascending ([]: none)."""
         names: list[str] = []
         spans: dict[PoolKind, tuple[int, list[int]]] = {}
         for kind in self.layout.pools:
@@ -345,18 +352,18 @@ class Linker:
             spans[kind] = (len(names), pos)
             names.extend(object_keys([keys[i] for i in pos], kind, self.layout))
         if not names:
-            return 0
+            return []
         start = time.perf_counter()
         try:
             present = await self.store.exists(names)
         except StoreError as exc:
             trace("lookup.store_error", request_id=req.id, error=str(exc))
-            return 0
+            return []
         self.latency.observe(time.perf_counter() - start)
         if len(present) != len(names):  # a store that breaks the protocol: fail closed
             trace("lookup.store_error", request_id=req.id,
                   error=f"exists answered {len(present)} of {len(names)} keys")
-            return 0
+            return []
         bits: dict[PoolKind, list[bool]] = {}
         for kind, (off, pos) in spans.items():
             b = [False] * len(keys)
@@ -364,8 +371,7 @@ class Linker:
                 b[i] = bool(present[off + j])
             bits[kind] = b
         counts = restorable_page_counts(bits)
-        counts = {n for n in counts if (first_page + n) % self.grid_pages == 0}
-        return max(counts, default=0)
+        return sorted(n for n in counts if n > 0 and (first_page + n) % self.grid_pages == 0)
 
     def _maybe_touch(self, node: Node) -> None:
         now = time.monotonic()
@@ -409,13 +415,22 @@ class Linker:
             trace("load.miss", request_id=req.id, reason="allocation", pages=n)
             return None
         handle = LoadHandle(self, req, n, rows, slot, self._restored_layers)
+        if slot is not None:
+            # fallback states at shallower boundaries the probe found: if an object above one
+            # of them fails, the load still restores the prefix up to it
+            for b in reversed([b for b in req.store_boundaries if b < n][-self.config.fallback_states:]
+                              if self.config.fallback_states else []):
+                extra = self.tree.try_alloc_slot()
+                if extra is None:
+                    break
+                handle.states.insert(0, (b, extra))
         req.load = handle
         first = req.prefix_pages
         for kind in self.layout.pools:
             if kind is PoolKind.MAMBA:
                 assert slot is not None
-                names = [object_key(req.store_keys[-1], kind, self.layout)]
-                index = torch.tensor([[slot]], dtype=torch.int64)
+                names = [object_key(req.store_keys[b - 1], kind, self.layout) for b, _ in handle.states]
+                index = torch.tensor([[s] for _, s in handle.states], dtype=torch.int64)
             else:
                 names = object_keys(req.store_keys, kind, self.layout)
                 index = rows.view(n, self.page)
@@ -492,24 +507,56 @@ class Linker:
             changed, load.claim_changed = load.claim_changed, anyio.Event()
             changed.set()
 
+    def _kept_pages(self, load: LoadHandle) -> int:
+        """How much of a finished load can be restored (all of it when everything verified)."""
+        if load.error is not None or len(load.results) < len(load.jobs):
+            return 0
+        page_ok = [res.ok for kind, res in load.results.items() if kind is not PoolKind.MAMBA]
+        states = None
+        if PoolKind.MAMBA in load.results:
+            states = [(b, ok) for (b, _), ok in zip(load.states, load.results[PoolKind.MAMBA].ok)]
+        return kept_pages(page_ok, n_pages=load.pages, first_page=load.request.prefix_pages,
+                          grid_pages=self.grid_pages, states=states)
+
+    def _trim_load(self, load: LoadHandle, kept: int) -> None:
+        """Keep the first ``kept`` pages and the state at ``kept``; free the rest now."""
+        self.tree.free_rows(load.rows[kept * self.page:])
+        load.rows = load.rows[: kept * self.page]
+        slot = None
+        for b, s in load.states:
+            if b == kept:
+                slot = s
+            else:
+                self.tree.free_slot(s)
+        load.states = [] if slot is None else [(kept, slot)]
+        load.slot = slot
+        load.pages = kept
+
     async def _commit(self, load: LoadHandle) -> int:
         req = load.request
         try:
-            ok = await load.wait()
+            await load.wait()
         except Exception as exc:
             trace("commit.error", request_id=req.id, error=str(exc))
-            ok = False
         for res in load.results.values():
             rejected = sum(v for k, v in res.faults.items() if k in _FRAME_FAULTS)
             self._c["verifications"] += sum(res.ok) + rejected
             self._c["verify_failures"] += rejected
-        if not ok:
+        kept = self._kept_pages(load)
+        if kept == 0:
             self._c["dropped_loads"] += 1
-            self._free_load(load)
             self._forget_bad_objects(load)
+            self._free_load(load)
             trace("commit.dropped", request_id=req.id, faults={k.value: r.faults for k, r in load.results.items()})
             return 0
-        keys = self.tree.tree.path_keys(req.node) + req.store_keys
+        if kept < load.pages:
+            self._c["partial_loads"] += 1
+            self._c["partial_pages_lost"] += load.pages - kept
+            self._forget_bad_objects(load)
+            trace("commit.partial", request_id=req.id, pages=load.pages, kept=kept,
+                  faults={k.value: r.faults for k, r in load.results.items()})
+        self._trim_load(load, kept)
+        keys = self.tree.tree.path_keys(req.node) + req.store_keys[:kept]
         rows = torch.cat([req.rows, load.rows])
         ins = self.tree.insert(keys, rows, load.slot, owned_from=req.prefix_pages)
         # what the tree adopted came from the store: never write it back
@@ -563,8 +610,8 @@ class Linker:
         load.settled.set()
         load.request.load = None
         self.tree.free_rows(load.rows)
-        if load.slot is not None:
-            self.tree.free_slot(load.slot)
+        for _, slot in load.states:
+            self.tree.free_slot(slot)
 
     def _forget_bad_objects(self, load: LoadHandle) -> None:
         """Remove what failed to restore (corrupt, torn, unreadable) from the store: puts are
@@ -887,8 +934,8 @@ class Linker:
         owned_slots = sum(len(req.checkpoints) + (req.working is not None) for req in self._requests.values())
         for req in self._requests.values():
             if req.load is not None and not req.load.finished:
-                owned_pages += req.load.pages
-                owned_slots += req.load.slot is not None
+                owned_pages += req.load.rows.numel() // self.page
+                owned_slots += len(req.load.states)
         used_pages = self.pools.kv.pages.capacity - self.pools.kv.num_free_pages
         used_slots = 0 if self.pools.mamba is None else self.pools.mamba.slots.capacity - self.pools.mamba.num_free
         return used_pages - stats.pages - owned_pages, used_slots - stats.states - owned_slots

@@ -61,3 +61,5 @@ class LinkerStatistics:
     bad_objects_removed: int = 0  # objects that failed to restore, removed so they are rewritten
     close_timeouts: int = 0  # close() gave up waiting for offloads and cut the store's retries
     touch_calls: int = 0  # store.touch calls (touches are batched into these)
+    partial_loads: int = 0  # loads that restored a shorter prefix than found (some objects failed)
+    partial_pages_lost: int = 0  # pages those loads could not keep

@@ -9,7 +9,8 @@ the linker, the data plane and engine plugins get the same behaviour by wrapping
   before the wrapper does, so buffers are never written after the caller regains control).
 * **Retries, per key.** Transient outcomes — ``FAILED``, ``UNREACHABLE``, ``LEASED``, a call
   that raised :class:`StoreUnavailableError` or timed out — are retried for the keys that had
-  them only, up to ``attempts`` tries, with exponential backoff and jitter, and never past the
+  them only, up to ``attempts`` tries, with backoff and jitter (exponential while the store
+  answers nothing, the base delay when it answered the other keys), and never past the
   transfer's ``deadline_s`` (one wrapper call is one transfer). Answers that are facts are not
   retried: ``MISSING``, ``EXISTS``, ``FULL``, ``TOO_SMALL``. Data faults (corrupt, torn,
   vanished objects) are found by framing after the get returned ``OK``; the wrapper never sees
@@ -82,8 +83,10 @@ class ResiliencePolicy:
     """How hard to try, and when to stop trying. Every field has a production default."""
 
     #: tries per key per transfer (1: no retry)
-    attempts: int = attrs.field(default=4, validator=_positive)
-    #: first backoff; doubles per retry up to ``backoff_max_s``; +- ``jitter`` share at random
+    attempts: int = attrs.field(default=6, validator=_positive)
+    #: backoff before a retry; doubles per retry while the store answers nothing, up to
+    #: ``backoff_max_s`` (keys that failed in a call the store answered retry after
+    #: ``backoff_s``); +- ``jitter`` share at random
     backoff_s: float = attrs.field(default=0.002, validator=_non_negative)
     backoff_max_s: float = attrs.field(default=0.1, validator=_non_negative)
     jitter: float = attrs.field(default=0.5, validator=_non_negative)
@@ -339,9 +342,12 @@ class ResilientStore:
         deadline = self._clock() + pol.deadline_s
         todo = list(range(n))
         retried: set[int] = set()
+        silent = 0  # consecutive attempts the store did not answer at all
         for attempt in range(pol.attempts):
             if attempt:
-                delay = min(pol.backoff_max_s, pol.backoff_s * (2 ** (attempt - 1)))
+                # the store answered the last attempt (some keys failed): retry those at once,
+                # after the base backoff; it did not answer: back off exponentially
+                delay = min(pol.backoff_max_s, pol.backoff_s * (2 ** max(0, silent - 1)))
                 delay *= 1 + pol.jitter * (2 * self._rng.random() - 1)
                 if self._clock() + delay >= deadline:
                     break
@@ -358,8 +364,11 @@ class ResilientStore:
                 self._attempt(functools.partial(call, list(todo)), min(pol.call_timeout_s, left)))
             if isinstance(answer, _NoAnswer) or len(answer) != len(todo):
                 self._settle_breaker(False)
+                silent += 1
                 continue
-            self._settle_breaker(not all(o is Outcome.UNREACHABLE for o in answer))
+            answered = not all(o is Outcome.UNREACHABLE for o in answer)
+            self._settle_breaker(answered)
+            silent = 0 if answered else silent + 1
             still: list[int] = []
             for i, o in zip(todo, answer):
                 outcomes[i] = o

@@ -30,6 +30,7 @@ from ..runtime.config import LinkerConfig
 from ..runtime.linker import Linker, Request
 from ..runtime.tree_actor import PoolExhaustedError
 from ..stores.base import Store
+from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
 from .report import format_table, percentiles, progress_bar
 from .workloads import Request as WorkloadRequest
 from .workloads import bound_hit_rate, read_mooncake_trace, synthetic_agentic
@@ -191,6 +192,7 @@ class StressRun:
         #: (request id, prompt tokens, device hit tokens, store tokens found by lookup)
         self.per_request: list[tuple[str, int, int, int]] = []
         self.lags: list[float] = []
+        self.resilience: ResilienceStatistics | None = None
 
     async def run(self, show_progress: bool = True) -> StressResult:
         cfg = self.cfg
@@ -233,6 +235,7 @@ class StressRun:
             bar.close()
             stats = lk.statistics()
             pool_stats = lk.pool_statistics()
+            self.resilience = lk.resilience_statistics()
             locked = len(lk.tree.tree.locked_nodes())
             leaks = self._leaks(lk)
         elapsed = time.perf_counter() - t_start
@@ -387,6 +390,9 @@ class StressRun:
             "dropped_loads": stats.dropped_loads,
             "verify_failures": stats.verify_failures,
             "touches": stats.touches,
+            "offloads_skipped_kv": stats.offloads_skipped_kv,
+            "bad_objects_removed": stats.bad_objects_removed,
+            "resilience": attrs.asdict(self.resilience) if self.resilience is not None else None,
             "bytes_offloaded": {k: pools[v.value].bytes_offloaded if v.value in pools else 0
                                 for k, v in (("kv", PoolKind.FULL), ("mamba", PoolKind.MAMBA),
                                              ("draft", PoolKind.DRAFT))},
@@ -437,6 +443,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="tell the store about device hits (TOUCH)")
     s.add_argument("--no-mamba-backpressure", action="store_true",
                    help="disable the 3/4-of-the-state-pool offload skip rule")
+    s.add_argument("--kv-backpressure-share", type=float, default=LinkerConfig().kv_backpressure_share,
+                   help="skip offloads while queued offloads lock this share of the KV pool")
+    s.add_argument("--no-retries", action="store_true",
+                   help="talk to the store directly: no retries, timeouts or circuit breaker")
     o = parser.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
     o.add_argument("--plot", type=Path, default=None, help="write a PNG: hit rate over time, latency CDFs")
@@ -487,7 +497,9 @@ async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) 
         kv_pages=args.kv_pages, mamba_slots=args.mamba_slots, concurrency=args.concurrency,
         time_scale=args.time_scale, touch=args.touch, policy=args.policy, seed=args.seed,
         block_tokens=512 if args.trace is not None else 0,
-        linker=LinkerConfig(mamba_backpressure=not args.no_mamba_backpressure),
+        linker=LinkerConfig(mamba_backpressure=not args.no_mamba_backpressure,
+                            kv_backpressure_share=args.kv_backpressure_share,
+                            resilience=None if args.no_retries else ResiliencePolicy()),
     )
     try:
         return await StressRun(cfg, store, requests).run(show_progress=not args.no_progress)
@@ -538,6 +550,7 @@ def format_summary(s: dict[str, Any]) -> str:
          "value": f"{s['leaked_rows']} / {s['leaked_slots']} / {s['locked_nodes_at_end']}"},
         {"metric": "offloads (skipped / dropped / failed)",
          "value": f"{s['offloads']} ({s['offloads_skipped']} / {s['offloads_dropped']} / {s['offload_failures']})"},
+        *resilience_rows(s),
         {"metric": "MB offloaded kv / mamba / draft",
          "value": " / ".join(f"{v / MIB:.1f}" for v in s["bytes_offloaded"].values())},
         {"metric": "MB loaded kv / mamba / draft",
@@ -552,3 +565,19 @@ def format_summary(s: dict[str, Any]) -> str:
         {"metric": "seconds", "value": s["seconds"]},
     ]
     return format_table(rows, ["metric", "value"])
+
+
+def resilience_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """Table rows for the store wrapper's retries and circuit breaker (none without it)."""
+    r = s.get("resilience")
+    if not r:
+        return []
+    return [
+        {"metric": "store retries (keys recovered / exhausted)",
+         "value": f"{r['retries']} ({r['recovered_keys']} / {r['exhausted_keys']})"},
+        {"metric": "store timeouts / unavailable calls", "value": f"{r['timeouts']} / {r['unavailable']}"},
+        {"metric": "breaker trips / rejected calls / resumes",
+         "value": f"{r['breaker_trips']} / {r['rejected_calls']} / {r['resumes']}"},
+        {"metric": "offloads skipped (kv backpressure)", "value": s.get("offloads_skipped_kv", 0)},
+        {"metric": "bad objects removed", "value": s.get("bad_objects_removed", 0)},
+    ]
