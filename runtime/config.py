@@ -45,7 +45,7 @@ class LinkerConfig:
     #: (``stores.resilient``); None talks to the store directly
     resilience: ResiliencePolicy | None = attrs.field(factory=ResiliencePolicy)
     #: skip an offload while pages locked by queued offloads would reach this share of the KV pool
-    kv_backpressure_share: float = attrs.field(default=0.5, validator=_positive)
+    kv_backpressure_share: float = attrs.field(default=0.25, validator=_positive)
     #: ``close()`` waits this long for queued offloads before it stops the store's retries and
     #: cancels calls still in flight (after ``resilience.close_grace_s``)
     close_timeout_s: float = attrs.field(default=10.0, validator=_positive)

@@ -87,7 +87,7 @@ class ResiliencePolicy:
     #: backoff before a retry; doubles per retry while the store answers nothing, up to
     #: ``backoff_max_s`` (keys that failed in a call the store answered retry after
     #: ``backoff_s``); +- ``jitter`` share at random
-    backoff_s: float = attrs.field(default=0.002, validator=_non_negative)
+    backoff_s: float = attrs.field(default=0.001, validator=_non_negative)
     backoff_max_s: float = attrs.field(default=0.1, validator=_non_negative)
     jitter: float = attrs.field(default=0.5, validator=_non_negative)
     #: one call to the inner store may take this long; past it its keys are UNREACHABLE
