@@ -392,6 +392,8 @@ class StressRun:
             "touches": stats.touches,
             "offloads_skipped_kv": stats.offloads_skipped_kv,
             "bad_objects_removed": stats.bad_objects_removed,
+            "partial_loads": stats.partial_loads,
+            "partial_pages_lost": stats.partial_pages_lost,
             "resilience": attrs.asdict(self.resilience) if self.resilience is not None else None,
             "bytes_offloaded": {k: pools[v.value].bytes_offloaded if v.value in pools else 0
                                 for k, v in (("kv", PoolKind.FULL), ("mamba", PoolKind.MAMBA),
@@ -447,6 +449,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="skip offloads while queued offloads lock this share of the KV pool")
     s.add_argument("--no-retries", action="store_true",
                    help="talk to the store directly: no retries, timeouts or circuit breaker")
+    from .chaos import add_chaos_arguments
+
+    add_chaos_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
     o.add_argument("--plot", type=Path, default=None, help="write a PNG: hit rate over time, latency CDFs")
@@ -490,9 +495,8 @@ async def open_store(args: argparse.Namespace) -> tuple[Store, Any]:
     return inner, (extra, None)
 
 
-async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) -> StressResult:
-    store, (master, inner) = await open_store(args)
-    cfg = StressConfig(
+def stress_config(args: argparse.Namespace) -> StressConfig:
+    return StressConfig(
         preset=args.preset, page_size=args.page_size, chunk_size=args.chunk_size,
         kv_pages=args.kv_pages, mamba_slots=args.mamba_slots, concurrency=args.concurrency,
         time_scale=args.time_scale, touch=args.touch, policy=args.policy, seed=args.seed,
@@ -501,6 +505,11 @@ async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) 
                             kv_backpressure_share=args.kv_backpressure_share,
                             resilience=None if args.no_retries else ResiliencePolicy()),
     )
+
+
+async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) -> StressResult:
+    store, (master, inner) = await open_store(args)
+    cfg = stress_config(args)
     try:
         return await StressRun(cfg, store, requests).run(show_progress=not args.no_progress)
     finally:
@@ -516,6 +525,10 @@ def run(args: argparse.Namespace) -> int:
     if not requests:
         print("stress: the workload is empty", file=sys.stderr)
         return 2
+    if args.chaos:
+        from .chaos import run_chaos
+
+        return run_chaos(args, stress_config(args), requests)
     result = anyio.run(run_stress, args, requests)
     s = result.summary
     print(format_summary(s))
