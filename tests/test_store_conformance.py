@@ -1,7 +1,8 @@
 """One conformance suite, run unchanged against every store backend.
 
 Backends: ``embedded``; ``umbp`` (the adapter over :class:`UMBPClientDouble`); ``faulty``
-(:class:`FaultyStore` at rate 0 over an embedded store); ``mooncake`` (the ``mooncake_store``
+(:class:`FaultyStore` at rate 0 over an embedded store); ``resilient`` (:class:`ResilientStore`,
+retries and breaker, over a fault-free faulty store over an embedded store); ``mooncake`` (the ``mooncake_store``
 fixture from ``conftest.py``: an opened Mooncake store on a loopback master, or a skip).
 
 Tests that need a configurable capacity create their own store through ``CAPACITY_STORES``
@@ -28,12 +29,13 @@ from hylinker.stores.base import (
 )
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
+from hylinker.stores.resilient import ResilientStore
 from hylinker.stores.framing import FrameError, framed_size, payload_view, seal, verify
 from hylinker.stores.umbp import UmbpStore
 from hylinker.testing.umbp_double import UMBPClientDouble
 
 LAYOUT = hashlib.sha256(b"store-conformance-layout").digest()
-STORE_NAMES = ["embedded", "umbp", "faulty", pytest.param("mooncake", marks=pytest.mark.mooncake)]
+STORE_NAMES = ["embedded", "umbp", "faulty", "resilient", pytest.param("mooncake", marks=pytest.mark.mooncake)]
 OBJECT = 4096  # framed object bytes in capacity tests (64-byte multiple)
 
 
@@ -57,6 +59,13 @@ async def umbp_store() -> AsyncIterator[Store]:
 @pytest.fixture
 async def faulty_store() -> AsyncIterator[Store]:
     store = FaultyStore(EmbeddedStore(64 << 20), FaultPlan(), seed=1)
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def resilient_store() -> AsyncIterator[Store]:
+    store = ResilientStore(FaultyStore(EmbeddedStore(64 << 20), FaultPlan(), seed=1))
     yield store
     await store.close()
 
@@ -87,6 +96,7 @@ def _faulty_with_capacity(capacity: int) -> Store:
 CAPACITY_STORES: dict[str, Callable[[int], Store]] = {
     "embedded": _embedded_with_capacity,
     "faulty": _faulty_with_capacity,
+    "resilient": lambda capacity: ResilientStore(_faulty_with_capacity(capacity)),
 }
 
 
