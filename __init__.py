@@ -28,6 +28,7 @@ from .stores.base import (
 )
 from .stores.embedded import EmbeddedStore
 from .stores.framing import FrameError, FrameFault
+from .stores.resilient import ResiliencePolicy, ResilienceStatistics, ResilientStore
 
 __version__ = "0.1.0"
 
@@ -56,6 +57,9 @@ __all__ = [
     "QueueStatistics",
     "RadixTree",
     "Request",
+    "ResiliencePolicy",
+    "ResilienceStatistics",
+    "ResilientStore",
     "Store",
     "StoreCapabilities",
     "StoreClosedError",

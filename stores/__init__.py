@@ -11,12 +11,16 @@ from .base import (
     StoreUnavailableError,
 )
 from .framing import FrameError, FrameFault
+from .resilient import ResiliencePolicy, ResilienceStatistics, ResilientStore
 
 __all__ = [
     "FrameError",
     "FrameFault",
     "GetResult",
     "Outcome",
+    "ResiliencePolicy",
+    "ResilienceStatistics",
+    "ResilientStore",
     "Store",
     "StoreCapabilities",
     "StoreClosedError",

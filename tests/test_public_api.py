@@ -12,6 +12,8 @@ EXPECTED = {
     "checkpoint_grid", "dcp_fold", "disable_trace_logging", "enable_trace_logging",
     "namespace_seed", "object_key", "page_keys", "restorable_ceiling", "restorable_page_counts",
     "wait_fence",
+    # reliability (issue 11): the store wrapper every linker uses, its policy and statistics
+    "ResiliencePolicy", "ResilienceStatistics", "ResilientStore",
 }
 
 

@@ -29,8 +29,8 @@ from hylinker.stores.base import (
 )
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
-from hylinker.stores.resilient import ResilientStore
 from hylinker.stores.framing import FrameError, framed_size, payload_view, seal, verify
+from hylinker.stores.resilient import ResilientStore
 from hylinker.stores.umbp import UmbpStore
 from hylinker.testing.umbp_double import UMBPClientDouble
 
