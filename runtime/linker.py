@@ -644,6 +644,7 @@ class Linker:
         # keys onto the new one (that would insert a path of keys no prompt has)
         req.store_pages = 0
         req.store_keys = []
+        req.store_boundaries = []
 
     # ---- the forward's resources -------------------------------------------------------
     def extend(self, req: Request, n_tokens: int) -> torch.Tensor:
