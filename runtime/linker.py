@@ -208,7 +208,8 @@ class Linker:
             "loads", "load_misses", "commits", "dropped_loads", "aborts", "inserts", "offloads",
             "offloads_skipped", "offloads_dropped", "offload_failures", "touches", "touch_keys",
             "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
-            "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost")}
+            "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost",
+            "offloads_skipped_breaker")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         self._layer_of_pool = {k: a.codec.layer_ids for k, a in self.actors.items()}
         self._restored_layers = sorted({layer for ids in self._layer_of_pool.values() for layer in ids})
@@ -752,6 +753,11 @@ class Linker:
         if not plan:
             return
         self._c["offloads"] += 1
+        if isinstance(self.store, ResilientStore) and self.store.breaker_open:
+            # the store is down: lock nothing, send nothing (lookups probe it meanwhile)
+            self._c["offloads_skipped_breaker"] += 1
+            trace("offload.skipped", request_id=req.id, reason="breaker_open")
+            return
         if PoolKind.MAMBA in plan and self.config.mamba_backpressure:
             assert self.pools.mamba is not None
             limit = self.config.mamba_backpressure_share * self.pools.mamba.slots.capacity

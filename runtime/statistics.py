@@ -63,3 +63,4 @@ class LinkerStatistics:
     touch_calls: int = 0  # store.touch calls (touches are batched into these)
     partial_loads: int = 0  # loads that restored a shorter prefix than found (some objects failed)
     partial_pages_lost: int = 0  # pages those loads could not keep
+    offloads_skipped_breaker: int = 0  # the store's circuit breaker was open

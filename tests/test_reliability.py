@@ -423,3 +423,39 @@ async def test_faults_never_restore_a_wrong_state() -> None:
             env.linker.flush_device()
         r = env.linker.resilience_statistics()
         assert r is not None and r.retries > 0
+
+
+async def test_a_store_that_is_down_trips_the_breaker_and_the_linker_resumes() -> None:
+    """Down: lookups miss fast, offloads are skipped and counted. Back: hits again."""
+    policy = attrs.evolve(FAST, attempts=1, failure_threshold=2, probe_interval_s=0.05)
+    plan = FaultPlan(fail_calls=((1, 10_000),), scheduled="unavailable")
+    faulty: list[FaultyStore] = []
+
+    def wrap(inner: Store) -> Store:
+        faulty.append(FaultyStore(inner, plan))
+        return faulty[0]
+
+    async with harness(LinkerConfig(staging_bytes_per_pool=SMALL, resilience=policy), wrap=wrap) as env:
+        lk = env.linker
+        p = prompt(33, seed=500)
+        await donate(env, p)  # lookup fails (1), offload fails (2): the breaker opens
+        assert lk.store.breaker_open  # type: ignore[attr-defined]
+        await donate(env, prompt(33, seed=501))
+        st = lk.statistics()
+        assert st.offloads_skipped_breaker >= 1
+        calls = faulty[0].statistics().calls
+        req = lk.request("down", p)
+        assert (await lk.lookup(req)).store_tokens == 0  # a miss, without reaching the store
+        await lk.release(req)
+        assert faulty[0].statistics().calls == calls
+        faulty[0]._plan = FaultPlan()  # the store comes back
+        await anyio.sleep(0.06)
+        lk.flush_device()
+        assert await donate(env, p) == 32  # a lookup probes, the breaker closes, offload runs
+        assert not lk.store.breaker_open  # type: ignore[attr-defined]
+        lk.flush_device()
+        req = lk.request("back", p)
+        assert (await lk.lookup(req)).store_tokens == 32
+        await lk.release(req)
+        r = lk.resilience_statistics()
+        assert r is not None and r.breaker_trips == 1 and r.resumes == 1

@@ -391,6 +391,7 @@ class StressRun:
             "verify_failures": stats.verify_failures,
             "touches": stats.touches,
             "offloads_skipped_kv": stats.offloads_skipped_kv,
+            "offloads_skipped_breaker": stats.offloads_skipped_breaker,
             "bad_objects_removed": stats.bad_objects_removed,
             "partial_loads": stats.partial_loads,
             "partial_pages_lost": stats.partial_pages_lost,
@@ -591,6 +592,7 @@ def resilience_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
         {"metric": "store timeouts / unavailable calls", "value": f"{r['timeouts']} / {r['unavailable']}"},
         {"metric": "breaker trips / rejected calls / resumes",
          "value": f"{r['breaker_trips']} / {r['rejected_calls']} / {r['resumes']}"},
-        {"metric": "offloads skipped (kv backpressure)", "value": s.get("offloads_skipped_kv", 0)},
+        {"metric": "offloads skipped (kv backpressure / breaker open)",
+         "value": f"{s.get('offloads_skipped_kv', 0)} / {s.get('offloads_skipped_breaker', 0)}"},
         {"metric": "bad objects removed", "value": s.get("bad_objects_removed", 0)},
     ]
