@@ -594,5 +594,7 @@ def resilience_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
          "value": f"{r['breaker_trips']} / {r['rejected_calls']} / {r['resumes']}"},
         {"metric": "offloads skipped (kv backpressure / breaker open)",
          "value": f"{s.get('offloads_skipped_kv', 0)} / {s.get('offloads_skipped_breaker', 0)}"},
+        {"metric": "loads kept partly (pages lost)",
+         "value": f"{s.get('partial_loads', 0)} ({s.get('partial_pages_lost', 0)})"},
         {"metric": "bad objects removed", "value": s.get("bad_objects_removed", 0)},
     ]
