@@ -1,0 +1,386 @@
+"""SGLang's real ``UnifiedRadixCache`` (FULL + MAMBA) on CPU, driven the way its scheduler does.
+
+For the SGLang plugin's tests and benchmark; needs ``sglang==0.5.23`` (``.ci/sglang-setup.sh``
+builds that environment). :class:`SGLangCache` builds SGLang's own pools (a
+``HybridLinearKVPool`` with an MLA or MHA full-attention pool, a ``HybridReqToTokenPool`` with a
+Mamba2 state pool, a paged token allocator), publishes ``ServerArgs`` for the scheduler, and
+creates the linker through SGLang's own factory (``create_unified_cache_linker``), exactly as
+SGLang's cache registry does. :meth:`SGLangCache.serve` then runs one request through the
+scheduler's steps:
+
+``Req.init_next_round_input`` (match + linker lookup, MIN over ranks) → ``init_load_back``
+(linker ``load``) → request slots and KV rows → ``ready_to_load_host_cache`` (linker
+``start_layer_wise_loading``) → a synthetic forward that waits on every layer through the
+pools' own getters (``get_key_buffer``, ``mamba2_layer_cache``) → ``finish_external_linker_loads``
+→ ``release_kv_cache(checkpoint=True)`` (insert + offloads) → ``check_hicache_events``.
+
+The synthetic forward writes bytes that are a pure function of the tokens: KV row ``p`` of layer
+``l`` from a chained hash of ``tokens[:p+1]``, the Mamba state of every layer from a hash of the
+tokens the tree will key it by. So a restored row or state can be compared byte for byte with
+what a recompute would have written (:attr:`Served.restore_mismatches`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import sys
+import types
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+SGLANG_VERSION = "0.5.23"
+
+
+def install_cpu_shims() -> None:
+    """Make SGLang importable on a CPU-only machine.
+
+    The registry's torchvision wheels are CUDA builds that fail to load next to the CPU torch;
+    only SGLang's multimodal code imports torchvision, never the cache. A placeholder module
+    (registered after transformers has decided torchvision is absent) is enough.
+    """
+    if "torchvision" in sys.modules:
+        return
+    try:
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available()
+    except Exception:  # pragma: no cover - transformers missing or changed
+        pass
+
+    class _Placeholder(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            sub = _Placeholder(f"{self.__name__}.{name}")
+            sub.__spec__ = importlib.machinery.ModuleSpec(sub.__name__, None)
+            setattr(self, name, sub)
+            return sub
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("torchvision is a placeholder on this CPU-only setup")
+
+    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
+                 "torchvision.io", "torchvision.ops"):
+        module = _Placeholder(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        module.__path__ = []
+        sys.modules[name] = module
+    sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]  # type: ignore[attr-defined]
+
+
+@attrs.frozen
+class CacheSpec:
+    """Geometry of the SGLang cache the harness builds."""
+
+    page_size: int = 1
+    kv: str = "mla"  # "mla" (latent, rank-replicated) or "mha" (separate K and V)
+    num_layers: int = 6
+    full_layers: tuple[int, ...] = (2, 5)
+    kv_pages: int = 2048
+    mamba_slots: int = 32
+    max_reqs: int = 8
+    max_context: int = 1024
+    tree_core: str = "python"  # SGLang's tree core: "python" or "rust"
+    kv_lora_rank: int = 32  # MLA
+    qk_rope_head_dim: int = 8  # MLA
+    head_num: int = 2  # MHA
+    head_dim: int = 16  # MHA
+    mamba_heads: int = 2
+    mamba_head_dim: int = 8
+    mamba_state: int = 8
+    mamba_intermediate: int = 16
+    mamba_conv_kernel: int = 4
+    dtype: torch.dtype = torch.bfloat16
+
+
+@attrs.define
+class Served:
+    """What one request went through."""
+
+    rid: str
+    tokens: int
+    device_hit: int  # tokens matched in the device tree
+    store_hit: int  # tokens the ranks agreed to load (SGLang's host_hit_length)
+    loaded: int  # tokens init_load_back queued
+    aborted: bool  # the load failed: SGLang finishes the request with 503
+    restore_mismatches: list[str]  # restored rows/state that differ from a recompute (must be empty)
+
+
+class SGLangCache:
+    """One SGLang cache (one rank) with an external linker; see the module docstring."""
+
+    def __init__(self, spec: CacheSpec, linker_config: dict[str, Any] | None, *,
+                 backend: str = "dynamic") -> None:
+        install_cpu_shims()
+        import sglang
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.environ import envs
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+        if sglang.__version__ != SGLANG_VERSION:
+            raise RuntimeError(f"the harness targets sglang=={SGLANG_VERSION}, found {sglang.__version__}")
+        self.spec = spec
+        P = spec.page_size
+        self.mamba_layers = [i for i in range(spec.num_layers) if i not in spec.full_layers]
+        server_args = ServerArgs(
+            model_path="dummy", page_size=P,
+            enable_unified_cache_external_linker=linker_config is not None,
+            unified_cache_external_linker_backend=backend if linker_config is not None else None,
+            unified_cache_external_linker_config=linker_config)
+        server_args._mamba_cache_chunk_size = max(64, P)
+        set_global_server_args_for_scheduler(server_args)
+        self.server_args = server_args
+        with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+            shape = Mamba2StateShape.create(
+                tp_world_size=1, intermediate_size=spec.mamba_intermediate, n_groups=1,
+                num_heads=spec.mamba_heads, head_dim=spec.mamba_head_dim, state_size=spec.mamba_state,
+                conv_kernel=spec.mamba_conv_kernel)
+            cache_params = Mamba2CacheParams(shape=shape, layers=self.mamba_layers)
+        self.req_to_token_pool = HybridReqToTokenPool(
+            size=spec.max_reqs, mamba_size=spec.mamba_slots, mamba_spec_state_size=spec.max_reqs,
+            max_context_len=spec.max_context, device="cpu", enable_memory_saver=False,
+            cache_params=cache_params, mamba_layer_ids=self.mamba_layers,
+            enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3)
+        size = spec.kv_pages * P
+        mla = spec.kv == "mla"
+        self.kvcache = HybridLinearKVPool(
+            size=size, dtype=spec.dtype, page_size=P, head_num=spec.head_num, head_dim=spec.head_dim,
+            full_attention_layer_ids=list(spec.full_layers), device="cpu", enable_memory_saver=False,
+            mamba_pool=self.req_to_token_pool.mamba_pool, use_mla=mla,
+            kv_lora_rank=spec.kv_lora_rank if mla else None,
+            qk_rope_head_dim=spec.qk_rope_head_dim if mla else None)
+        alloc_cls = PagedTokenToKVPoolAllocator if P > 1 else TokenToKVPoolAllocator
+        kwargs: dict[str, Any] = {"page_size": P} if P > 1 else {}
+        self.allocator = alloc_cls(size=size, dtype=spec.dtype, device="cpu", kvcache=self.kvcache,
+                                   need_sort=False, **kwargs)
+        self.params = CacheInitParams(
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+            page_size=P, disable=False, tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+            enable_mamba_extra_buffer=False, eviction_policy="lru")
+        with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(spec.tree_core):
+            self.cache = UnifiedRadixCache(params=self.params)
+        self.linker: Any = None
+        if linker_config is not None:
+            from sglang.srt.mem_cache.unified_cache.linker_factory import (
+                create_unified_cache_linker,
+                get_startup_linker_config,
+            )
+
+            self.cache.init_cache_linker(create_unified_cache_linker(
+                server_args, self.params, backend=backend, config=get_startup_linker_config(),
+                components=set(self.cache.components), forward_stream=None))
+            self.linker = self.cache.linker.cache_linker
+            self.kvcache.register_layer_transfer_counter(self.cache.linker.layer_done_counter)
+        self._next_rid = 0
+        self.kv_buffers = self._kv_buffers()
+
+    # ---- the synthetic model ---------------------------------------------------------
+    def _kv_buffers(self) -> list[list[torch.Tensor]]:
+        """Per full layer (in ``spec.full_layers`` order): its row-indexed buffers."""
+        pool = self.kvcache.full_kv_pool
+        out = []
+        for i in range(len(self.spec.full_layers)):
+            if hasattr(pool, "k_buffer"):
+                out.append([pool.k_buffer[i], pool.v_buffer[i]])
+            else:
+                out.append([pool.kv_buffer[i]])
+        return out
+
+    def state_buffers(self, slot: int) -> list[torch.Tensor]:
+        """Byte views of one Mamba slot's state, every layer (temporal, then each conv)."""
+        cache = self.req_to_token_pool.mamba_pool.mamba_cache
+        out = []
+        for i in range(len(self.mamba_layers)):
+            for s in (cache.temporal, *cache.conv):
+                out.append(s[i][slot].view(torch.uint8).reshape(-1))
+        return out
+
+    @staticmethod
+    def _chain(tokens: Sequence[int]) -> np.ndarray:
+        """h[p] = hash of tokens[:p+1], as uint64."""
+        out = np.empty(len(tokens), dtype=np.uint64)
+        h = b"hylinker-harness"
+        for p, t in enumerate(tokens):
+            h = hashlib.blake2b(h + int(t).to_bytes(8, "little", signed=True), digest_size=8).digest()
+            out[p] = int.from_bytes(h, "little")
+        return out
+
+    @staticmethod
+    def _bytes(seeds: np.ndarray, salt: int, width: int) -> np.ndarray:
+        """[len(seeds), width] bytes, a pure function of (seed, salt); no NaN bit patterns."""
+        mult = (np.arange(1, width + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+        with np.errstate(over="ignore"):
+            x = (seeds[:, None] ^ np.uint64(salt * 0xD6E8FEB86659FD93 & 0xFFFFFFFFFFFFFFFF)) * mult[None, :]
+        b = (x >> np.uint64(56)).astype(np.uint8)
+        return b & np.uint8(0x3F)  # keeps bf16/fp16 exponents small: finite values
+
+    def expected_rows(self, tokens: Sequence[int], lo: int, hi: int) -> list[list[np.ndarray]]:
+        """What a forward writes into KV rows of positions [lo, hi): per layer, per buffer."""
+        seeds = self._chain(tokens[:hi])[lo:hi]
+        out = []
+        for li, bufs in enumerate(self.kv_buffers):
+            out.append([self._bytes(seeds, 1000 * li + bi + 1, b[0].view(torch.uint8).numel())
+                        for bi, b in enumerate(bufs)])
+        return out
+
+    def expected_state(self, tokens: Sequence[int], depth: int) -> list[np.ndarray]:
+        """The state a forward leaves at ``depth`` tokens (per state buffer, flat bytes)."""
+        seed = self._chain(tokens[:depth])[-1:] if depth else np.zeros(1, dtype=np.uint64)
+        return [self._bytes(seed, 7919 * (i + 1), b.numel())[0]
+                for i, b in enumerate(self.state_buffers(0))]
+
+    # ---- one request ----------------------------------------------------------------
+    def serve(self, tokens: Sequence[int], rid: str | None = None, *, settle: bool = True,
+              before_forward: Any = None) -> Served:
+        """Run one request through the scheduler's steps (see the module docstring)."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
+        from sglang.srt.mem_cache.common import release_kv_cache
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        P = self.spec.page_size
+        if rid is None:
+            rid = f"req-{self._next_rid}"
+            self._next_rid += 1
+        tokens = list(tokens)
+        L = len(tokens)
+        req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+        req.init_next_round_input(self.cache)
+        device_hit = int(req.prefix_len)
+        store_hit = int(req.host_hit_length or 0)
+        loaded = 0
+        if store_hit > 0:
+            loaded_len, last_node = self.cache.init_load_back(InitLoadBackParams(
+                best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+            req.host_loaded_length, req.last_node = loaded_len, last_node
+            req.prefix_len += loaded_len
+            loaded = int(loaded_len)
+        if self.req_to_token_pool.alloc([req]) is None:
+            raise RuntimeError("no request slot")
+        prefix_len = int(req.prefix_len)
+        prefix_rows = (self.cache.prefix_device_indices(req) if prefix_len
+                       else torch.empty(0, dtype=torch.int64))
+        extend = L - prefix_len
+        n_alloc = -(-extend // P) * P
+        new = self.allocator.alloc(n_alloc)
+        if new is None:
+            self.cache.evict(EvictParams(num_tokens=n_alloc))
+            new = self.allocator.alloc(n_alloc)
+        if new is None:
+            raise RuntimeError("no KV rows")
+        rows = torch.cat([prefix_rows.to(torch.int64), new[:extend].to(torch.int64)])
+        self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :L] = rows.to(torch.int32)
+        req.kv.kv_allocated_len = L
+        req.kv.kv_committed_len = L
+        if before_forward is not None:
+            before_forward(req)
+        index = self.cache.ready_to_load_host_cache()
+        counter = self.cache.linker.layer_done_counter if self.cache.linker is not None else None
+        if counter is not None and index is not None and index >= 0:
+            counter.set_consumer(index)
+        # the forward: each layer waits through SGLang's own getters before using the pools
+        for layer in range(self.spec.num_layers):
+            if layer in self.spec.full_layers:
+                self.kvcache.get_key_buffer(layer)
+            else:
+                self.req_to_token_pool.mamba2_layer_cache(layer)
+        failed = self.cache.finish_external_linker_loads([req])
+        if counter is not None:
+            counter.set_consumer(-1)
+        aborted = bool(failed)
+        mismatches: list[str] = []
+        slot = int(req.kv.mamba_pool_idx)
+        if loaded and not aborted:
+            mismatches = self._check_restore(tokens, rows, device_hit, prefix_len, slot)
+        # write what the forward computed: new KV rows, and the state at the tree's depth
+        if extend:
+            expected = self.expected_rows(tokens, prefix_len, L)
+            new_rows = rows[prefix_len:]
+            for li, bufs in enumerate(self.kv_buffers):
+                for bi, b in enumerate(bufs):
+                    view = b.view(torch.uint8).view(b.shape[0], -1)
+                    view[new_rows] = torch.from_numpy(expected[li][bi])
+        depth = L // P * P
+        for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, depth)):
+            buf.copy_(torch.from_numpy(data))
+        req.finished_reason = FINISH_LENGTH(length=0)
+        release_kv_cache(req, self.cache, checkpoint=True)
+        self.cache.check_hicache_events()
+        if settle:
+            self.settle()
+        return Served(rid, L, device_hit, store_hit, loaded, aborted, mismatches)
+
+    def _check_restore(self, tokens: list[int], rows: torch.Tensor, lo: int, hi: int,
+                       slot: int) -> list[str]:
+        bad = []
+        expected = self.expected_rows(tokens, lo, hi)
+        restored = rows[lo:hi]
+        for li, bufs in enumerate(self.kv_buffers):
+            for bi, b in enumerate(bufs):
+                got = b.view(torch.uint8).view(b.shape[0], -1)[restored].numpy()
+                if not np.array_equal(got, expected[li][bi]):
+                    bad.append(f"kv layer {self.spec.full_layers[li]} buffer {bi}")
+        for i, (buf, want) in enumerate(zip(self.state_buffers(slot), self.expected_state(tokens, hi))):
+            if not np.array_equal(buf.numpy(), want):
+                bad.append(f"state buffer {i}")
+        return bad
+
+    # ---- scheduler housekeeping -----------------------------------------------------
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Poll ``check_hicache_events`` until every pending offload has reported."""
+        import time
+
+        wrapper = self.cache.linker
+        if wrapper is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while wrapper.pending_offloads:
+            self.cache.check_hicache_events()
+            if not wrapper.pending_offloads:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(wrapper.pending_offloads)} offloads did not report")
+            time.sleep(0.002)
+
+    def flush(self) -> None:
+        """SGLang's cache flush (``Scheduler.flush_cache``): the device tree and allocators are
+        emptied; the store keeps its objects."""
+        self.cache.reset()
+        self.req_to_token_pool.clear()
+        self.allocator.clear()
+        self.req_to_token_pool.reset_aux_cache_allocator()
+
+    def evict_all(self) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.cache.evict(EvictParams(num_tokens=self.spec.kv_pages * self.spec.page_size,
+                                     mamba_num=self.spec.mamba_slots))
+
+    def leaks(self) -> dict[str, int]:
+        """KV rows and Mamba slots in use once the tree holds nothing (must be zero)."""
+        kv_total = self.spec.kv_pages * self.spec.page_size
+        mamba_alloc = self.req_to_token_pool.mamba_allocator
+        return {
+            "kv_rows": kv_total - int(self.allocator.available_size()),
+            "mamba_slots": self.spec.mamba_slots - int(mamba_alloc.available_size()),
+            "req_slots": self.spec.max_reqs - int(self.req_to_token_pool.available_size()),
+        }
+
+    def close(self) -> None:
+        if self.cache.linker is not None:
+            self.cache.linker.close()
+
+
+__all__ = ["CacheSpec", "SGLangCache", "Served", "install_cpu_shims"]
