@@ -12,9 +12,16 @@ run *ARGS: setup
     mkdir -p bench-results
     {{py}} -m hylinker stress --store embedded --json bench-results/stress.json --plot bench-results/stress.png {{ARGS}}
 
-# the whole test suite, slow suites and the real Mooncake master included
+# the whole test suite, slow suites and the real Mooncake master included, then the SGLang plugin's suite
 test *ARGS: setup
     {{py}} -m pytest -q -ra {{ARGS}}
+    bash .ci/sglang-setup.sh
+    .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang
+
+# the SGLang plugin's suite alone, in .venv-sglang (sglang==0.5.23 on the CPU torch; .ci/sglang-setup.sh builds it)
+test-sglang *ARGS:
+    bash .ci/sglang-setup.sh
+    .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang {{ARGS}}
 
 # benchmarks: control path, loop lag, data path; JSON in bench-results/
 bench *ARGS: setup

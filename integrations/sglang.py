@@ -47,7 +47,14 @@ import torch
 from ..stores import framing
 from ..stores.base import Outcome, Store
 from .sglang_config import SGLangLinkerConfig
-from .sglang_pools import PoolLayoutError, PoolView, draft_view, full_view, layout_fingerprint, mamba_view
+from .sglang_pools import (
+    PoolLayoutError,
+    PoolView,
+    draft_view,
+    full_view,
+    layout_fingerprint,
+    mamba_view,
+)
 from .store_bridge import StoreBridge, StoreTimeoutError
 
 try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
@@ -144,7 +151,7 @@ def _placement(parts: Sequence[_Part], base: int, limit: int
     return batches
 
 
-class HylinkerLinker(UnifiedCacheLinker):  # type: ignore[misc]
+class HylinkerLinker(UnifiedCacheLinker):
     """SGLang 0.5.23 ``UnifiedCacheLinker`` over a hylinker store; see the module docstring."""
 
     def __init__(self, server_args: Any, params: Any, *, components: Any,

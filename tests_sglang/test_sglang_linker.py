@@ -18,7 +18,7 @@ import torch
 from hylinker.stores import framing
 from hylinker.stores.base import GetResult, Outcome
 from hylinker.stores.faulty import FaultPlan, FaultyStore
-from hylinker.testing.sglang_cache import CacheSpec, SGLangCache, Served
+from hylinker.testing.sglang_cache import CacheSpec, Served, SGLangCache
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 CORES = ["python", "rust"]
