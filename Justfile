@@ -28,6 +28,12 @@ bench *ARGS: setup
     mkdir -p bench-results
     {{py}} -m hylinker bench --json bench-results/bench.json {{ARGS}}
 
+# hylinker's SGLang plugin vs SGLang's MooncakeDirectLinker inside SGLang's cache (JSON in bench-results/)
+bench-sglang *ARGS:
+    bash .ci/sglang-setup.sh
+    mkdir -p bench-results
+    .venv-sglang/bin/python -m hylinker.tools.bench_sglang --json bench-results/sglang.json {{ARGS}}
+
 # ruff and mypy
 lint: setup
     {{py}} -m ruff check .

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import sys
+import time
 import types
 from array import array
 from collections.abc import Sequence
@@ -110,6 +111,8 @@ class Served:
     loaded: int  # tokens init_load_back queued
     aborted: bool  # the load failed: SGLang finishes the request with 503
     restore_mismatches: list[str]  # restored rows/state that differ from a recompute (must be empty)
+    load_s: float = 0.0  # start_layer_wise_loading .. finish_external_linker_loads (the load)
+    offload_s: float = 0.0  # release (insert + offloads queued) .. every offload reported
 
 
 class SGLangCache:
@@ -121,7 +124,10 @@ class SGLangCache:
         import sglang
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         from sglang.srt.environ import envs
-        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator import (
+            PagedTokenToKVPoolAllocator,
+            TokenToKVPoolAllocator,
+        )
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -219,10 +225,11 @@ class SGLangCache:
     @staticmethod
     def _bytes(seeds: np.ndarray, salt: int, width: int) -> np.ndarray:
         """[len(seeds), width] bytes, a pure function of (seed, salt); no NaN bit patterns."""
-        mult = (np.arange(1, width + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+        words = -(-width // 8)
+        mult = (np.arange(1, words + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
         with np.errstate(over="ignore"):
             x = (seeds[:, None] ^ np.uint64(salt * 0xD6E8FEB86659FD93 & 0xFFFFFFFFFFFFFFFF)) * mult[None, :]
-        b = (x >> np.uint64(56)).astype(np.uint8)
+        b = np.ascontiguousarray(x).view(np.uint8)[:, :width]
         return b & np.uint8(0x3F)  # keeps bf16/fp16 exponents small: finite values
 
     def expected_rows(self, tokens: Sequence[int], lo: int, hi: int) -> list[list[np.ndarray]]:
@@ -286,6 +293,7 @@ class SGLangCache:
         req.kv.kv_committed_len = L
         if before_forward is not None:
             before_forward(req)
+        t_load = time.perf_counter()
         index = self.cache.ready_to_load_host_cache()
         counter = self.cache.linker.layer_done_counter if self.cache.linker is not None else None
         if counter is not None and index is not None and index >= 0:
@@ -297,6 +305,7 @@ class SGLangCache:
             else:
                 self.req_to_token_pool.mamba2_layer_cache(layer)
         failed = self.cache.finish_external_linker_loads([req])
+        load_s = time.perf_counter() - t_load if loaded else 0.0
         if counter is not None:
             counter.set_consumer(-1)
         aborted = bool(failed)
@@ -316,11 +325,14 @@ class SGLangCache:
         for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, depth)):
             buf.copy_(torch.from_numpy(data))
         req.finished_reason = FINISH_LENGTH(length=0)
+        t_offload = time.perf_counter()
         release_kv_cache(req, self.cache, checkpoint=True)
         self.cache.check_hicache_events()
+        offload_s = 0.0
         if settle:
             self.settle()
-        return Served(rid, L, device_hit, store_hit, loaded, aborted, mismatches)
+            offload_s = time.perf_counter() - t_offload
+        return Served(rid, L, device_hit, store_hit, loaded, aborted, mismatches, load_s, offload_s)
 
     def _check_restore(self, tokens: list[int], rows: torch.Tensor, lo: int, hi: int,
                        slot: int) -> list[str]:
@@ -340,8 +352,6 @@ class SGLangCache:
     # ---- scheduler housekeeping -----------------------------------------------------
     def settle(self, timeout_s: float = 30.0) -> None:
         """Poll ``check_hicache_events`` until every pending offload has reported."""
-        import time
-
         wrapper = self.cache.linker
         if wrapper is None:
             return
@@ -352,7 +362,7 @@ class SGLangCache:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(wrapper.pending_offloads)} offloads did not report")
-            time.sleep(0.002)
+            time.sleep(0.0005)
 
     def flush(self) -> None:
         """SGLang's cache flush (``Scheduler.flush_cache``): the device tree and allocators are

@@ -1,0 +1,229 @@
+"""Side by side inside SGLang: hylinker's plugin vs SGLang's own ``MooncakeDirectLinker``.
+
+Runs in the SGLang environment (``.ci/sglang-setup.sh``)::
+
+    .venv-sglang/bin/python -m hylinker.tools.bench_sglang --json bench-results/sglang.json
+
+For each page-object size (64 KiB and 1 MiB of KV per page by default) and each linker, on a
+fresh loopback ``mooncake_master`` and an in-process segment, the same SGLang
+``UnifiedRadixCache`` geometry (MLA full attention + Mamba2 states, page size 1, CPU) serves
+the same requests (``hylinker.testing.sglang_cache``):
+
+* **offload**: a prompt of ``--tokens`` pages is inserted; time from SGLang's insert to the
+  last offload result (``check_hicache_events``); GB/s over the page and state bytes;
+* **load**: after a flush, the prompt plus one token restores every page and the state; time
+  from ``start_layer_wise_loading`` to ``finish_external_linker_loads``; every restored byte is
+  compared with a recompute;
+* **corrupt**: one stored KV object gets a flipped byte; does the next restore abort (503),
+  silently restore garbage, or recompute?
+* **dead master**: the master is killed; how long the next request's scheduler-thread calls and
+  its offloads take, and what the request sees.
+
+Each figure is the median of ``--repeats`` runs; the machine may be shared, so compare the
+ratios of one run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+LINKERS = ("hylinker", "sglang-mooncake")
+
+
+def _spec(object_kib: int, tokens: int, tree_core: str) -> Any:
+    from ..testing.sglang_cache import CacheSpec
+
+    # two MLA layers: a page object is 2 rows of (kv_lora_rank + rope) bf16 values
+    row = object_kib * 1024 // 2 // 2
+    return CacheSpec(page_size=1, kv="mla", num_layers=4, full_layers=(1, 3), kv_lora_rank=row - 64,
+                     qk_rope_head_dim=64, kv_pages=4 * tokens + 64, mamba_slots=16, max_reqs=4,
+                     max_context=4 * tokens + 64, tree_core=tree_core)
+
+
+def _config(linker: str, master: str) -> tuple[dict[str, Any], str]:
+    if linker == "hylinker":
+        return ({"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang",
+                 "linker_extra_config": {"store": "mooncake", "master": master, "segment_mb": 1024}},
+                "dynamic")
+    return ({"master_server_address": master, "protocol": "tcp", "global_segment_size": 1 << 30,
+             "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}, "mooncake")
+
+
+def _object_key(cache: Any, linker: str, page_key: str) -> str:
+    if linker == "hylinker":
+        return str(cache.linker.object_keys("kv", [page_key])[0])
+    storage = cache.linker.storage
+    return str(storage._tag_keys([f"{page_key}_{storage.mla_suffix}_k"])[0])
+
+
+def _flip_object(master: str, key: str, nbytes: int) -> bool:
+    """Flip one payload byte of a stored object through a separate client (no segment)."""
+    import anyio
+    import torch
+
+    from ..stores.base import Outcome
+    from ..stores.mooncake import MooncakeConfig, MooncakeStore
+
+    async def run() -> bool:
+        async with await MooncakeStore.open(MooncakeConfig(master_address=master, segment_bytes=0)) as store:
+            buf = torch.zeros(nbytes + 4096, dtype=torch.uint8)
+            got = await store.get([key], [buf])
+            if got[0].outcome is not Outcome.OK:
+                return False
+            data = buf[: got[0].nbytes].clone()
+            data[-7] ^= 0x5A
+            await store.remove([key])
+            return (await store.put([key], [data])) == [Outcome.OK]
+
+    return anyio.run(run)
+
+
+def _page_keys(tokens: list[int]) -> list[str]:
+    from array import array
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return list(get_storage_hash_str(RadixKey(array("q", tokens)), None, page_size=1))
+
+
+def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str) -> dict[str, Any]:
+    from ..stores.mooncake_master import MooncakeMaster
+    from ..testing.sglang_cache import SGLangCache
+
+    out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens}
+    with MooncakeMaster() as master:
+        config, backend = _config(linker, master.address)
+        cache = SGLangCache(_spec(object_kib, tokens, tree_core), config, backend=backend)
+        try:
+            kv_bytes = sum(v.payload_bytes for k, v in _views(cache).items() if k == "kv")
+            state_bytes = _views(cache)["mamba"].payload_bytes
+            cache.serve(list(range(7, 7 + 8)))  # warm the client and the tree
+            cache.flush()
+            offload_gbps, load_gbps, mismatches = [], [], 0
+            for r in range(repeats):
+                prompt = [10_000 * (r + 1) + i for i in range(tokens)]
+                first = cache.serve(prompt)
+                nbytes = tokens * kv_bytes + state_bytes
+                offload_gbps.append(nbytes / first.offload_s / 1e9)
+                cache.flush()
+                again = cache.serve(prompt + [1])
+                if again.loaded != tokens or again.aborted:
+                    raise RuntimeError(f"{linker}: expected a full restore, got {again}")
+                mismatches += len(again.restore_mismatches)
+                load_gbps.append(nbytes / again.load_s / 1e9)
+                cache.flush()
+            out.update(offload_gbps=statistics.median(offload_gbps), load_gbps=statistics.median(load_gbps),
+                       offload_runs=offload_gbps, load_runs=load_gbps, restore_mismatches=mismatches,
+                       kv_object_bytes=kv_bytes, state_object_bytes=state_bytes)
+            # a corrupted object
+            prompt = [900_000 + i for i in range(16)]
+            cache.serve(prompt)
+            cache.flush()
+            key = _object_key(cache, linker, _page_keys(prompt)[5])
+            flipped = _flip_object(master.address, key, kv_bytes + 64)
+            bad = cache.serve(prompt + [1])
+            after = cache.serve(prompt + [1, 2])
+            out["corrupt"] = {
+                "flipped": flipped,
+                "restored_garbage": bool(bad.restore_mismatches) and not bad.aborted,
+                "aborted_503": bad.aborted,
+                "next_request": {"device_hit": after.device_hit, "store_loaded": after.loaded,
+                                 "aborted": after.aborted, "wrong_bytes": bool(after.restore_mismatches)}}
+            cache.flush()
+            # the master dies
+            prompt = [800_000 + i for i in range(16)]
+            cache.serve(prompt)
+            cache.flush()
+            master.kill()
+            t0 = time.perf_counter()
+            served = cache.serve(prompt + [1], settle=False)
+            scheduler_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            try:
+                cache.settle(timeout_s=60)
+                settled: float | None = time.perf_counter() - t1
+            except TimeoutError:
+                settled = None
+            out["dead_master"] = {"scheduler_calls_s": round(scheduler_s, 3),
+                                  "offloads_reported_s": None if settled is None else round(settled, 3),
+                                  "request": "aborted (503)" if served.aborted else "recomputed"}
+            t2 = time.perf_counter()
+        finally:
+            cache.close()
+        out["dead_master"]["close_s"] = round(time.perf_counter() - t2, 3)
+    return out
+
+
+def _views(cache: Any) -> dict[str, Any]:
+    """Page and state object payload sizes, from whichever linker runs."""
+    pools = cache.linker.pools
+    return {str(getattr(name, "value", name)): _Sized(pool) for name, pool in pools.items()}
+
+
+class _Sized:
+    def __init__(self, pool: Any) -> None:
+        if hasattr(pool, "payload_bytes"):
+            self.payload_bytes = int(pool.payload_bytes)
+        else:  # SGLang's DevicePoolEntry: one object per page holds every buffer of the page
+            self.payload_bytes = int(sum(size for comp in pool.buffer_meta for _, _, size in comp))
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    lines = ["| object | linker | offload GB/s | load GB/s | restore bytes wrong | corrupt object | dead master: scheduler calls / offloads reported / close |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        c, d = r["corrupt"], r["dead_master"]
+        corrupt = ("restored garbage silently" if c["restored_garbage"] else
+                   "load failed (503), object removed" if c["aborted_503"] else "?")
+        n = c["next_request"]
+        corrupt += (f"; next request: {n['device_hit']} tokens from the device tree"
+                    + (" (the garbage, inserted)" if c["restored_garbage"] and n["device_hit"] else "")
+                    + f", {n['store_loaded']} from the store")
+        lines.append(
+            f"| {r['object_kib']} KiB | {r['linker']} | {r['offload_gbps']:.2f} | {r['load_gbps']:.2f} | "
+            f"{r['restore_mismatches']} | {corrupt} | "
+            f"{d['scheduler_calls_s']} s / {d['offloads_reported_s']} s / {d['close_s']} s |")
+    by = {(r["object_kib"], r["linker"]): r for r in results}
+    for kib in sorted({r["object_kib"] for r in results}):
+        h, s = by.get((kib, "hylinker")), by.get((kib, "sglang-mooncake"))
+        if h and s:
+            lines.append(f"\n{kib} KiB: hylinker / SGLang = offload {h['offload_gbps'] / s['offload_gbps']:.2f}x, "
+                         f"load {h['load_gbps'] / s['load_gbps']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] = run_case) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hylinker.tools.bench_sglang", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--object-kib", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--tokens", type=int, default=48, help="pages per prompt (page size 1)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--linkers", nargs="+", choices=LINKERS, default=list(LINKERS))
+    parser.add_argument("--tree-core", choices=("python", "rust"), default="python")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    from ..testing.sglang_cache import install_cpu_shims
+
+    install_cpu_shims()
+    results = []
+    for kib in args.object_kib:
+        for linker in args.linkers:  # side by side: the same sizes, one after the other
+            results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core))
+            print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_runs")}), flush=True)
+    print(table(results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"results": results, "argv": list(argv or sys.argv[1:])}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
