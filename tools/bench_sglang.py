@@ -114,7 +114,7 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
                 nbytes = tokens * kv_bytes + state_bytes
                 offload_gbps.append(nbytes / first.offload_s / 1e9)
                 cache.flush()
-                again = cache.serve(prompt + [1])
+                again = cache.serve([*prompt, 1])
                 if again.loaded != tokens or again.aborted:
                     raise RuntimeError(f"{linker}: expected a full restore, got {again}")
                 mismatches += len(again.restore_mismatches)
@@ -129,8 +129,8 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
             cache.flush()
             key = _object_key(cache, linker, _page_keys(prompt)[5])
             flipped = _flip_object(master.address, key, kv_bytes + 64)
-            bad = cache.serve(prompt + [1])
-            after = cache.serve(prompt + [1, 2])
+            bad = cache.serve([*prompt, 1])
+            after = cache.serve([*prompt, 1, 2])
             out["corrupt"] = {
                 "flipped": flipped,
                 "restored_garbage": bool(bad.restore_mismatches) and not bad.aborted,
@@ -144,7 +144,7 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
             cache.flush()
             master.kill()
             t0 = time.perf_counter()
-            served = cache.serve(prompt + [1], settle=False)
+            served = cache.serve([*prompt, 1], settle=False)
             scheduler_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             try:
