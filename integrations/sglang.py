@@ -194,6 +194,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         self.tp_rank = tp_rank
 
         self._stats: collections.Counter[str] = collections.Counter()
+        self._stats_lock = threading.Lock()  # counted from three threads
         self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._restored_lock = threading.Lock()
         self._pending: dict[str, list[_Part]] = {}
@@ -269,15 +270,15 @@ class HylinkerLinker(UnifiedCacheLinker):
             probe += self.object_keys("draft", pages)
         if with_state:
             probe += self.object_keys("mamba", pages)
-        self._stats["lookups"] += 1
+        self._count("lookups", 1)
         try:
             present = self.bridge.wait(self.bridge.exists(probe), self.config.lookup_timeout_s)
         except Exception as exc:  # a store that fails or hangs: a miss (every rank's MIN agrees)
-            self._stats["lookup_errors"] += 1
+            self._count("lookup_errors", 1)
             log.warning("HylinkerLinker lookup failed (a miss): %s", exc)
             return []
         if len(present) != len(probe):
-            self._stats["lookup_errors"] += 1
+            self._count("lookup_errors", 1)
             return []
         kv_ok = np.asarray(present[:m], dtype=bool)
         if with_draft:
@@ -289,7 +290,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         else:
             counts = list(range(1, prefix + 1))
         if counts:
-            self._stats["lookup_hits"] += 1
+            self._count("lookup_hits", 1)
             self._touch(pages[:counts[-1]], with_state)
         return counts
 
@@ -302,7 +303,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         if with_state:
             keys += self.object_keys("mamba", pages[-1:])
         self.bridge.touch(keys)  # fire and forget: recency only
-        self._stats["touches"] += 1
+        self._count("touches", 1)
 
     # ---- load -------------------------------------------------------------------------
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
@@ -352,7 +353,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             ready = torch.cuda.Event()
             ready.record()
         self._load_q.put(_LoadJob(index, parts, ready))
-        self._stats["load_batches"] += 1
+        self._count("load_batches", 1)
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
@@ -362,7 +363,7 @@ class HylinkerLinker(UnifiedCacheLinker):
     def cancel_queued_load(self, rid: str) -> bool:
         cancelled = self._pending.pop(rid, None) is not None
         if cancelled:
-            self._stats["loads_cancelled"] += 1
+            self._count("loads_cancelled", 1)
         return cancelled
 
     def _run_load(self, job: _LoadJob) -> None:
@@ -370,9 +371,9 @@ class HylinkerLinker(UnifiedCacheLinker):
             if job.ready is not None:
                 job.ready.synchronize()
             self._load(job)
-            self._stats["loads_ok"] += 1
+            self._count("loads_ok", 1)
         except BaseException as exc:
-            self._stats["loads_failed"] += 1
+            self._count("loads_failed", 1)
             log.error("HylinkerLinker load batch %d failed: %s", job.index, exc)
             self.layer_done_counter.fail(job.index, exc)
 
@@ -399,7 +400,7 @@ class HylinkerLinker(UnifiedCacheLinker):
                 results = self.bridge.wait(future, self.config.store_timeout_s)
             except StoreTimeoutError:
                 arena.busy.append(future)
-                self._stats["load_timeouts"] += 1
+                self._count("load_timeouts", 1)
                 raise LoadFailedError("the store did not answer a load in time") from None
             if len(results) != len(remaining):
                 results = [type(results[0])(Outcome.FAILED)] * len(remaining) if results else []
@@ -410,18 +411,18 @@ class HylinkerLinker(UnifiedCacheLinker):
                 elif r.outcome in TRANSIENT:
                     retry.append(i)
                 elif r.outcome is Outcome.MISSING:
-                    self._stats["load_missing"] += 1
+                    self._count("load_missing", 1)
                     raise LoadFailedError(f"object {keys[i]!r} left the store after lookup")
                 else:
-                    self._stats["load_errors"] += 1
+                    self._count("load_errors", 1)
                     raise LoadFailedError(f"object {keys[i]!r}: {r.outcome.value}")
             if not retry:
                 break
             remaining = retry
             if attempt == self.config.load_retries:
-                self._stats["load_retries_exhausted"] += 1
+                self._count("load_retries_exhausted", 1)
                 raise LoadFailedError(f"{len(retry)} objects still failing after {attempt} retries")
-            self._stats["load_retries"] += 1
+            self._count("load_retries", 1)
             time.sleep(self.config.retry_backoff_ms * (2 ** attempt) / 1e3)
         # every object verified: land them layer by layer
         runs: dict[int, list[tuple[PoolView, int, torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
@@ -443,15 +444,15 @@ class HylinkerLinker(UnifiedCacheLinker):
                 self._restored.move_to_end(k)
             while len(self._restored) > _RESTORED_MEMORY:
                 self._restored.popitem(last=False)
-        self._stats["objects_loaded"] += len(keys)
-        self._stats["bytes_loaded"] += sum(f.numel() for f in frames)
+        self._count("objects_loaded", len(keys))
+        self._count("bytes_loaded", sum(f.numel() for f in frames))
 
     def _verify(self, key: str, frame: torch.Tensor, nbytes: int) -> None:
         try:
             framing.verify_array(frame.numpy(), nbytes, key, self.fingerprint)
         except framing.FrameError as exc:
-            self._stats["verify_failures"] += 1
-            self._stats[f"verify_{exc.fault.value}"] += 1
+            self._count("verify_failures", 1)
+            self._count(f"verify_{exc.fault.value}", 1)
             if self.bridge.capabilities.remove:  # the next lookup misses it: recompute, not 503
                 self.bridge.remove([key])
             raise LoadFailedError(str(exc)) from None
@@ -478,7 +479,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         except BaseException as exc:
             log.error("HylinkerLinker offload failed: %s", exc)
             ok = False
-        self._stats["offloads_ok" if ok else "offloads_failed"] += 1
+        self._count("offloads_ok" if ok else "offloads_failed")
         self._results.append(ok)
 
     def _offload(self, job: _OffloadJob) -> bool:
@@ -492,7 +493,7 @@ class HylinkerLinker(UnifiedCacheLinker):
                 if not self._writes[part.view.name]:
                     continue  # a rank-replicated pool: rank 0 writes it
                 keep = [i for i, k in enumerate(part.keys) if k not in self._restored]
-                self._stats["objects_skipped_restored"] += len(part.keys) - len(keep)
+                self._count("objects_skipped_restored", len(part.keys) - len(keep))
                 if keep:
                     idx = torch.tensor(keep, dtype=torch.int64)
                     todo.append(_Part(part.view, [part.keys[i] for i in keep], part.rows[idx]))
@@ -500,7 +501,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             return True
         arena = self._offload_arena
         if not arena.free():
-            self._stats["offloads_store_stuck"] += 1
+            self._count("offloads_store_stuck", 1)
             return False  # an earlier call still hangs in the store: fail fast, unlock the node
         half = arena.nbytes // 2
         batches = _placement(todo, 0, half)
@@ -541,15 +542,15 @@ class HylinkerLinker(UnifiedCacheLinker):
             outcomes = self.bridge.wait(future, self.config.store_timeout_s)
         except StoreTimeoutError:
             arena.busy.append(future)
-            self._stats["offload_timeouts"] += 1
+            self._count("offload_timeouts", 1)
             return False
         except Exception as exc:
             log.warning("HylinkerLinker offload put failed: %s", exc)
             return False
         ok = len(outcomes) == n and all(o in STORED for o in outcomes)
         if ok:
-            self._stats["objects_offloaded"] += n
-            self._stats["bytes_offloaded"] += nbytes
+            self._count("objects_offloaded", n)
+            self._count("bytes_offloaded", nbytes)
         return ok
 
     def num_completed_offloads(self) -> int:
@@ -591,9 +592,14 @@ class HylinkerLinker(UnifiedCacheLinker):
         self.bridge.close(timeout_s=self.config.store_timeout_s + 5)
         log.info("HylinkerLinker closed: %s", dict(self._stats))
 
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats[name] += n
+
     def statistics(self) -> dict[str, int]:
         """Counters: lookups, hits, loads, retries, verify failures, offloads, skipped objects..."""
-        return dict(self._stats)
+        with self._stats_lock:
+            return dict(self._stats)
 
 
 def _tp_rank(params: Any) -> int:
