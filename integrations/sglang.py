@@ -395,9 +395,11 @@ class HylinkerLinker(UnifiedCacheLinker):
                 frames.append(arena.tensor[offset + i * stride: offset + i * stride + size])
         remaining = list(range(len(keys)))
         for attempt in range(self.config.load_retries + 1):
+            t0 = time.perf_counter()
             future = self.bridge.get([keys[i] for i in remaining], [frames[i] for i in remaining])
             try:
                 results = self.bridge.wait(future, self.config.store_timeout_s)
+                self._count("load_get_us", _us(t0))
             except StoreTimeoutError:
                 arena.busy.append(future)
                 self._count("load_timeouts", 1)
@@ -405,6 +407,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             if len(results) != len(remaining):
                 results = [type(results[0])(Outcome.FAILED)] * len(remaining) if results else []
             retry: list[int] = []
+            t0 = time.perf_counter()
             for i, r in zip(remaining, results):
                 if r.outcome is Outcome.OK:
                     self._verify(keys[i], frames[i], r.nbytes)
@@ -416,6 +419,7 @@ class HylinkerLinker(UnifiedCacheLinker):
                 else:
                     self._count("load_errors", 1)
                     raise LoadFailedError(f"object {keys[i]!r}: {r.outcome.value}")
+            self._count("load_verify_us", _us(t0))
             if not retry:
                 break
             remaining = retry
@@ -425,6 +429,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             self._count("load_retries", 1)
             time.sleep(self.config.retry_backoff_ms * (2 ** attempt) / 1e3)
         # every object verified: land them layer by layer
+        t0 = time.perf_counter()
         runs: dict[int, list[tuple[PoolView, int, torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
         for part, lo, hi, offset in placed:
             stride = _aligned(framing.framed_size(part.view.payload_bytes))
@@ -438,6 +443,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             if self._on_device:
                 torch.cuda.current_stream().synchronize()
             self.layer_done_counter.complete(job.index, layer_id)
+        self._count("load_scatter_us", _us(t0))
         with self._restored_lock:
             for k in keys:
                 self._restored[k] = None
@@ -509,7 +515,9 @@ class HylinkerLinker(UnifiedCacheLinker):
         in_flight: Any = None
         for b, batch in enumerate(batches):
             base = (b % 2) * half
+            t0 = time.perf_counter()
             keys, frames = self._pack(arena, batch, base)
+            self._count("offload_pack_us", _us(t0))
             if in_flight is not None:
                 ok &= self._settle_put(arena, in_flight)
                 if not ok:
@@ -538,8 +546,10 @@ class HylinkerLinker(UnifiedCacheLinker):
 
     def _settle_put(self, arena: _Staging, in_flight: tuple[Any, int, int]) -> bool:
         future, n, nbytes = in_flight
+        t0 = time.perf_counter()
         try:
             outcomes = self.bridge.wait(future, self.config.store_timeout_s)
+            self._count("offload_put_wait_us", _us(t0))
         except StoreTimeoutError:
             arena.busy.append(future)
             self._count("offload_timeouts", 1)
@@ -600,6 +610,10 @@ class HylinkerLinker(UnifiedCacheLinker):
         """Counters: lookups, hits, loads, retries, verify failures, offloads, skipped objects..."""
         with self._stats_lock:
             return dict(self._stats)
+
+
+def _us(t0: float) -> int:
+    return round((time.perf_counter() - t0) * 1e6)
 
 
 def _tp_rank(params: Any) -> int:

@@ -73,6 +73,9 @@ class PoolView:
             self._spans.append(spans)
         self.payload_bytes = offset
         self.rows = min(b.shape[0] for views in self._bytes for b in views)
+        # host pools move by plain memcpy through NumPy views (no index_select temporaries)
+        self._host = ([[b.numpy() for b in views] for views in self._bytes]
+                      if self.device.type == "cpu" else None)
 
     @property
     def counter_layers(self) -> list[int]:
@@ -103,6 +106,14 @@ class PoolView:
     def gather(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the objects ``rows[n, per]`` into ``out[n, payload_bytes]`` (host uint8)."""
         n = rows.shape[0]
+        if self._host is not None and _runs(rows):
+            dst = out.numpy()
+            per = self.rows_per_object
+            for i, r0 in enumerate(rows[:, 0].tolist()):  # one memcpy per object and buffer
+                for host_views, spans in zip(self._host, self._spans):
+                    for hb, (off, width) in zip(host_views, spans):
+                        dst[i, off:off + width] = hb[r0:r0 + per].reshape(-1)
+            return
         flat = rows.reshape(-1).to(self.device)
         target = out if self.device.type == "cpu" else torch.empty(
             (n, self.payload_bytes), dtype=torch.uint8, device=self.device)
@@ -116,12 +127,26 @@ class PoolView:
     def scatter_layer(self, layer: int, src: torch.Tensor, rows: torch.Tensor) -> None:
         """Write layer ``layer`` of the payloads ``src[n, payload_bytes]`` into ``rows``."""
         n = rows.shape[0]
+        per = self.rows_per_object
+        if self._host is not None and src.device.type == "cpu" and _runs(rows):
+            s = src.numpy()
+            for i, r0 in enumerate(rows[:, 0].tolist()):  # one memcpy per object and buffer
+                for hb, (off, width) in zip(self._host[layer], self._spans[layer]):
+                    hb[r0:r0 + per] = s[i, off:off + width].reshape(per, -1)
+            return
         flat = rows.reshape(-1).to(self.device)
         for b, (off, width) in zip(self._bytes[layer], self._spans[layer]):
-            part = src[:, off:off + width].reshape(n * self.rows_per_object, b.shape[1])
+            part = src[:, off:off + width].reshape(n * per, b.shape[1])
             if part.device != self.device:
                 part = part.to(self.device, non_blocking=True)
             b.index_copy_(0, flat, part)
+
+
+def _runs(rows: torch.Tensor) -> bool:
+    """Whether each object's rows are one ascending run (whole pages from SGLang's allocator)."""
+    if rows.shape[1] == 1:
+        return True
+    return bool((rows[:, 1:] - rows[:, :-1] == 1).all())
 
 
 def layout_fingerprint(views: Iterable[PoolView], *, page_size: int, model: str) -> bytes:
