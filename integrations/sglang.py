@@ -237,7 +237,8 @@ class HylinkerLinker(UnifiedCacheLinker):
             inner = await MooncakeStore.open(MooncakeConfig(
                 master_address=c.master, segment_bytes=c.segment_mb << 20, protocol=c.protocol,
                 rdma_devices=c.rdma_devices, metadata_server=c.metadata_server,
-                local_hostname=c.local_hostname))
+                local_hostname=c.local_hostname,
+                detect_exists=False))  # an existing key counts as stored: skip one master RPC per put
         else:
             from ..stores.umbp import UmbpStore
 
@@ -393,41 +394,16 @@ class HylinkerLinker(UnifiedCacheLinker):
             for i in range(hi - lo):
                 keys.append(part.keys[lo + i])
                 frames.append(arena.tensor[offset + i * stride: offset + i * stride + size])
-        remaining = list(range(len(keys)))
-        for attempt in range(self.config.load_retries + 1):
-            t0 = time.perf_counter()
-            future = self.bridge.get([keys[i] for i in remaining], [frames[i] for i in remaining])
-            try:
-                results = self.bridge.wait(future, self.config.store_timeout_s)
-                self._count("load_get_us", _us(t0))
-            except StoreTimeoutError:
-                arena.busy.append(future)
-                self._count("load_timeouts", 1)
-                raise LoadFailedError("the store did not answer a load in time") from None
-            if len(results) != len(remaining):
-                results = [type(results[0])(Outcome.FAILED)] * len(remaining) if results else []
-            retry: list[int] = []
-            t0 = time.perf_counter()
-            for i, r in zip(remaining, results):
-                if r.outcome is Outcome.OK:
-                    self._verify(keys[i], frames[i], r.nbytes)
-                elif r.outcome in TRANSIENT:
-                    retry.append(i)
-                elif r.outcome is Outcome.MISSING:
-                    self._count("load_missing", 1)
-                    raise LoadFailedError(f"object {keys[i]!r} left the store after lookup")
-                else:
-                    self._count("load_errors", 1)
-                    raise LoadFailedError(f"object {keys[i]!r}: {r.outcome.value}")
-            self._count("load_verify_us", _us(t0))
+        retry = self._fetch(arena, keys, frames, _chunks(frames, _LOAD_CHUNK_BYTES))
+        for attempt in range(self.config.load_retries):
             if not retry:
                 break
-            remaining = retry
-            if attempt == self.config.load_retries:
-                self._count("load_retries_exhausted", 1)
-                raise LoadFailedError(f"{len(retry)} objects still failing after {attempt} retries")
             self._count("load_retries", 1)
             time.sleep(self.config.retry_backoff_ms * (2 ** attempt) / 1e3)
+            retry = self._fetch(arena, keys, frames, [retry])
+        if retry:
+            self._count("load_retries_exhausted", 1)
+            raise LoadFailedError(f"{len(retry)} objects still failing after {self.config.load_retries} retries")
         # every object verified: land them layer by layer
         t0 = time.perf_counter()
         runs: dict[int, list[tuple[PoolView, int, torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
@@ -452,6 +428,53 @@ class HylinkerLinker(UnifiedCacheLinker):
                 self._restored.popitem(last=False)
         self._count("objects_loaded", len(keys))
         self._count("bytes_loaded", sum(f.numel() for f in frames))
+
+    def _fetch(self, arena: _Staging, keys: list[str], frames: list[torch.Tensor],
+               chunks: list[list[int]]) -> list[int]:
+        """Get the objects ``chunks`` name (chunk k+1 in flight while chunk k is verified).
+
+        Returns the objects to retry (transient outcomes); raises :class:`LoadFailedError` for a
+        missing or damaged object or a store that does not answer in time. Nothing lands here.
+        """
+        submitted = [(chunk, self.bridge.get([keys[i] for i in chunk], [frames[i] for i in chunk]))
+                     for chunk in chunks[:2]]
+        retry: list[int] = []
+        k = 0
+        try:
+            while k < len(submitted):
+                chunk, future = submitted[k]
+                t0 = time.perf_counter()
+                try:
+                    results = self.bridge.wait(future, self.config.store_timeout_s)
+                except StoreTimeoutError:
+                    self._count("load_timeouts", 1)
+                    raise LoadFailedError("the store did not answer a load in time") from None
+                self._count("load_get_us", _us(t0))
+                if len(submitted) < len(chunks):  # keep one chunk in flight ahead
+                    nxt = chunks[len(submitted)]
+                    submitted.append((nxt, self.bridge.get([keys[i] for i in nxt], [frames[i] for i in nxt])))
+                if len(results) != len(chunk):  # a store that breaks the protocol: retry all
+                    retry.extend(chunk)
+                    k += 1
+                    continue
+                t0 = time.perf_counter()
+                for i, r in zip(chunk, results):
+                    if r.outcome is Outcome.OK:
+                        self._verify(keys[i], frames[i], r.nbytes)
+                    elif r.outcome in TRANSIENT:
+                        retry.append(i)
+                    elif r.outcome is Outcome.MISSING:
+                        self._count("load_missing", 1)
+                        raise LoadFailedError(f"object {keys[i]!r} left the store after lookup")
+                    else:
+                        self._count("load_errors", 1)
+                        raise LoadFailedError(f"object {keys[i]!r}: {r.outcome.value}")
+                self._count("load_verify_us", _us(t0))
+                k += 1
+        except BaseException:
+            arena.busy.extend(f for _, f in submitted if not f.done())  # still writing into it
+            raise
+        return retry
 
     def _verify(self, key: str, frame: torch.Tensor, nbytes: int) -> None:
         try:
@@ -610,6 +633,21 @@ class HylinkerLinker(UnifiedCacheLinker):
         """Counters: lookups, hits, loads, retries, verify failures, offloads, skipped objects..."""
         with self._stats_lock:
             return dict(self._stats)
+
+
+_LOAD_CHUNK_BYTES = 8 << 20  # a load's gets are pipelined in chunks of about this size
+
+
+def _chunks(frames: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
+    out: list[list[int]] = [[]]
+    used = 0
+    for i, f in enumerate(frames):
+        if out[-1] and used + f.numel() > limit:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += f.numel()
+    return out if out[0] else []
 
 
 def _us(t0: float) -> int:
