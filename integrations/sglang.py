@@ -394,7 +394,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             for i in range(hi - lo):
                 keys.append(part.keys[lo + i])
                 frames.append(arena.tensor[offset + i * stride: offset + i * stride + size])
-        retry = self._fetch(arena, keys, frames, _chunks(frames, _LOAD_CHUNK_BYTES))
+        retry = self._fetch(arena, keys, frames, _chunks(frames, _CHUNK_BYTES))
         for attempt in range(self.config.load_retries):
             if not retry:
                 break
@@ -533,7 +533,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             self._count("offloads_store_stuck", 1)
             return False  # an earlier call still hangs in the store: fail fast, unlock the node
         half = arena.nbytes // 2
-        batches = _placement(todo, 0, half)
+        batches = _placement(todo, 0, min(half, _CHUNK_BYTES))  # pack k+1 while k is put
         ok = True
         in_flight: Any = None
         for b, batch in enumerate(batches):
@@ -635,7 +635,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             return dict(self._stats)
 
 
-_LOAD_CHUNK_BYTES = 8 << 20  # a load's gets are pipelined in chunks of about this size
+_CHUNK_BYTES = 8 << 20  # transfers are pipelined in chunks of about this size
 
 
 def _chunks(frames: Sequence[torch.Tensor], limit: int) -> list[list[int]]:

@@ -120,6 +120,8 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
                 mismatches += len(again.restore_mismatches)
                 load_gbps.append(nbytes / again.load_s / 1e9)
                 cache.flush()
+            if linker == "hylinker":  # where the plugin's time went (summed over the runs above)
+                out["phases_us"] = {k: v for k, v in cache.linker.statistics().items() if k.endswith("_us")}
             out.update(offload_gbps=statistics.median(offload_gbps), load_gbps=statistics.median(load_gbps),
                        offload_runs=offload_gbps, load_runs=load_gbps, restore_mismatches=mismatches,
                        kv_object_bytes=kv_bytes, state_object_bytes=state_bytes)
