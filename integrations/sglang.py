@@ -482,8 +482,13 @@ class HylinkerLinker(UnifiedCacheLinker):
         except framing.FrameError as exc:
             self._count("verify_failures", 1)
             self._count(f"verify_{exc.fault.value}", 1)
-            if self.bridge.capabilities.remove:  # the next lookup misses it: recompute, not 503
-                self.bridge.remove([key])
+            if self.bridge.capabilities.remove:
+                # gone before this load reports: the next lookup misses it (recompute, not a
+                # second 503 racing the removal)
+                try:
+                    self.bridge.wait(self.bridge.remove([key]), self.config.store_timeout_s)
+                except Exception as remove_error:
+                    log.warning("HylinkerLinker could not remove damaged object %r: %s", key, remove_error)
             raise LoadFailedError(str(exc)) from None
 
     # ---- offload ----------------------------------------------------------------------

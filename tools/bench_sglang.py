@@ -188,7 +188,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         n = c["next_request"]
         corrupt += (f"; next request: {n['device_hit']} tokens from the device tree"
                     + (" (the garbage, inserted)" if c["restored_garbage"] and n["device_hit"] else "")
-                    + f", {n['store_loaded']} from the store")
+                    + f", {n['store_loaded']} from the store" + (", aborted (503)" if n["aborted"] else ""))
         lines.append(
             f"| {r['object_kib']} KiB | {r['linker']} | {r['offload_gbps']:.2f} | {r['load_gbps']:.2f} | "
             f"{r['restore_mismatches']} | {corrupt} | "
