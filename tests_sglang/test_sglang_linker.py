@@ -383,3 +383,22 @@ def test_two_ranks_agree(caches: list[SGLangCache], mooncake_master: Any,
         assert served.restore_mismatches == []
     for cache in ranks:
         assert_clean(cache)
+
+
+@pytest.mark.mooncake
+def test_damaged_object_is_gone_before_the_failed_load_reports(caches: list[SGLangCache],
+                                                               mooncake_master: Any) -> None:
+    # Mooncake removes in a worker thread: the next lookup must not race the removal (it would
+    # see the object, load it, find it missing and fail a second request)
+    cache = build(caches, store="mooncake", master=mooncake_master.address, segment_mb=64)
+    cache.serve(A + B)
+    cache.flush()
+    key = kv_key(cache, A + B, 5)
+    good = store_get(cache, key, frame_bytes(cache, "kv"))
+    assert good is not None
+    store_replace(cache, key, _flip(good, len(good) - 3))
+    assert cache.serve(A + B + C).aborted
+    assert raw(cache).wait(raw(cache).exists([key]), 10) == [False]
+    after = cache.serve(A + B + C + [5])
+    assert not after.aborted and after.loaded < len(A + B)
+    assert_clean(cache)
