@@ -5,6 +5,8 @@
 * :mod:`hylinker.integrations.sglang_config` — its ``linker_extra_config`` keys (no SGLang import).
 * :mod:`hylinker.integrations.sglang_pools` — views over SGLang's device pools and the codec
   that moves page and state objects between them and staging frames.
+* :mod:`hylinker.integrations.page_mover` — the plugin's data path: verified, retried loads
+  and pipelined offloads of those objects through the store bridge.
 * :mod:`hylinker.integrations.store_bridge` — the synchronous bridge from an engine thread to
   hylinker's async stores.
 """

@@ -36,7 +36,6 @@ import hashlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,8 +43,8 @@ import attrs
 import numpy as np
 import torch
 
-from ..stores import framing
-from ..stores.base import Outcome, Store
+from ..stores.base import Store
+from .page_mover import LoadFailedError, PageMover, Part
 from .sglang_config import SGLangLinkerConfig
 from .sglang_pools import (
     PoolLayoutError,
@@ -55,7 +54,7 @@ from .sglang_pools import (
     layout_fingerprint,
     mamba_view,
 )
-from .store_bridge import StoreBridge, StoreTimeoutError
+from .store_bridge import StoreBridge
 
 try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
     import sglang
@@ -71,84 +70,20 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
-STORED = (Outcome.OK, Outcome.EXISTS)
-TRANSIENT = (Outcome.FAILED, Outcome.UNREACHABLE, Outcome.LEASED)
-_RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
 _ALIGN = 64
-
-
-class LoadFailedError(RuntimeError):
-    """A load could not restore its objects; SGLang aborts the request (503)."""
-
-
-@attrs.define
-class _Part:
-    """One pool's share of a transfer: object keys and their rows ``[n, rows_per_object]``."""
-
-    view: PoolView
-    keys: list[str]
-    rows: torch.Tensor
 
 
 @attrs.define
 class _LoadJob:
     index: int
-    parts: list[_Part]
+    parts: list[Part]
     ready: Any = None  # a device event the load waits on before writing
 
 
 @attrs.define
 class _OffloadJob:
-    parts: list[_Part]
+    parts: list[Part]
     ready: list[Any]
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-class _Staging:
-    """A registered host arena holding frames back to back (64-byte aligned)."""
-
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).fill_(0)
-        self.array = self.tensor.numpy()
-        self.busy: list[Any] = []  # store calls that outlived their waiter still use it
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel()
-
-    def free(self) -> bool:
-        self.busy = [f for f in self.busy if not f.done()]
-        return not self.busy
-
-
-def _placement(parts: Sequence[_Part], base: int, limit: int
-               ) -> list[list[tuple[_Part, int, int, int]]]:
-    """Cut ``parts`` into batches of ``(part, lo, hi, offset)`` runs that fit ``limit`` bytes."""
-    batches: list[list[tuple[_Part, int, int, int]]] = []
-    current: list[tuple[_Part, int, int, int]] = []
-    used = 0
-    for part in parts:
-        stride = _aligned(framing.framed_size(part.view.payload_bytes))
-        lo = 0
-        n = len(part.keys)
-        while lo < n:
-            room = (limit - used) // stride
-            if room == 0:
-                if not current:
-                    raise LoadFailedError(f"one {part.view.name} object ({stride} B) exceeds the staging arena")
-                batches.append(current)
-                current, used = [], 0
-                continue
-            hi = min(n, lo + room)
-            current.append((part, lo, hi, base + used))
-            used += (hi - lo) * stride
-            lo = hi
-    if current:
-        batches.append(current)
-    return batches
 
 
 class HylinkerLinker(UnifiedCacheLinker):
@@ -193,22 +128,14 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._writes = {name: not v.replicated or tp_rank == 0 for name, v in views.items()}
         self.tp_rank = tp_rank
 
-        self._stats: collections.Counter[str] = collections.Counter()
-        self._stats_lock = threading.Lock()  # counted from three threads
-        self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._restored_lock = threading.Lock()
-        self._pending: dict[str, list[_Part]] = {}
+        self._pending: dict[str, list[Part]] = {}
         self._results: collections.deque[bool] = collections.deque()
         self._closed = False
         self._on_device = any(v.device.type != "cpu" for v in views.values())
         self.bridge = StoreBridge(self._open_store, name=f"hylinker-store-tp{tp_rank}")
         try:
-            pin = self._on_device and torch.cuda.is_available()
-            half = self.config.staging_mb << 19
-            self._offload_arena = _Staging(2 * half, pin)
-            self._load_arena = _Staging(2 * half, pin)
-            self.bridge.register(self._offload_arena.tensor)
-            self.bridge.register(self._load_arena.tensor)
+            self._mover = PageMover(self.bridge, self.config, self.fingerprint, num_layers=self.num_layers,
+                                    writes=self._writes, on_device=self._on_device)
         except BaseException:
             self.bridge.close()
             raise
@@ -271,15 +198,15 @@ class HylinkerLinker(UnifiedCacheLinker):
             probe += self.object_keys("draft", pages)
         if with_state:
             probe += self.object_keys("mamba", pages)
-        self._count("lookups", 1)
+        self._mover.count("lookups", 1)
         try:
             present = self.bridge.wait(self.bridge.exists(probe), self.config.lookup_timeout_s)
         except Exception as exc:  # a store that fails or hangs: a miss (every rank's MIN agrees)
-            self._count("lookup_errors", 1)
+            self._mover.count("lookup_errors", 1)
             log.warning("HylinkerLinker lookup failed (a miss): %s", exc)
             return []
         if len(present) != len(probe):
-            self._count("lookup_errors", 1)
+            self._mover.count("lookup_errors", 1)
             return []
         kv_ok = np.asarray(present[:m], dtype=bool)
         if with_draft:
@@ -291,7 +218,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         else:
             counts = list(range(1, prefix + 1))
         if counts:
-            self._count("lookup_hits", 1)
+            self._mover.count("lookup_hits", 1)
             self._touch(pages[:counts[-1]], with_state)
         return counts
 
@@ -304,7 +231,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         if with_state:
             keys += self.object_keys("mamba", pages[-1:])
         self.bridge.touch(keys)  # fire and forget: recency only
-        self._count("touches", 1)
+        self._mover.count("touches", 1)
 
     # ---- load -------------------------------------------------------------------------
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
@@ -322,7 +249,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._pending[rid] = parts
         return True
 
-    def _parts(self, transfers: Sequence[PoolTransfer]) -> list[_Part]:
+    def _parts(self, transfers: Sequence[PoolTransfer]) -> list[Part]:
         by_name = {str(getattr(t.name, "value", t.name)): t for t in transfers}
         unknown = set(by_name) - set(self._views)
         if unknown:
@@ -331,15 +258,15 @@ class HylinkerLinker(UnifiedCacheLinker):
         if kv is None or not kv.keys or kv.device_indices is None:
             return []
         pages = list(kv.keys)
-        parts = [_Part(self._views["kv"], self.object_keys("kv", pages),
+        parts = [Part(self._views["kv"], self.object_keys("kv", pages),
                        self._views["kv"].object_rows(kv.device_indices, len(pages)))]
         if "draft" in self._views:
-            parts.append(_Part(self._views["draft"], self.object_keys("draft", pages), parts[0].rows))
+            parts.append(Part(self._views["draft"], self.object_keys("draft", pages), parts[0].rows))
         state = by_name.get("mamba")
         if state is not None and state.keys:
             if state.device_indices is None:
                 raise PoolLayoutError("a MAMBA transfer without a slot")
-            parts.append(_Part(self._views["mamba"], self.object_keys("mamba", list(state.keys)),
+            parts.append(Part(self._views["mamba"], self.object_keys("mamba", list(state.keys)),
                                self._views["mamba"].object_rows(state.device_indices, len(state.keys))))
         return parts
 
@@ -354,7 +281,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             ready = torch.cuda.Event()
             ready.record()
         self._load_q.put(_LoadJob(index, parts, ready))
-        self._count("load_batches", 1)
+        self._mover.count("load_batches", 1)
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
@@ -364,132 +291,19 @@ class HylinkerLinker(UnifiedCacheLinker):
     def cancel_queued_load(self, rid: str) -> bool:
         cancelled = self._pending.pop(rid, None) is not None
         if cancelled:
-            self._count("loads_cancelled", 1)
+            self._mover.count("loads_cancelled", 1)
         return cancelled
 
     def _run_load(self, job: _LoadJob) -> None:
         try:
             if job.ready is not None:
                 job.ready.synchronize()
-            self._load(job)
-            self._count("loads_ok", 1)
+            self._mover.load(job.parts, lambda layer: self.layer_done_counter.complete(job.index, layer))
+            self._mover.count("loads_ok", 1)
         except BaseException as exc:
-            self._count("loads_failed", 1)
+            self._mover.count("loads_failed", 1)
             log.error("HylinkerLinker load batch %d failed: %s", job.index, exc)
             self.layer_done_counter.fail(job.index, exc)
-
-    def _load(self, job: _LoadJob) -> None:
-        need = sum(len(p.keys) * _aligned(framing.framed_size(p.view.payload_bytes)) for p in job.parts)
-        arena = self._load_arena
-        if need > arena.nbytes or not arena.free():
-            arena = _Staging(need, False)  # not registered: the store copies through its own buffers
-        batches = _placement(job.parts, 0, arena.nbytes)
-        assert len(batches) == 1, "a load is staged whole: it is verified before a byte lands"
-        placed = batches[0]
-        keys: list[str] = []
-        frames: list[torch.Tensor] = []
-        for part, lo, hi, offset in placed:
-            stride = _aligned(framing.framed_size(part.view.payload_bytes))
-            size = framing.framed_size(part.view.payload_bytes)
-            for i in range(hi - lo):
-                keys.append(part.keys[lo + i])
-                frames.append(arena.tensor[offset + i * stride: offset + i * stride + size])
-        retry = self._fetch(arena, keys, frames, _chunks(frames, _CHUNK_BYTES))
-        for attempt in range(self.config.load_retries):
-            if not retry:
-                break
-            self._count("load_retries", 1)
-            time.sleep(self.config.retry_backoff_ms * (2 ** attempt) / 1e3)
-            retry = self._fetch(arena, keys, frames, [retry])
-        if retry:
-            self._count("load_retries_exhausted", 1)
-            raise LoadFailedError(f"{len(retry)} objects still failing after {self.config.load_retries} retries")
-        # every object verified: land them layer by layer
-        t0 = time.perf_counter()
-        runs: dict[int, list[tuple[PoolView, int, torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
-        for part, lo, hi, offset in placed:
-            stride = _aligned(framing.framed_size(part.view.payload_bytes))
-            grid = arena.tensor[offset: offset + (hi - lo) * stride].view(hi - lo, stride)
-            payload = grid[:, framing.HEADER_BYTES: framing.HEADER_BYTES + part.view.payload_bytes]
-            for li, layer in enumerate(part.view.layers):
-                runs[layer.counter_layer].append((part.view, li, payload, part.rows[lo:hi]))
-        for layer_id in range(self.num_layers):
-            for view, li, payload, rows in runs.get(layer_id, ()):
-                view.scatter_layer(li, payload, rows)
-            if self._on_device:
-                torch.cuda.current_stream().synchronize()
-            self.layer_done_counter.complete(job.index, layer_id)
-        self._count("load_scatter_us", _us(t0))
-        with self._restored_lock:
-            for k in keys:
-                self._restored[k] = None
-                self._restored.move_to_end(k)
-            while len(self._restored) > _RESTORED_MEMORY:
-                self._restored.popitem(last=False)
-        self._count("objects_loaded", len(keys))
-        self._count("bytes_loaded", sum(f.numel() for f in frames))
-
-    def _fetch(self, arena: _Staging, keys: list[str], frames: list[torch.Tensor],
-               chunks: list[list[int]]) -> list[int]:
-        """Get the objects ``chunks`` name (chunk k+1 in flight while chunk k is verified).
-
-        Returns the objects to retry (transient outcomes); raises :class:`LoadFailedError` for a
-        missing or damaged object or a store that does not answer in time. Nothing lands here.
-        """
-        submitted = [(chunk, self.bridge.get([keys[i] for i in chunk], [frames[i] for i in chunk]))
-                     for chunk in chunks[:2]]
-        retry: list[int] = []
-        k = 0
-        try:
-            while k < len(submitted):
-                chunk, future = submitted[k]
-                t0 = time.perf_counter()
-                try:
-                    results = self.bridge.wait(future, self.config.store_timeout_s)
-                except StoreTimeoutError:
-                    self._count("load_timeouts", 1)
-                    raise LoadFailedError("the store did not answer a load in time") from None
-                self._count("load_get_us", _us(t0))
-                if len(submitted) < len(chunks):  # keep one chunk in flight ahead
-                    nxt = chunks[len(submitted)]
-                    submitted.append((nxt, self.bridge.get([keys[i] for i in nxt], [frames[i] for i in nxt])))
-                if len(results) != len(chunk):  # a store that breaks the protocol: retry all
-                    retry.extend(chunk)
-                    k += 1
-                    continue
-                t0 = time.perf_counter()
-                for i, r in zip(chunk, results):
-                    if r.outcome is Outcome.OK:
-                        self._verify(keys[i], frames[i], r.nbytes)
-                    elif r.outcome in TRANSIENT:
-                        retry.append(i)
-                    elif r.outcome is Outcome.MISSING:
-                        self._count("load_missing", 1)
-                        raise LoadFailedError(f"object {keys[i]!r} left the store after lookup")
-                    else:
-                        self._count("load_errors", 1)
-                        raise LoadFailedError(f"object {keys[i]!r}: {r.outcome.value}")
-                self._count("load_verify_us", _us(t0))
-                k += 1
-        except BaseException:
-            arena.busy.extend(f for _, f in submitted if not f.done())  # still writing into it
-            raise
-        return retry
-
-    def _verify(self, key: str, frame: torch.Tensor, nbytes: int) -> None:
-        try:
-            framing.verify_array(frame.numpy(), nbytes, key, self.fingerprint)
-        except framing.FrameError as exc:
-            self._count("verify_failures", 1)
-            self._count(f"verify_{exc.fault.value}", 1)
-            if self.bridge.capabilities.remove:
-                # gone before this load reports: the next lookup misses it (recompute, not a
-                # second 503 racing the removal)
-                try:
-                    self.bridge.wait(self.bridge.remove([key]), self.config.store_timeout_s)
-                except Exception as remove_error:
-                    log.warning("HylinkerLinker could not remove damaged object %r: %s", key, remove_error)
-            raise LoadFailedError(str(exc)) from None
 
     # ---- offload ----------------------------------------------------------------------
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
@@ -509,87 +323,17 @@ class HylinkerLinker(UnifiedCacheLinker):
 
     def _run_offload(self, job: _OffloadJob) -> None:
         try:
-            ok = self._offload(job)
+            ok = self._offload_job(job)
         except BaseException as exc:
             log.error("HylinkerLinker offload failed: %s", exc)
             ok = False
-        self._count("offloads_ok" if ok else "offloads_failed")
+        self._mover.count("offloads_ok" if ok else "offloads_failed")
         self._results.append(ok)
 
-    def _offload(self, job: _OffloadJob) -> bool:
+    def _offload_job(self, job: _OffloadJob) -> bool:
         for event in job.ready:
             event.synchronize()
-        if not job.parts:
-            return False
-        todo: list[_Part] = []
-        with self._restored_lock:
-            for part in job.parts:
-                if not self._writes[part.view.name]:
-                    continue  # a rank-replicated pool: rank 0 writes it
-                keep = [i for i, k in enumerate(part.keys) if k not in self._restored]
-                self._count("objects_skipped_restored", len(part.keys) - len(keep))
-                if keep:
-                    idx = torch.tensor(keep, dtype=torch.int64)
-                    todo.append(_Part(part.view, [part.keys[i] for i in keep], part.rows[idx]))
-        if not todo:
-            return True
-        arena = self._offload_arena
-        if not arena.free():
-            self._count("offloads_store_stuck", 1)
-            return False  # an earlier call still hangs in the store: fail fast, unlock the node
-        half = arena.nbytes // 2
-        batches = _placement(todo, 0, min(half, _CHUNK_BYTES))  # pack k+1 while k is put
-        ok = True
-        in_flight: Any = None
-        for b, batch in enumerate(batches):
-            base = (b % 2) * half
-            t0 = time.perf_counter()
-            keys, frames = self._pack(arena, batch, base)
-            self._count("offload_pack_us", _us(t0))
-            if in_flight is not None:
-                ok &= self._settle_put(arena, in_flight)
-                if not ok:
-                    return False
-            in_flight = (self.bridge.put(keys, frames), len(keys), sum(f.numel() for f in frames))
-        if in_flight is not None:
-            ok &= self._settle_put(arena, in_flight)
-        return ok
-
-    def _pack(self, arena: _Staging, batch: list[tuple[_Part, int, int, int]], shift: int
-              ) -> tuple[list[str], list[torch.Tensor]]:
-        keys: list[str] = []
-        frames: list[torch.Tensor] = []
-        for part, lo, hi, offset in batch:
-            offset += shift
-            size = framing.framed_size(part.view.payload_bytes)
-            stride = _aligned(size)
-            grid = arena.tensor[offset: offset + (hi - lo) * stride].view(hi - lo, stride)
-            part.view.gather(part.rows[lo:hi], grid[:, framing.HEADER_BYTES: size])
-            for i in range(hi - lo):
-                start = offset + i * stride
-                framing.seal_array(arena.array[start: start + size], part.keys[lo + i], self.fingerprint)
-                keys.append(part.keys[lo + i])
-                frames.append(arena.tensor[start: start + size])
-        return keys, frames
-
-    def _settle_put(self, arena: _Staging, in_flight: tuple[Any, int, int]) -> bool:
-        future, n, nbytes = in_flight
-        t0 = time.perf_counter()
-        try:
-            outcomes = self.bridge.wait(future, self.config.store_timeout_s)
-            self._count("offload_put_wait_us", _us(t0))
-        except StoreTimeoutError:
-            arena.busy.append(future)
-            self._count("offload_timeouts", 1)
-            return False
-        except Exception as exc:
-            log.warning("HylinkerLinker offload put failed: %s", exc)
-            return False
-        ok = len(outcomes) == n and all(o in STORED for o in outcomes)
-        if ok:
-            self._count("objects_offloaded", n)
-            self._count("bytes_offloaded", nbytes)
-        return ok
+        return self._mover.offload(job.parts)
 
     def num_completed_offloads(self) -> int:
         return len(self._results)
@@ -615,8 +359,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._offload_q.join()
         self._results.clear()
         self.layer_done_counter.reset()
-        with self._restored_lock:
-            self._restored.clear()
+        self._mover.forget_restored()
 
     def close(self) -> None:
         if self._closed:
@@ -628,35 +371,12 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._load_thread.join(timeout=self.config.store_timeout_s + 5)
         self._offload_thread.join(timeout=self.config.store_timeout_s + 5)
         self.bridge.close(timeout_s=self.config.store_timeout_s + 5)
-        log.info("HylinkerLinker closed: %s", dict(self._stats))
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._stats[name] += n
+        log.info("HylinkerLinker closed: %s", self.statistics())
 
     def statistics(self) -> dict[str, int]:
-        """Counters: lookups, hits, loads, retries, verify failures, offloads, skipped objects..."""
-        with self._stats_lock:
-            return dict(self._stats)
-
-
-_CHUNK_BYTES = 8 << 20  # transfers are pipelined in chunks of about this size
-
-
-def _chunks(frames: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
-    out: list[list[int]] = [[]]
-    used = 0
-    for i, f in enumerate(frames):
-        if out[-1] and used + f.numel() > limit:
-            out.append([])
-            used = 0
-        out[-1].append(i)
-        used += f.numel()
-    return out if out[0] else []
-
-
-def _us(t0: float) -> int:
-    return round((time.perf_counter() - t0) * 1e6)
+        """Counters: lookups, hits, loads, retries, verify failures, offloads, skipped objects,
+        and the time spent per phase (``*_us``)."""
+        return self._mover.statistics()
 
 
 def _tp_rank(params: Any) -> int:
