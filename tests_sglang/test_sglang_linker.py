@@ -402,3 +402,18 @@ def test_damaged_object_is_gone_before_the_failed_load_reports(caches: list[SGLa
     after = cache.serve(A + B + C + [5])
     assert not after.aborted and after.loaded < len(A + B)
     assert_clean(cache)
+
+
+def test_faults_key_wraps_the_store(caches: list[SGLangCache]) -> None:
+    # linker_extra_config["faults"]: every key fails -> offloads report False, lookups miss,
+    # requests recompute; nothing leaks
+    cache = build(caches, faults="fail=1.0", fault_seed=3)
+    assert isinstance(raw(cache).store, FaultyStore)
+    cache.serve(A + B)
+    cache.flush()
+    again = cache.serve(A + B + C)
+    assert again.loaded == 0 and not again.aborted
+    stats = cache.linker.statistics()
+    assert stats["offloads_failed"] == 2 and stats.get("offloads_ok", 0) == 0
+    assert raw(cache).store.statistics().failed_keys > 0
+    assert_clean(cache)
