@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from .mamba import checkpoint_grid, grid_unfit_reason
+
 
 class PoolKind(enum.Enum):
     """The three components of a hybrid prefix cache."""
@@ -178,10 +180,10 @@ class ModelLayout:
         ml = [s.layer_id for s in specs]
         if len(set(ml)) != len(ml) or set(ml) & set(fl):
             raise LayoutError(f"mamba_layers ids must be distinct and disjoint from full_layers, got {ml!r}")
-        if specs and page_size % chunk_size != 0 and chunk_size % page_size != 0:
-            raise LayoutError(
-                f"page_size={page_size} and chunk_size={chunk_size} are incompatible: "
-                "one must divide the other so checkpoints can sit on page boundaries")
+        if specs:
+            reason = grid_unfit_reason(chunk_size, page_size)
+            if reason is not None:
+                raise LayoutError(reason)
         if draft_layers < 0 or draft_layers > len(fl):
             raise LayoutError(
                 f"draft_layers={draft_layers} must lie in [0, {len(fl)}] (one full-attention layer each)")
@@ -226,8 +228,6 @@ class ModelLayout:
     @property
     def grid(self) -> int:
         """Token granularity of restorable boundaries (``page_size`` for pure attention)."""
-        from .mamba import checkpoint_grid
-
         return checkpoint_grid(self.chunk_size, self.page_size) if self.is_hybrid else self.page_size
 
     @property

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from hylinker.components.layout import ModelLayout
-from hylinker.components.mamba import checkpoint_depth, checkpoint_grid, restorable_ceiling
+from hylinker.components.layout import LayoutError, ModelLayout
+from hylinker.components.mamba import (
+    MAX_GRID_FACTOR,
+    checkpoint_depth,
+    checkpoint_grid,
+    grid_unfit_reason,
+    restorable_ceiling,
+)
 
 
 @pytest.mark.parametrize(("chunk", "page", "grid"), [
@@ -18,9 +25,72 @@ from hylinker.components.mamba import checkpoint_depth, checkpoint_grid, restora
     (128, 64, 128),
     (64, 48, 192),  # lcm(64, 48)
     (32, 96, 96),
+    # neither divides the other: SGLang's lcm(max(C, P), P) gives the page (96, 80, 384),
+    # a boundary in the middle of a chunk; the grid must be a multiple of both
+    (64, 96, 192),
+    (32, 80, 160),
+    (128, 384, 384),
+    (256, 384, 768),
+    (48, 64, 192),
 ])
 def test_checkpoint_grid(chunk: int, page: int, grid: int) -> None:
     assert checkpoint_grid(chunk, page) == grid
+
+
+def _sglang_grid(chunk: int, page: int) -> int:
+    return math.lcm(max(chunk, page), page)
+
+
+def test_grid_is_a_multiple_of_chunk_and_page_and_the_smallest_one() -> None:
+    for chunk in (16, 32, 48, 64, 96, 128, 256):
+        for page in (1, 16, 32, 48, 64, 80, 96, 128, 192, 256, 384):
+            g = checkpoint_grid(chunk, page)
+            assert g % chunk == 0 and g % page == 0
+            assert not any(b % chunk == 0 and b % page == 0 for b in range(1, g))
+            # SGLang's formula differs exactly when the page is larger than the chunk and not a
+            # multiple of it
+            assert (g != _sglang_grid(chunk, page)) == (page > chunk and page % chunk != 0)
+
+
+def _schedule_ends(start: int, end: int, chunk: int) -> set[int]:
+    """Chunk ends of a prefill of [start, end) cut on the absolute chunk grid."""
+    return {min(end, (p // chunk + 1) * chunk) for p in range(start, end)}
+
+
+@pytest.mark.parametrize(("chunk", "page"), [(64, 96), (64, 16), (64, 256), (32, 80)])
+def test_every_grid_boundary_is_a_chunk_end_of_an_uninterrupted_prefill(chunk: int, page: int) -> None:
+    # A resumed prefill starts at the boundary; it runs the same chunks as an uninterrupted one
+    # only if the boundary is a chunk end of that one. SGLang's grid for 64/96 is not.
+    g = checkpoint_grid(chunk, page)
+    ends = _schedule_ends(0, 8 * g, chunk)
+    assert all(b in ends for b in range(g, 8 * g, g))
+    if chunk == 64 and page == 96:
+        assert _sglang_grid(chunk, page) not in ends
+
+
+def _layout(page: int, chunk: int) -> ModelLayout:
+    return ModelLayout.create(page_size=page, chunk_size=chunk, full_layers=[0], kv_row_shape=(4,),
+                              mamba_layers=[{"layer_id": 1, "conv_shape": (2,), "conv_dtype": "float32"}])
+
+
+@pytest.mark.parametrize(("page", "chunk", "grid"), [(96, 64, 192), (48, 64, 192), (80, 32, 160),
+                                                      (384, 256, 768), (16, 64, 64)])
+def test_layouts_with_a_fit_grid_build(page: int, chunk: int, grid: int) -> None:
+    assert _layout(page, chunk).grid == grid
+
+
+@pytest.mark.parametrize(("page", "chunk"), [(100, 64), (60, 64), (96, 80), (17, 64)])
+def test_layouts_with_an_unfit_grid_are_refused(page: int, chunk: int) -> None:
+    assert checkpoint_grid(chunk, page) > MAX_GRID_FACTOR * max(chunk, page)
+    with pytest.raises(LayoutError, match=f"page_size={page} and chunk_size={chunk}") as info:
+        _layout(page, chunk)
+    assert str(checkpoint_grid(chunk, page)) in str(info.value)
+    assert grid_unfit_reason(chunk, page) == str(info.value)
+
+
+def test_unfit_grid_does_not_matter_without_recurrent_layers() -> None:
+    lay = ModelLayout.create(page_size=100, chunk_size=64, full_layers=[0], kv_row_shape=(4,))
+    assert lay.grid == 100
 
 
 @pytest.mark.parametrize(("chunk", "page"), [(0, 16), (64, 0), (-64, 16)])

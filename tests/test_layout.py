@@ -50,8 +50,9 @@ BAD_LAYOUTS: list[tuple[str, dict[str, Any], str]] = [
     ("page bool", {"page_size": True}, "page_size"),
     ("page float", {"page_size": 16.0}, "page_size"),
     ("chunk negative", {"chunk_size": -64}, "chunk_size"),
-    ("page/chunk incompatible 48/64", {"page_size": 48}, "page_size=48 and chunk_size=64"),
-    ("page/chunk incompatible 16/24", {"chunk_size": 24}, "page_size=16 and chunk_size=24"),
+    ("page/chunk grid too coarse 100/64", {"page_size": 100}, "page_size=100 and chunk_size=64"),
+    ("page/chunk grid too coarse 96/80", {"chunk_size": 80, "page_size": 96},
+     "page_size=96 and chunk_size=80"),
     ("full layers empty", {"full_layers": []}, "full_layers"),
     ("full layers repeated", {"full_layers": [0, 0]}, "full_layers"),
     ("full layers negative", {"full_layers": [-1, 0]}, "full_layers"),
@@ -103,7 +104,8 @@ def test_bad_layout_names_the_field(over: dict[str, Any], field: str) -> None:
     assert field in str(info.value)
 
 
-@pytest.mark.parametrize(("page", "chunk"), [(16, 64), (64, 64), (256, 64), (32, 96), (64, 16)])
+@pytest.mark.parametrize(("page", "chunk"), [(16, 64), (64, 64), (256, 64), (32, 96), (64, 16),
+                                             (96, 64), (48, 64), (16, 24)])
 def test_compatible_page_chunk_pairs_build(page: int, chunk: int) -> None:
     layout = make(page_size=page, chunk_size=chunk)
     assert layout.grid == checkpoint_grid(chunk, page)

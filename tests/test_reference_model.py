@@ -259,4 +259,4 @@ def test_same_seed_same_weights() -> None:
 def test_layout_error_for_incompatible_page() -> None:
     model = build_model("qwen3_next", seed=0)
     with pytest.raises(LayoutError):
-        layout_for(model, None, page_size=48)
+        layout_for(model, None, page_size=100)
