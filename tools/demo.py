@@ -58,6 +58,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--large", action="store_true",
                         help=f"a conversation of thousands of tokens (a {LARGE_SHAPE.system_tokens}-"
                              "token system prompt): restoring clearly beats recomputing")
+    parser.add_argument("--system-tokens", type=int, default=None, metavar="N",
+                        help=f"length of the system prompt that opens turn 1 (default "
+                             f"{DEFAULT_SHAPE.system_tokens}, {LARGE_SHAPE.system_tokens} with "
+                             "--large); e.g. --large --system-tokens 16384 for 16 K-token prompts")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the per-turn figures here")
 
@@ -69,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"hylinker demo: --turns must be at least 1, got {args.turns}", file=sys.stderr)
             return 2
         shape = attrs.evolve(shape, turns=args.turns)
+    if args.system_tokens is not None:
+        if args.system_tokens < 0:
+            print(f"hylinker demo: --system-tokens must be >= 0, got {args.system_tokens}",
+                  file=sys.stderr)
+            return 2
+        shape = attrs.evolve(shape, system_tokens=args.system_tokens)
     import anyio
 
     try:
@@ -228,6 +238,7 @@ async def run_demo(
                 "kl": kl_divergence(want, res.logprobs),
                 "ttft_restore_s": res.ttft_s,
                 "ttft_recompute_s": ttft_recompute,
+                "restore_phases_s": dict(res.phases_s),
             })
         # negative control: the last prompt again, recurrent state zeroed at COMMIT
         await linker.drain()
@@ -267,6 +278,12 @@ async def run_demo(
     if ratio is not None:
         out(f"time to first token, recompute / restore over the {len(restored_turns)} turns that "
             f"restored: {ratio:.2f}x")
+    if restored_turns:
+        total = {p: sum(t["restore_phases_s"][p] for t in restored_turns)
+                 for p in restored_turns[0]["restore_phases_s"]}
+        whole = sum(total.values())
+        out("where the restoring turns' time to first token went: " + ", ".join(
+            f"{p} {1e3 * v:.1f} ms ({100 * v / whole:.0f}%)" for p, v in total.items()))
     out(f"store hits: {stats.store_hit_tokens} tokens; verify failures {stats.verify_failures}; "
         f"offload failures {stats.offload_failures}")
     exact = all(t["max_abs_logprob_diff"] == 0.0 and t["kl"] == 0.0
@@ -286,7 +303,7 @@ async def run_demo(
         "turns": [{key: t[key] for key in (
             "prompt_tokens", "restored_tokens", "expected_restored_tokens", "recomputed_tokens",
             "max_abs_logprob_diff", "draft_max_abs_logprob_diff", "kl", "ttft_restore_s",
-            "ttft_recompute_s")} for t in turns],
+            "ttft_recompute_s", "restore_phases_s")} for t in turns],
         "negative_control_kl": neg_kl,
         "ttft_ratio_recompute_over_restore": ratio,
         "passed": passed,

@@ -96,6 +96,10 @@ class PrefillResult:
     restore_s: float  # request admitted -> cached prefix ready in the engine's cache
     ttft_s: float  # request admitted -> first token's logprobs
     linear_state: LinearStateMode = "load"
+    # where ttft_s went, in order: "lookup" (hash, device match, store probe), "load" (allocate,
+    # store reads, verify, scatter into the pools), "commit", "rebuild" (pool rows and state slot
+    # -> the engine's cache), "forward" (prefill of the tokens not cached)
+    phases_s: dict[str, float] = attrs.field(factory=dict)
 
     @property
     def computed_tokens(self) -> int:
@@ -174,13 +178,19 @@ class LinkedEngine:
         req = linker.request(request_id, toks)
         try:
             hit = await linker.lookup(req)
+            t_lookup = time.perf_counter()
             restored = 0
             load = await linker.load(req)
+            t_load = t_commit = time.perf_counter()
             if load is not None:
+                await load.wait()
+                t_load = time.perf_counter()
                 restored = await linker.commit(load)
+                t_commit = time.perf_counter()
             prefix = req.prefix_tokens
             seq = self._restore(req, toks, linear_state)
-            restore_s = time.perf_counter() - t0
+            t_rebuild = time.perf_counter()
+            restore_s = t_rebuild - t0
             depths = self._donation_depths(req, len(toks)) if donate and linear_state == "load" else []
             slots: dict[int, int | None] = {}
             if depths:
@@ -190,7 +200,10 @@ class LinkedEngine:
                     slots[d] = linker.checkpoint_slot(req) if linker.layout.is_hybrid else None
             res: ExtendResult = await self._run(
                 lambda: self.engine.extend(seq, toks[prefix:], export_at=depths))
-            ttft_s = time.perf_counter() - t0
+            t_forward = time.perf_counter()
+            ttft_s = t_forward - t0
+            phases = {"lookup": t_lookup - t0, "load": t_load - t_lookup, "commit": t_commit - t_load,
+                      "rebuild": t_rebuild - t_commit, "forward": t_forward - t_rebuild}
             for d in depths:
                 start = req.prefix_tokens  # the tree's prefix after the previous insert
                 write_boundary(self.views, req.rows[start:d], slots[d], res.states[d],
@@ -210,6 +223,7 @@ class LinkedEngine:
                 restore_s=restore_s,
                 ttft_s=ttft_s,
                 linear_state=linear_state,
+                phases_s=phases,
             )
         finally:
             with anyio.CancelScope(shield=True):
