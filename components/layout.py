@@ -5,7 +5,8 @@ A :class:`ModelLayout` says what one tensor-parallel rank keeps per token and pe
 * FULL: one KV row per token slot per full-attention layer, of ``kv_row_shape``/``kv_dtype``
   (for MLA the latent vector; for GQA ``(2, kv_heads, head_dim)``).
 * MAMBA: one *slot* holds every linear-attention layer's conv state and temporal (recurrent)
-  state for one sequence. A layer may have no temporal state (conv only).
+  state for one sequence. A layer may have no temporal state (conv only), and a layer may be
+  in both lists: it carries attention KV and a recurrent state.
 * DRAFT: the draft model's KV; draft layer ``d`` rides with the ``d``-th full-attention
   layer and is indexed by the same token slots.
 
@@ -178,8 +179,10 @@ class ModelLayout:
                 f"mamba_layers[{i}].temporal_dtype", m.temporal_dtype)
             specs.append(MambaLayerSpec(m.layer_id, conv_shape, conv_dtype, t_shape, t_dtype))
         ml = [s.layer_id for s in specs]
-        if len(set(ml)) != len(ml) or set(ml) & set(fl):
-            raise LayoutError(f"mamba_layers ids must be distinct and disjoint from full_layers, got {ml!r}")
+        if len(set(ml)) != len(ml):
+            raise LayoutError(f"mamba_layers ids must be distinct, got {ml!r}")
+        # an id in both lists is a layer that carries both attention KV and a recurrent state
+        # (Falcon-H1, Zamba): its KV rides in the FULL pool, its state in the MAMBA slot
         if specs:
             reason = grid_unfit_reason(chunk_size, page_size)
             if reason is not None:

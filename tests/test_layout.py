@@ -78,7 +78,6 @@ BAD_LAYOUTS: list[tuple[str, dict[str, Any], str]] = [
     ("mamba unknown field", {"mamba_layers": mamba_with(bogus=1)}, "mamba_layers[0]"),
     ("mamba not a spec", {"mamba_layers": [3]}, "mamba_layers[0]"),
     ("mamba layer id negative", {"mamba_layers": mamba_with(layer_id=-1)}, "mamba_layers[0].layer_id"),
-    ("mamba ids overlap full", {"mamba_layers": mamba_with(layer_id=0)}, "mamba_layers"),
     ("mamba ids repeated", {"mamba_layers": [MAMBA[0], MAMBA[0]]}, "mamba_layers"),
     ("tp rank too big", {"tp_rank": 2}, "tp_rank"),
     ("tp rank negative", {"tp_rank": -1}, "tp_rank"),
@@ -110,6 +109,13 @@ def test_compatible_page_chunk_pairs_build(page: int, chunk: int) -> None:
     layout = make(page_size=page, chunk_size=chunk)
     assert layout.grid == checkpoint_grid(chunk, page)
     assert layout.grid % page == 0 and layout.grid % chunk == 0
+
+
+def test_a_layer_may_carry_both_kv_and_a_state() -> None:
+    # Falcon-H1 / Zamba layers run attention and a Mamba mixer side by side
+    layout = make(mamba_layers=mamba_with(layer_id=0))
+    assert 0 in layout.full_layers and [s.layer_id for s in layout.mamba_layers] == [0]
+    assert layout.fingerprint != make().fingerprint
 
 
 def test_incompatible_page_chunk_is_fine_without_mamba() -> None:

@@ -4,7 +4,7 @@ Every turn goes through the runtime (LOOKUP → LOAD → COMMIT → forward → 
 with the device tree flushed before it, so every cached token comes back from the store.
 Each turn is also recomputed from scratch on the same chunk schedule: the two must give the
 very same logprobs (max |Δ| = 0, KL = 0). A last request restores the final prompt with the
-recurrent state zeroed at COMMIT: that negative control must show (KL > 0).
+recurrent state zeroed at COMMIT: that negative control must show (logprobs differ, KL reported).
 
 ``--large`` replays a conversation of thousands of tokens (a long system prompt, tool
 results), where restoring the prefix beats recomputing it, and reports the time-to-first-token
@@ -246,8 +246,10 @@ async def run_demo(
         neg = await served.prefill("negative-control", history[: turns[-1]["prompt_tokens"]],
                                    linear_state="zero")
         assert last_ref is not None
-        neg_kl = (kl_divergence(last_ref[neg.cached_tokens:], neg.logprobs)
-                  if neg.cached_tokens else None)
+        neg_kl = neg_diff = None
+        if neg.cached_tokens:
+            neg_kl = kl_divergence(last_ref[neg.cached_tokens:], neg.logprobs)
+            neg_diff = max_abs_diff(last_ref[neg.cached_tokens:], neg.logprobs)
         await linker.drain()
         stats = linker.statistics()
 
@@ -270,11 +272,15 @@ async def run_demo(
         ratio = (sum(t["ttft_recompute_s"] for t in restored_turns)
                  / sum(t["ttft_restore_s"] for t in restored_turns))
     out("")
+    # detected: the continuation differs at all (KL alone can round to 0 or below when a
+    # zeroed state barely moves a tiny random model's distribution)
+    detected = neg_diff is not None and neg_diff > 0
     if neg_kl is None:
         out("negative control: nothing was restored, so it could not run")
     else:
         out(f"negative control (recurrent state zeroed at COMMIT, {neg.cached_tokens} tokens "
-            f"restored): KL = {neg_kl:.3e} -> {'detected' if neg_kl > 0 else 'NOT DETECTED'}")
+            f"restored): KL = {neg_kl:.3e}, max|Δ logprob| = {neg_diff:.3e} -> "
+            f"{'detected' if detected else 'NOT DETECTED'}")
     if ratio is not None:
         out(f"time to first token, recompute / restore over the {len(restored_turns)} turns that "
             f"restored: {ratio:.2f}x")
@@ -289,11 +295,11 @@ async def run_demo(
     exact = all(t["max_abs_logprob_diff"] == 0.0 and t["kl"] == 0.0
                 and t["draft_max_abs_logprob_diff"] in (None, 0.0) for t in turns)
     restored_ok = all(t["restored_tokens"] == t["expected_restored_tokens"] for t in turns)
-    passed = exact and restored_ok and neg_kl is not None and neg_kl > 0
+    passed = exact and restored_ok and detected
     problems = [msg for ok, msg in (
         (exact, "restored logprobs differ from the recompute"),
         (restored_ok, "a turn restored fewer tokens than the store holds"),
-        (neg_kl is not None and neg_kl > 0, "the negative control was not detected"),
+        (detected, "the negative control was not detected"),
     ) if not ok]
     out("result: " + ("PASS (every restore bit-exact)" if passed else "FAIL: " + "; ".join(problems)))
     return {
@@ -305,6 +311,7 @@ async def run_demo(
             "max_abs_logprob_diff", "draft_max_abs_logprob_diff", "kl", "ttft_restore_s",
             "ttft_recompute_s", "restore_phases_s")} for t in turns],
         "negative_control_kl": neg_kl,
+        "negative_control_max_abs_logprob_diff": neg_diff,
         "ttft_ratio_recompute_over_restore": ratio,
         "passed": passed,
     }

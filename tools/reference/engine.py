@@ -120,6 +120,14 @@ class CacheGeometry:
     kv: KVRowSpec | None
     linear: tuple[LinearStateSpec, ...]
     stateless_layers: tuple[int, ...]
+    # per attention layer (``full_layers`` order): its sliding window, ``None`` for full attention
+    kv_windows: tuple[int | None, ...] = ()
+
+    @property
+    def both_layers(self) -> tuple[int, ...]:
+        """Layers that carry attention KV and a recurrent state."""
+        ids = {s.layer_id for s in self.linear}
+        return tuple(i for i in self.full_layers if i in ids)
 
 
 _GEOMETRY: weakref.WeakKeyDictionary[torch.nn.Module, CacheGeometry] = weakref.WeakKeyDictionary()
@@ -146,72 +154,130 @@ def _forward(model: torch.nn.Module, cache: Any, ids: Sequence[int], start: int)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
+def _attention_part(model_type: str, i: int, layer: Any) -> tuple[KVRowSpec, int | None] | None:
+    """The per-token KV rows a layer caches (and its sliding window), or ``None``."""
+    from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer
+
+    if not isinstance(layer, CacheLayerMixin):
+        return None
+    if isinstance(layer, DynamicIndexedLayer):
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: indexed (sparse) attention caches indexer keys beside K/V, "
+            "which hylinker's KV rows do not carry")
+    keys, values = layer.keys, layer.values
+    if keys is None or values is None or keys.dim() != 4 or keys.shape[-2] == 0:
+        return None  # an attention layer the model never wrote (shared KV, ...)
+    if keys.shape[-2] != 2:
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: caches {keys.shape[-2]} tokens after a 2-token forward")
+    if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: keys {tuple(keys.shape)} and values "
+            f"{tuple(values.shape)} differ in heads/length/dtype")
+    window = getattr(layer, "sliding_window", None)
+    return (KVRowSpec(int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3]), keys.dtype),
+            None if window is None else int(window))
+
+
+def _linear_part(model_type: str, i: int, layer: Any) -> LinearStateSpec | None:
+    """The per-sequence conv / recurrent state a layer caches, or ``None``."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        return None
+    if layer.number_of_states != 1:
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: {layer.number_of_states} conv states per layer "
+            "(hylinker's MAMBA slot holds one conv state per linear layer)")
+    conv = layer.conv_states[0]
+    rec = layer.recurrent_states[0]
+    if conv is None:
+        if rec is None:
+            raise UnsupportedModelError(
+                f"{model_type} layer {i}: a linear-attention cache layer that the model left empty "
+                "after a forward; its recurrent state lives outside the cache (in the module), "
+                "where hylinker cannot save or restore it")
+        raise UnsupportedModelError(f"{model_type} layer {i}: recurrent state without a conv state")
+    return LinearStateSpec(
+        layer_id=i,
+        conv_shape=tuple(conv.shape[1:]),
+        conv_dtype=conv.dtype,
+        conv_kernel_size=int(layer.conv_kernel_size[0]),
+        temporal_shape=None if rec is None else tuple(rec.shape[1:]),
+        temporal_dtype=None if rec is None else rec.dtype,
+    )
+
+
+def _check_states_are_honoured(model: torch.nn.Module, model_type: str,
+                               linear: Sequence[LinearStateSpec]) -> None:
+    """Refuse a model whose multi-token forward ignores the recurrent state in its cache.
+
+    Two runs of 8 + 8 tokens; before the second forward one of them zeroes every recurrent
+    state (the conv state of conv-only layers). A model that honours its cache answers
+    differently. The Mamba1 torch path of transformers (Jamba, Zamba, Mamba, Falcon-Mamba)
+    restarts its scan from zero on a multi-token continuation: restoring its state could
+    never matter, and a chunked prefill is not the model's own function.
+    """
+    ids = [3 + (7 * i) % 29 for i in range(16)]
+
+    def second_half(zero: bool) -> torch.Tensor:
+        cache = _new_cache(model)
+        _forward(model, cache, ids[:8], 0)
+        if zero:
+            for spec in linear:
+                state = (cache.get_conv_state(spec.layer_id) if spec.temporal_shape is None
+                         else cache.get_recurrent_state(spec.layer_id))
+                if state is not None:
+                    state.zero_()
+        return _forward(model, cache, ids[8:], 8)
+
+    if torch.equal(second_half(False), second_half(True)):
+        raise UnsupportedModelError(
+            f"{model_type}: a multi-token forward ignores the recurrent state held in its cache "
+            "(zeroing it changes nothing), a transformers defect of its torch path: a restored "
+            "state could never matter, and a chunked prefill is not the model's own function")
+
+
 def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
     """Measure what ``model``'s ``DynamicCache`` holds per layer (probe forward of 2 tokens).
 
-    Raises :class:`UnsupportedModelError` for caches hylinker cannot describe: sliding-window,
-    hybrid (attention + linear in one layer) or indexed layers, several conv states per layer,
-    full-attention layers with different row shapes.
+    Each cache layer has two facets, read independently: an attention part (per-token K/V
+    rows, full or sliding-window) and a linear part (one conv state and an optional recurrent
+    state per sequence). A layer may have either, both (Falcon-H1, Zamba) or neither (MoE/MLP
+    blocks, shared-KV consumers). Raises :class:`UnsupportedModelError` for caches hylinker
+    cannot describe: indexed (sparse) attention, several conv states per layer, attention
+    layers with different row shapes.
     """
     cached = _GEOMETRY.get(model)
     if cached is not None:
         return cached
-    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
-
     model_type = str(getattr(model.config, "model_type", type(model).__name__))
     cache = _new_cache(model)
     try:
         _forward(model, cache, [0, 0], 0)
-    except (ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
+    except (ValueError, RuntimeError, TypeError, NotImplementedError, IndexError) as exc:
         raise UnsupportedModelError(f"{model_type}: probe forward with a cache failed: {exc}") from exc
     full: list[int] = []
     kv_specs: list[KVRowSpec] = []
+    windows: list[int | None] = []
     linear: list[LinearStateSpec] = []
     stateless: list[int] = []
     for i, layer in enumerate(cache.layers):
-        kind = type(layer)
-        if kind is DynamicLayer:
-            keys, values = layer.keys, layer.values
-            if keys is None or values is None or keys.dim() != 4 or keys.shape[-2] != 2:
-                stateless.append(i)  # a full-attention layer type the model never wrote
-                continue
-            if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
-                raise UnsupportedModelError(
-                    f"{model_type} layer {i}: keys {tuple(keys.shape)} and values "
-                    f"{tuple(values.shape)} differ in heads/length/dtype")
+        attention = _attention_part(model_type, i, layer)
+        state = _linear_part(model_type, i, layer)
+        if attention is not None:
             full.append(i)
-            kv_specs.append(KVRowSpec(int(keys.shape[1]), int(keys.shape[3]),
-                                      int(values.shape[3]), keys.dtype))
-        elif kind is LinearAttentionLayer:
-            if layer.number_of_states != 1:
-                raise UnsupportedModelError(
-                    f"{model_type} layer {i}: {layer.number_of_states} conv states per layer "
-                    "(hylinker's MAMBA slot holds one conv state per linear layer)")
-            conv = layer.conv_states[0]
-            rec = layer.recurrent_states[0]
-            if conv is None:
-                if rec is None:
-                    stateless.append(i)
-                    continue
-                raise UnsupportedModelError(
-                    f"{model_type} layer {i}: recurrent state without a conv state")
-            linear.append(LinearStateSpec(
-                layer_id=i,
-                conv_shape=tuple(conv.shape[1:]),
-                conv_dtype=conv.dtype,
-                conv_kernel_size=int(layer.conv_kernel_size[0]),
-                temporal_shape=None if rec is None else tuple(rec.shape[1:]),
-                temporal_dtype=None if rec is None else rec.dtype,
-            ))
-        elif type(layer).__name__ == "DummyLayer":
+            kv_specs.append(attention[0])
+            windows.append(attention[1])
+        if state is not None:
+            linear.append(state)
+        if attention is None and state is None:
             stateless.append(i)
-        else:
-            raise UnsupportedModelError(
-                f"{model_type} layer {i}: cache layer {kind.__name__} is not supported (only "
-                "full attention, linear attention and stateless layers)")
+    if linear:
+        _check_states_are_honoured(model, model_type, linear)
     if kv_specs and any(s != kv_specs[0] for s in kv_specs):
         raise UnsupportedModelError(
-            f"{model_type}: full-attention layers cache different row shapes: {kv_specs}")
+            f"{model_type}: attention layers cache different row shapes: {sorted(set(kv_specs), key=str)}")
     geometry = CacheGeometry(
         model_type=model_type,
         num_layers=len(cache.layers),
@@ -219,6 +285,7 @@ def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
         kv=kv_specs[0] if kv_specs else None,
         linear=tuple(linear),
         stateless_layers=tuple(stateless),
+        kv_windows=tuple(windows),
     )
     _GEOMETRY[model] = geometry
     return geometry
@@ -248,7 +315,9 @@ def layout_for(
     """
     g = cache_geometry(model)
     if g.kv is None:
-        raise UnsupportedModelError(f"{g.model_type}: no full-attention layer holds KV")
+        raise UnsupportedModelError(
+            f"{g.model_type}: no attention layer holds KV (a purely recurrent model); a hylinker "
+            "layout needs at least one attention layer, whose pages key the prefix tree")
     draft_layers = 0
     draft_row: tuple[int, ...] | None = None
     draft_dtype: torch.dtype | None = None
@@ -354,7 +423,10 @@ class ReferenceEngine:
         self.chunk_tokens = chunk_tokens
         self.geometry = cache_geometry(model)
         if self.geometry.kv is None:
-            raise UnsupportedModelError(f"{self.geometry.model_type}: no full-attention layer")
+            raise UnsupportedModelError(
+                f"{self.geometry.model_type}: no attention layer holds KV (a purely recurrent "
+                "model); a hylinker layout needs at least one attention layer, whose pages key "
+                "the prefix tree")
         self.draft_geometry: CacheGeometry | None = None
         if draft_model is not None:
             self.draft_geometry = _draft_geometry(draft_model)
@@ -469,7 +541,8 @@ class ReferenceEngine:
         """A new sequence whose caches hold ``state``; continue it with :meth:`extend`.
 
         ``linear_state``: ``"load"`` (the real thing), or for negative controls ``"zero"``
-        (recurrent states zeroed, conv states loaded) and ``"skip"`` (no linear state at all).
+        (recurrent states zeroed, conv states loaded; the conv state of a conv-only layer
+        zeroed) and ``"skip"`` (no linear state at all).
         ``tokens``: the prefix, for bookkeeping (must have ``state.length`` entries).
         """
         if tokens is not None and len(tokens) != state.length:
@@ -487,6 +560,8 @@ class ReferenceEngine:
                     f"model has {len(g.linear)} linear layers")
             for spec, c, t in zip(g.linear, state.conv, state.temporal, strict=True):
                 _check(f"conv[{spec.layer_id}]", c, spec.conv_shape, spec.conv_dtype)
+                if linear_state == "zero" and spec.temporal_shape is None:
+                    c = torch.zeros_like(c)  # a conv-only layer: its conv state is its state
                 cache.update_conv_state(c.to(device)[None].clone(), spec.layer_id,
                                         conv_kernel_size=spec.conv_kernel_size)
                 if spec.temporal_shape is None:
@@ -515,14 +590,23 @@ def _check(name: str, t: torch.Tensor, shape: Sequence[int] | None, dtype: torch
 
 
 def _export_rows(cache: Any, g: CacheGeometry, length: int) -> torch.Tensor:
+    """One row per token per attention layer. A sliding-window layer keeps only its last
+    ``window - 1`` tokens; rows of tokens before that are zero. They are never read: a restore
+    at any boundary replays every row into the layer, which keeps only its window, and the
+    window's rows were written from a state that still held them."""
     assert g.kv is not None
     rows = []
-    for i in g.full_layers:
+    windows = g.kv_windows or (None,) * len(g.full_layers)
+    for i, window in zip(g.full_layers, windows, strict=True):
         layer = cache.layers[i]
-        if layer.keys is None or layer.keys.shape[-2] != length:
+        held = length if window is None else min(length, window - 1)
+        if layer.keys is None or layer.keys.shape[-2] != held:
             got = None if layer.keys is None else layer.keys.shape[-2]
-            raise RuntimeError(f"layer {i} caches {got} tokens, expected {length}")
-        rows.append(g.kv.encode(layer.keys, layer.values))
+            raise RuntimeError(f"layer {i} caches {got} tokens, expected {held} of {length}")
+        enc = g.kv.encode(layer.keys, layer.values)
+        if held < length:
+            enc = torch.cat([enc.new_zeros((length - held, *enc.shape[1:])), enc])
+        rows.append(enc)
     return torch.stack(rows)
 
 

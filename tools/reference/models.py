@@ -19,17 +19,21 @@ produce, raising :class:`UnsupportedModelError` with the reason when it cannot b
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 __all__ = [
     "DEFAULT_ARCH",
+    "RECURRENT_LAYER_KINDS",
     "SUPPORTED_ARCHS",
     "UnsupportedModelError",
     "build_draft_model",
     "build_model",
+    "check_config",
     "draft_config",
+    "recurrent_model_types",
     "tiny_config",
 ]
 
@@ -89,6 +93,28 @@ _TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     },
 }
 
+# Tiny sizes for the other hybrid families, chosen so that each config's own validators pass
+# (head counts x head sizes = the mixer's width, one expert per token where that is all the model
+# supports, ...). Fields given here replace the generic shrink below.
+_FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "bailing_hybrid": {  # MLA + KDA, like Kimi Linear
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+        "v_head_dim": 32, "num_key_value_heads": 4, "linear_num_heads": 2, "linear_head_dim": 32,
+        "num_experts_per_token": 2, "num_shared_experts": 1, "first_k_dense_replace": 1,
+        "num_expert_group": 1, "topk_group": 1, "layer_group_size": 4, "layer_types": _HYBRID_4,
+    },
+    "falcon_h1": {  # attention and Mamba2 side by side in every layer
+        "mamba_expand": 1, "mamba_d_ssm": None, "mamba_n_heads": 4, "mamba_d_head": 32,
+    },
+    "mamba2": {"num_heads": 4, "head_dim": 32, "expand": 1, "n_groups": 1, "state_size": 16,
+               "chunk_size": 64},
+    "zamba": {"num_hidden_layers": 6, "attn_layer_period": 3, "attn_layer_offset": 2,
+              "attention_head_dim": 32, "n_mamba_heads": 2},
+    "zamba2": {"num_hidden_layers": 6, "attention_head_dim": 32,
+               "layers_block_type": ["mamba", "mamba", "hybrid", "mamba", "mamba", "hybrid"]},
+    "zaya": {"num_experts_per_tok": 1, "num_key_value_heads": 2},
+}
+
 # Best-effort shrink for other model types: only fields the config already has are set.
 _GENERIC_OVERRIDES: dict[str, Any] = {
     "vocab_size": _TINY_VOCAB,
@@ -135,6 +161,46 @@ class UnsupportedModelError(ValueError):
     """A model type (or its cache) cannot be used as a hylinker reference model."""
 
 
+# Cache layer kinds (transformers ``layer_types`` after its own normalization) that hold a
+# per-sequence recurrent state: what makes a model hybrid for hylinker.
+RECURRENT_LAYER_KINDS = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding"})
+
+
+@functools.cache
+def recurrent_model_types() -> tuple[str, ...]:
+    """Every transformers model type whose decoder cache has a recurrent-state layer, sorted.
+
+    Read from the installed library, not from a list: each registered config is built with
+    its defaults and its decoder's cache layer kinds are derived the way ``DynamicCache``
+    derives them. Multimodal wrappers count as their text model (``qwen3_5`` ->
+    ``qwen3_5_text``), so each decoder appears once. Takes a few seconds (every config is
+    instantiated once); the result is cached.
+    """
+    import warnings
+
+    from transformers import CONFIG_MAPPING
+    from transformers.cache_utils import get_layer_types_and_kwargs
+    from transformers.utils import logging as hf_logging
+
+    found: set[str] = set()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # default configs of some models warn about their token ids
+    try:
+        for model_type in list(CONFIG_MAPPING.keys()):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    text = CONFIG_MAPPING[model_type]().get_text_config(decoder=True)
+                    kinds, _ = get_layer_types_and_kwargs(text)
+                except Exception:  # configs of vision/audio models have no decoder layers
+                    continue
+            if RECURRENT_LAYER_KINDS & set(kinds):
+                found.add(str(text.model_type))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return tuple(sorted(found))
+
+
 def _config_class(arch: str) -> Any:
     from transformers import CONFIG_MAPPING
 
@@ -162,6 +228,7 @@ def tiny_config(arch: str = DEFAULT_ARCH, **overrides: Any) -> Any:
         defaults = cls()
         fields = {k: v for k, v in _GENERIC_OVERRIDES.items() if hasattr(defaults, k)}
         fields.update(_LAYER_PATTERN.get(arch, {}))
+        fields.update(_FAMILY_OVERRIDES.get(arch, {}))
     if "num_hidden_layers" in overrides and "layer_types" not in overrides and "layer_types" in fields:
         n = int(overrides["num_hidden_layers"])
         fields["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
@@ -207,12 +274,52 @@ def _instantiate(config: Any, seed: int, dtype: torch.dtype) -> torch.nn.Module:
         torch.manual_seed(seed)
         try:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except ValueError as exc:
+        except Exception as exc:  # model constructors raise several exception types
             raise UnsupportedModelError(
-                f"model type {config.model_type!r} has no causal-LM head: {exc}") from exc
+                f"cannot build a tiny {config.model_type!r} causal LM: {exc}") from exc
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+# Cache layer kinds hylinker cannot carry, and why (checked on the config, before building).
+_UNSUPPORTED_KINDS: dict[str, str] = {
+    "indexed_attention": "indexed (sparse) attention layers cache indexer keys beside K/V, which "
+                         "hylinker's KV rows do not carry",
+}
+
+
+def _check_causal_lm(model_type: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            f"{model_type}: transformers ships no causal-LM class for this model type "
+            "(AutoModelForCausalLM cannot build it), so it cannot run a prefill here")
+
+
+def check_config(config: Any) -> None:
+    """Refuse, with the reason, a config whose cache hylinker cannot describe.
+
+    Checked on the config, before any weights exist: the model type has a causal-LM class,
+    its cache layer kinds are ones hylinker carries, and each recurrent layer keeps one conv
+    state. What only a forward shows (where states live, whether a model honours them) is
+    checked by :func:`~hylinker.tools.reference.engine.cache_geometry`.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    model_type = str(config.model_type)
+    _check_causal_lm(model_type)
+    text = config.get_text_config(decoder=True)
+    kinds, per_layer = get_layer_types_and_kwargs(text)
+    for kind, why in _UNSUPPORTED_KINDS.items():
+        if kind in kinds:
+            raise UnsupportedModelError(f"{model_type}: {why}")
+    states = {int(kw.get("number_of_states", 1)) for kw in per_layer}
+    if states - {1}:
+        raise UnsupportedModelError(
+            f"{model_type}: {max(states)} conv states per recurrent layer; hylinker's MAMBA slot "
+            "holds one conv state (and one recurrent state) per layer")
 
 
 def build_model(
@@ -224,9 +331,14 @@ def build_model(
 ) -> torch.nn.Module:
     """A tiny seeded random-weight causal LM of model type ``arch``: eval mode, CPU, ``dtype``.
 
-    The same ``(arch, seed, dtype, overrides)`` always gives the same weights.
+    The same ``(arch, seed, dtype, overrides)`` always gives the same weights. Raises
+    :class:`UnsupportedModelError` (with the reason) for a model type hylinker cannot carry.
     """
-    return _instantiate(tiny_config(arch, **overrides), seed, dtype)
+    _config_class(arch)  # an unknown model type is named as such first
+    _check_causal_lm(arch)  # before the tiny config: some such configs reject generic sizes
+    config = tiny_config(arch, **overrides)
+    check_config(config)
+    return _instantiate(config, seed, dtype)
 
 
 def build_draft_model(
