@@ -1,0 +1,191 @@
+"""Every transformers model type with a recurrent-state cache layer, through ``hylinker demo``.
+
+The list comes from the installed transformers (:func:`recurrent_model_types`), not from us.
+Each type either restores bit-exactly through ``hylinker demo --arch T`` (KL = 0 on every turn,
+the negative control detected) or is refused with a clear error. Refusals caused by a
+transformers defect are each backed by a test below that shows the defect and fails once
+transformers fixes it; the others are limits of hylinker's layout, named in the message.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hylinker.tools.cli import main
+from hylinker.tools.reference import UnsupportedModelError, build_model
+from hylinker.tools.reference.engine import _forward, _new_cache, cache_geometry
+from hylinker.tools.reference.models import RECURRENT_LAYER_KINDS, recurrent_model_types
+
+PASS = "restores bit-exactly"
+# transformers defects (each has a test below that fails once it is fixed)
+STATE_IGNORED = "ignores the recurrent state held in its cache"
+OWN_CACHE = "uses cache of its own"
+STATE_OUTSIDE_CACHE = "left empty after a forward"
+NO_CAUSAL_LM = "no causal-LM class"
+# hylinker's limits
+PURELY_RECURRENT = "purely recurrent"
+INDEXED_ATTENTION = "indexed (sparse) attention"
+SEVERAL_CONV_STATES = "conv states per recurrent layer"
+
+UPSTREAM = {STATE_IGNORED, OWN_CACHE, STATE_OUTSIDE_CACHE, NO_CAUSAL_LM}
+
+# What each model type of transformers 5.24 does. A type missing here (a new transformers)
+# still runs below; it must restore exactly or be refused cleanly, and then be added here.
+EXPECTED: dict[str, str] = {
+    "bailing_hybrid": PASS,
+    "bamba": PASS,
+    "falcon_h1": PASS,
+    "falcon_mamba": STATE_IGNORED,
+    "glm5_next_text": NO_CAUSAL_LM,
+    "granitemoehybrid": PASS,
+    "inkling2_loop_text": SEVERAL_CONV_STATES,
+    "inkling2_text": SEVERAL_CONV_STATES,
+    "inkling_text": SEVERAL_CONV_STATES,
+    "jamba": STATE_IGNORED,
+    "kimi_linear": PASS,
+    "lara_mini": PASS,
+    "lfm3": PASS,
+    "lfm3_vl_vision": NO_CAUSAL_LM,
+    "mamba": STATE_IGNORED,
+    "mamba2": PURELY_RECURRENT,
+    "minimax": OWN_CACHE,
+    "nemotron_h": PASS,
+    "olmo_hybrid": PASS,
+    "qwen3_5_moe_text": PASS,
+    "qwen3_5_text": PASS,
+    "qwen3_next": PASS,
+    "qwen4_exp_text": INDEXED_ATTENTION,
+    "recurrent_gemma": STATE_OUTSIDE_CACHE,
+    "zamba": STATE_IGNORED,
+    "zamba2": PASS,
+    "zaya": PASS,
+}
+
+
+def _types() -> list[str]:
+    return list(recurrent_model_types())
+
+
+def test_model_types_come_from_the_library() -> None:
+    from transformers import CONFIG_MAPPING
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types = recurrent_model_types()
+    assert list(types) == sorted(set(types))
+    assert {"kimi_linear", "qwen3_next", "nemotron_h", "falcon_h1", "lfm3"} <= set(types)
+    for t in types:  # each one's default decoder really has a recurrent layer kind
+        kinds, _ = get_layer_types_and_kwargs(CONFIG_MAPPING[t]().get_text_config(decoder=True))
+        assert RECURRENT_LAYER_KINDS & set(kinds), t
+    # multimodal wrappers appear as their text model, once
+    assert "qwen3_5" not in types and "qwen3_5_text" in types
+    # the pinned outcomes cover exactly the library's list (a new type must be looked at)
+    assert set(EXPECTED) == set(types)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", _types())
+def test_demo_restores_exactly_or_refuses(arch: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--arch", arch, "--turns", "2", "--system-tokens", "64",
+               "--json", str(out)])
+    captured = capsys.readouterr()
+    expected = EXPECTED.get(arch)
+    if rc == 0:
+        report = json.loads(out.read_text())
+        assert report["passed"] and report["arch"] == arch
+        first, second = report["turns"]
+        assert second["restored_tokens"] == second["expected_restored_tokens"] > 0
+        assert all(t["kl"] == 0.0 and t["max_abs_logprob_diff"] == 0.0 for t in report["turns"])
+        assert report["negative_control_max_abs_logprob_diff"] > 0
+        assert expected in (PASS, None), f"{arch} now restores exactly: update EXPECTED"
+        return
+    assert rc == 2, captured.out[-2000:] + captured.err[-2000:]
+    assert captured.err.startswith("hylinker demo: ") and arch in captured.err
+    assert expected is not None and expected != PASS, f"{arch} refused: {captured.err}"
+    assert expected in captured.err, captured.err
+
+
+# ---- the transformers defects behind refusals ------------------------------------------
+def _types_for(reason: str) -> list[str]:
+    return sorted(t for t, why in EXPECTED.items() if why == reason)
+
+
+def test_every_upstream_reason_has_its_demonstration() -> None:
+    demonstrated = {STATE_IGNORED, OWN_CACHE, STATE_OUTSIDE_CACHE, NO_CAUSAL_LM}
+    assert {why for why in EXPECTED.values() if why in UPSTREAM} <= demonstrated
+
+
+@pytest.mark.parametrize("arch", _types_for(STATE_IGNORED))
+def test_mamba1_torch_path_ignores_the_cached_state(arch: str) -> None:
+    # 64 + 64 tokens through one cache, once as is and once with every recurrent state zeroed
+    # between the two forwards: the second forward gives the very same logprobs, so the state
+    # is never read, and they differ from the 128 tokens in one forward (the chunked prefill
+    # is not the model's function). Fails once transformers honours the state.
+    model = build_model(arch, seed=0)
+    ids = torch.randint(3, 512, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    recurrent = _recurrent_layers(model)
+    assert recurrent
+
+    def second_half(zero: bool) -> torch.Tensor:
+        cache = _new_cache(model)
+        _forward(model, cache, ids[:64], 0)
+        if zero:
+            for i in recurrent:
+                state = cache.get_recurrent_state(i)
+                assert state is not None and state.abs().sum() > 0
+                state.zero_()
+        return _forward(model, cache, ids[64:], 64)
+
+    kept, zeroed = second_half(False), second_half(True)
+    assert torch.equal(kept, zeroed)
+    whole = _forward(model, _new_cache(model), ids, 0)[64:]
+    assert not torch.equal(kept, whole)
+    with pytest.raises(UnsupportedModelError, match=STATE_IGNORED):
+        cache_geometry(model)
+
+
+def _recurrent_layers(model: torch.nn.Module) -> list[int]:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    cache = _new_cache(model)
+    return [i for i, layer in enumerate(cache.layers)
+            if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+@pytest.mark.parametrize("arch", _types_for(OWN_CACHE))
+def test_model_refuses_the_standard_cache(arch: str) -> None:
+    # its forward accepts only its own cache class, which keeps the linear states in a plain
+    # list outside the Cache layer API
+    model = build_model(arch, seed=0)
+    with pytest.raises(ValueError, match=OWN_CACHE):
+        _forward(model, _new_cache(model), [3, 4], 0)
+
+
+@pytest.mark.parametrize("arch", _types_for(STATE_OUTSIDE_CACHE))
+def test_recurrent_state_lives_outside_the_cache(arch: str) -> None:
+    # the cache declares recurrent layers, but after a forward they are still empty: the
+    # model keeps its states in its modules, where no cache API reaches them
+    model = build_model(arch, seed=0)
+    recurrent = _recurrent_layers(model)
+    assert recurrent
+    cache = _new_cache(model)
+    _forward(model, cache, list(range(3, 19)), 0)
+    for i in recurrent:
+        assert cache.get_conv_state(i) is None and cache.get_recurrent_state(i) is None
+
+
+@pytest.mark.parametrize("arch", _types_for(NO_CAUSAL_LM))
+def test_no_causal_lm_class(arch: str) -> None:
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        AutoModelForCausalLM.from_config(CONFIG_MAPPING[arch]())
+    with pytest.raises(UnsupportedModelError, match=NO_CAUSAL_LM):
+        build_model(arch, seed=0)
