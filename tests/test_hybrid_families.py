@@ -101,6 +101,7 @@ def test_demo_restores_exactly_or_refuses(arch: str, tmp_path: Path,
         report = json.loads(out.read_text())
         assert report["passed"] and report["arch"] == arch
         first, second = report["turns"]
+        assert first["restored_tokens"] == 0
         assert second["restored_tokens"] == second["expected_restored_tokens"] > 0
         assert all(t["kl"] == 0.0 and t["max_abs_logprob_diff"] == 0.0 for t in report["turns"])
         assert report["negative_control_max_abs_logprob_diff"] > 0

@@ -202,7 +202,7 @@ def _linear_part(model_type: str, i: int, layer: Any) -> LinearStateSpec | None:
         layer_id=i,
         conv_shape=tuple(conv.shape[1:]),
         conv_dtype=conv.dtype,
-        conv_kernel_size=int(layer.conv_kernel_size[0]),
+        conv_kernel_size=int(layer.conv_kernel_size[0] or conv.shape[-1]),
         temporal_shape=None if rec is None else tuple(rec.shape[1:]),
         temporal_dtype=None if rec is None else rec.dtype,
     )
