@@ -48,8 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from .reference.models import DEFAULT_ARCH, SUPPORTED_ARCHS
 
     parser.add_argument("--arch", default=DEFAULT_ARCH,
-                        help=f"transformers model type (tested: {', '.join(SUPPORTED_ARCHS)}; "
-                             f"default {DEFAULT_ARCH})")
+                        help=f"transformers model type with recurrent layers (default {DEFAULT_ARCH}; "
+                             f"{', '.join(SUPPORTED_ARCHS)} are in the fast tests, docs/figures.md "
+                             "lists every hybrid type transformers ships and what it does)")
     parser.add_argument("--turns", type=int, default=None,
                         help=f"conversation turns (default {DEFAULT_SHAPE.turns}, "
                              f"{LARGE_SHAPE.turns} with --large)")

@@ -28,17 +28,21 @@ from .engine import (
 )
 from .models import (
     DEFAULT_ARCH,
+    RECURRENT_LAYER_KINDS,
     SUPPORTED_ARCHS,
     UnsupportedModelError,
     build_draft_model,
     build_model,
+    check_config,
     draft_config,
+    recurrent_model_types,
     tiny_config,
 )
 from .runtime_engine import LinkedEngine, PrefillResult, pool_views
 
 __all__ = [
     "DEFAULT_ARCH",
+    "RECURRENT_LAYER_KINDS",
     "SUPPORTED_ARCHS",
     "BoundaryPools",
     "BoundaryState",
@@ -57,6 +61,7 @@ __all__ = [
     "build_draft_model",
     "build_model",
     "cache_geometry",
+    "check_config",
     "chunk_schedule",
     "draft_config",
     "kl_divergence",
@@ -64,6 +69,7 @@ __all__ = [
     "max_abs_diff",
     "pool_views",
     "read_boundary",
+    "recurrent_model_types",
     "state_nbytes",
     "tiny_config",
     "write_boundary",

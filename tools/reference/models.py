@@ -10,11 +10,13 @@ is also bit-exact under the same chunk schedule, it is just slower on CPU; pass
 ``dtype=torch.bfloat16`` to try it. Linear-attention recurrent states stay float32 either way
 (the models cast them).
 
-Supported (tested): ``kimi_linear`` (MLA full attention + KDA) and ``qwen3_next``
-(GQA full attention + Gated DeltaNet). Other model types whose cache holds only full-attention,
-linear-attention (conv + optional recurrent state) and stateless layers work best effort:
-:func:`tiny_config` shrinks their common size fields and the engine checks the cache they
-produce, raising :class:`UnsupportedModelError` with the reason when it cannot be described.
+Every model type transformers ships with a recurrent-state cache layer is listed by
+:func:`recurrent_model_types` and gets a tiny config here (per-family sizes where a config's
+validators constrain them). Tested in the fast suite: ``kimi_linear`` (MLA + KDA) and
+``qwen3_next`` (GQA + Gated DeltaNet); every listed type runs through ``hylinker demo`` in
+``tests/test_hybrid_families.py``. A type hylinker cannot carry is refused with
+:class:`UnsupportedModelError` and the reason (:func:`check_config`, and the engine's
+``cache_geometry``).
 """
 
 from __future__ import annotations
