@@ -190,3 +190,44 @@ def test_no_causal_lm_class(arch: str) -> None:
         AutoModelForCausalLM.from_config(CONFIG_MAPPING[arch]())
     with pytest.raises(UnsupportedModelError, match=NO_CAUSAL_LM):
         build_model(arch, seed=0)
+
+
+# ---- layer kinds the fast suite exercises through the runtime ---------------------------
+async def _demo(engine: object, turns: int = 3) -> dict[str, object]:
+    from hylinker.stores.embedded import EmbeddedStore
+    from hylinker.tools.demo import ConversationShape, run_demo
+
+    lines: list[str] = []
+    store = EmbeddedStore(64 << 20)
+    try:
+        report = await run_demo("", ConversationShape(100, (60, 90), 3, turns), store=store,
+                                engine=engine, warmup=False, out=lines.append)
+    finally:
+        await store.close()
+    assert report["passed"], "\n".join(lines)
+    return report
+
+
+async def test_sliding_window_layers_restore_past_their_window() -> None:
+    # a 48-token window: every restore lies far past it, so the rows of tokens that left the
+    # window are exported as zeros and must never matter
+    from hylinker.tools.reference import ReferenceEngine, build_draft_model
+
+    engine = ReferenceEngine(build_model("lara_mini", seed=0, sliding_window=48),
+                             build_draft_model(seed=1), chunk_tokens=64)
+    assert 48 in engine.geometry.kv_windows and None in engine.geometry.kv_windows
+    report = await _demo(engine)
+    turns = report["turns"]
+    assert isinstance(turns, list) and all(t["restored_tokens"] > 48 for t in turns[1:])
+
+
+async def test_layers_with_both_kv_and_a_state_restore_exactly() -> None:
+    from hylinker.tools.reference import ReferenceEngine, build_draft_model
+
+    engine = ReferenceEngine(build_model("falcon_h1", seed=0), build_draft_model(seed=1),
+                             chunk_tokens=64)
+    g = engine.geometry
+    assert g.both_layers == g.full_layers == tuple(range(g.num_layers))
+    layout = engine.layout(page_size=16)
+    assert set(layout.full_layers) == {s.layer_id for s in layout.mamba_layers}
+    await _demo(engine, turns=2)
