@@ -113,6 +113,11 @@ def test_demo_restores_exactly_or_refuses(arch: str, tmp_path: Path,
     assert expected in captured.err, captured.err
 
 
+def test_demo_refuses_a_model_without_recurrent_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--arch", "llama", "--turns", "1"]) == 2
+    assert "no layer holds a recurrent state" in capsys.readouterr().err
+
+
 # ---- the transformers defects behind refusals ------------------------------------------
 def _types_for(reason: str) -> list[str]:
     return sorted(t for t, why in EXPECTED.items() if why == reason)

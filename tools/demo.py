@@ -185,6 +185,12 @@ async def run_demo(
         engine = ReferenceEngine(build_model(arch, seed=seed), build_draft_model(seed=seed + 1),
                                  chunk_tokens=CHUNK_TOKENS)
     build_s = time.perf_counter() - t_build
+    if not engine.geometry.linear:
+        from .reference import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"{engine.geometry.model_type}: no layer holds a recurrent state; the demo restores "
+            "hybrid models (its checkpoint grid and chunk schedule assume recurrent layers)")
     layout = engine.layout(page_size=PAGE_SIZE, chunk_size=CHUNK_TOKENS)
     g = engine.geometry
     vocab = int(engine.model.config.get_text_config().vocab_size)
