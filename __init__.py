@@ -4,6 +4,15 @@ The curated public API. Everything here is stable; anything reached through a su
 path is an implementation detail. ``tests/test_public_api.py`` pins this list.
 """
 
+from .components.admission import (
+    BranchPoints,
+    CheckpointPolicy,
+    EndOfPrefill,
+    EveryBoundary,
+    Prefill,
+    SpeculativeCheckpoints,
+)
+from .components.eviction import EvictionPolicy, FlopAwareEviction, LRUEviction
 from .components.keys import TokenError, namespace_seed, object_key, page_keys
 from .components.layout import LayoutError, MambaLayerSpec, ModelLayout, PoolKind
 from .components.lookup import restorable_page_counts
@@ -33,13 +42,20 @@ from .stores.resilient import ResiliencePolicy, ResilienceStatistics, ResilientS
 __version__ = "0.1.0"
 
 __all__ = [
+    "BranchPoints",
+    "CheckpointPolicy",
     "DeviceEvent",
     "EmbeddedStore",
+    "EndOfPrefill",
+    "EveryBoundary",
+    "EvictionPolicy",
     "FenceError",
+    "FlopAwareEviction",
     "FrameError",
     "FrameFault",
     "GetResult",
     "HybridPools",
+    "LRUEviction",
     "LayoutError",
     "Linker",
     "LinkerConfig",
@@ -54,12 +70,14 @@ __all__ = [
     "PoolError",
     "PoolExhaustedError",
     "PoolKind",
+    "Prefill",
     "QueueStatistics",
     "RadixTree",
     "Request",
     "ResiliencePolicy",
     "ResilienceStatistics",
     "ResilientStore",
+    "SpeculativeCheckpoints",
     "Store",
     "StoreCapabilities",
     "StoreClosedError",

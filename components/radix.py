@@ -17,7 +17,8 @@ Rules the tree enforces (each has a test):
   the end of the run — and copies the FULL/DRAFT stored and pending flags and the lock count
   to both fragments. The original node object stays the child, so references held by
   in-flight work keep pointing at the run that owns the state.
-* Eviction is per component and LRU; it never touches a locked node. FULL eviction removes
+* Eviction is per component, in the order of an :class:`~.eviction.EvictionPolicy` (LRU by
+  default); it never touches a locked node. FULL eviction removes
   unlocked leaves (and their states); MAMBA eviction frees unlocked states, removing the node
   when it is a leaf.
 * A device match on a hybrid layout stops at the deepest node whose state exists.
@@ -34,6 +35,7 @@ from collections.abc import Iterator
 import attrs
 import torch
 
+from .eviction import EvictionPolicy, LRUEviction
 from .layout import ModelLayout, PoolKind
 from .pools import HybridPools, PoolError
 
@@ -111,8 +113,10 @@ class TreeStatistics:
 class RadixTree:
     """The device prefix cache of one rank. See the module docstring for the rules."""
 
-    def __init__(self, layout: ModelLayout, pools: HybridPools, seed_key: bytes) -> None:
+    def __init__(self, layout: ModelLayout, pools: HybridPools, seed_key: bytes,
+                 eviction: EvictionPolicy | None = None) -> None:
         self.layout = layout
+        self.eviction: EvictionPolicy = eviction if eviction is not None else LRUEviction()
         self.pools = pools
         self.page_size = layout.page_size
         self.grid_pages = layout.grid // layout.page_size
@@ -257,21 +261,23 @@ class RadixTree:
 
     # ---- eviction ------------------------------------------------------------------
     def evict_pages(self, n_pages: int, *, all_or_nothing: bool = False) -> int:
-        """Evict unlocked leaves, least recently used first, until ``n_pages`` are freed.
+        """Evict unlocked leaves, lowest eviction score first, until ``n_pages`` are freed.
 
         With ``all_or_nothing``, evict nothing unless ``n_pages`` can be freed. One walk of
         the tree finds both the leaves and how much is evictable: an unlocked node has no
         locked descendant, so every unlocked page can go, leaves first.
         """
-        heap: list[tuple[int, int, Node]] = []
+        leaves: list[Node] = []
         evictable = 0
         for n in self.nodes():
             if n.lock == 0:
                 evictable += len(n.keys)
                 if not n.children:
-                    heap.append((n.last_access, n.id, n))
+                    leaves.append(n)
         if all_or_nothing and evictable < n_pages:
             return 0
+        score = self.eviction.scorer(leaves, next(self._clock), self.layout)
+        heap = [(score(n), n.id, n) for n in leaves]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n_pages:
@@ -279,18 +285,20 @@ class RadixTree:
             freed += len(leaf.keys)
             parent = self._remove_leaf(leaf)
             if parent is not None and not parent.is_root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                heapq.heappush(heap, (score(parent), parent.id, parent))
         return freed
 
     def evict_states(self, n_slots: int, *, all_or_nothing: bool = False) -> int:
-        """Free unlocked states, least recently used first, until ``n_slots`` are freed.
+        """Free unlocked states, lowest eviction score first, until ``n_slots`` are freed.
 
         A state an offload is still reading is never a candidate (the runtime also locks it).
         """
-        heap = [(n.last_access, n.id, n) for n in self.nodes()
-                if n.mamba_slot is not None and n.mamba_lock == 0 and PoolKind.MAMBA not in n.pending]
-        if all_or_nothing and len(heap) < n_slots:
+        candidates = [n for n in self.nodes()
+                      if n.mamba_slot is not None and n.mamba_lock == 0 and PoolKind.MAMBA not in n.pending]
+        if all_or_nothing and len(candidates) < n_slots:
             return 0
+        score = self.eviction.scorer(candidates, next(self._clock), self.layout)
+        heap = [(score(n), n.id, n) for n in candidates]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n_slots:

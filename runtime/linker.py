@@ -35,6 +35,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ..components.admission import CheckpointPolicy, EndOfPrefill, Prefill
+from ..components.eviction import EvictionPolicy
 from ..components.keys import as_tokens, namespace_seed, object_key, object_keys, page_keys
 from ..components.layout import ModelLayout, PoolKind
 from ..components.lookup import restorable_page_counts
@@ -168,7 +170,8 @@ class Linker:
     """
 
     def __init__(self, layout: ModelLayout, pools: HybridPools, store: Store,
-                 config: LinkerConfig | None = None, *, salt: bytes | str | None = None) -> None:
+                 config: LinkerConfig | None = None, *, salt: bytes | str | None = None,
+                 checkpoints: CheckpointPolicy | None = None, eviction: EvictionPolicy | None = None) -> None:
         if pools.layout is not layout and pools.layout != layout:
             raise ValueError("pools were built for another layout")
         self.layout = layout
@@ -183,7 +186,9 @@ class Linker:
         self.grid = layout.grid
         self.grid_pages = self.grid // self.page
         self._default_seed = namespace_seed(layout, salt)
-        self.tree = TreeActor(layout, pools, self._default_seed)
+        #: where prefills donate states (:meth:`checkpoint_depths`); the device tree's eviction order
+        self.checkpoints: CheckpointPolicy = checkpoints if checkpoints is not None else EndOfPrefill()
+        self.tree = TreeActor(layout, pools, self._default_seed, eviction)
         self.latency = LatencyMonitor(self.config.latency_high_ms, self.config.latency_low_ms)
         self._limiter = anyio.CapacityLimiter(self.config.copy_threads)
         self.actors: dict[PoolKind, PoolActor] = {}
@@ -696,6 +701,14 @@ class Linker:
     def checkpoint_depth(self, req: Request, extend_len: int) -> int | None:
         """Where this request's prefill (after its cached prefix) donates a state."""
         return checkpoint_depth(req.prefix_tokens, extend_len, self.grid, self.layout.chunk_size)
+
+    def checkpoint_depths(self, req: Request) -> list[int]:
+        """Where this request's prefill of the whole prompt donates states, by the linker's
+        checkpoint policy (sorted; insert them in this order). Call once per prefill."""
+        self._check_open(req)
+        keys = page_keys(req.tokens, self.page, req.seed)
+        return self.checkpoints.place(Prefill(req.prefix_tokens, len(req.tokens), keys, self.page,
+                                              self.grid, self.layout.chunk_size))
 
     # ---- INSERT + OFFLOAD ------------------------------------------------------------
     async def insert(self, req: Request, n_tokens: int, *, checkpoint_slot: int | None = None,

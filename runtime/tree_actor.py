@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..components.eviction import EvictionPolicy
 from ..components.layout import ModelLayout, PoolKind
 from ..components.pools import HybridPools, PoolError
 from ..components.radix import InsertResult, MatchResult, Node, RadixTree
@@ -20,10 +21,11 @@ class PoolExhaustedError(RuntimeError):
 
 
 class TreeActor:
-    def __init__(self, layout: ModelLayout, pools: HybridPools, seed_key: bytes) -> None:
+    def __init__(self, layout: ModelLayout, pools: HybridPools, seed_key: bytes,
+                 eviction: EvictionPolicy | None = None) -> None:
         self.layout = layout
         self.pools = pools
-        self.tree = RadixTree(layout, pools, seed_key)
+        self.tree = RadixTree(layout, pools, seed_key, eviction)
 
     # ---- tree ----------------------------------------------------------------------
     def match(self, keys: list[bytes]) -> MatchResult:

@@ -3,6 +3,8 @@
 import hylinker
 
 EXPECTED = {
+    "BranchPoints", "CheckpointPolicy", "EndOfPrefill", "EveryBoundary", "EvictionPolicy",
+    "FlopAwareEviction", "LRUEviction", "Prefill", "SpeculativeCheckpoints",
     "DeviceEvent", "EmbeddedStore", "FenceError", "FrameError", "FrameFault", "GetResult",
     "HybridPools", "LayoutError", "Linker", "LinkerConfig", "LinkerStatistics", "LoadHandle",
     "LookupResult", "MambaLayerSpec", "ModelLayout", "Outcome", "PhaseError",

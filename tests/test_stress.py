@@ -10,7 +10,8 @@ import pytest
 
 from hylinker.components.pools import HybridPools
 from hylinker.tools.cli import main
-from hylinker.tools.stress import Content, preset_layout
+from hylinker.tools.content import Content, preset_layout
+from hylinker.tools.report import LOSS_COLUMNS, stress_row
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -50,6 +51,22 @@ def test_short_stress_with_faults_is_exact_and_leak_free(tmp_path: Path) -> None
     assert 0 < s["hit_rate"] <= s["bound_hit_rate"] + 1e-9
     assert set(s["bytes_offloaded"]) == {"kv", "mamba", "draft"}
     assert s["bytes_offloaded"]["mamba"] > 0 and s["bytes_loaded"]["kv"] > 0
+
+
+def test_every_loss_is_in_the_json_the_table_and_the_study_rows(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    s = _run(tmp_path, "--requests", "40", "--synthetic-scale", "0.05", "--fault-rate", "0.1")
+    out = capsys.readouterr().out
+    assert set(s) >= {key for key, _ in LOSS_COLUMNS} | {"of_bound", "alloc_waits", "causal_waits"}
+    assert "hit rate / bound (infinite cache) = of bound" in out
+    assert f"{s['hit_rate']:.1%} / {s['bound_hit_rate']:.1%}" in out
+    for phrase in ("alloc retries / failures (dropped) / never fit / rejected",
+                   "loads: allocation misses / dropped -> recomputed",
+                   "offloads (skipped / dropped / failed)"):
+        assert phrase in out
+    row = stress_row(s, policy="marconi")
+    assert set(row) >= {key for key, _ in LOSS_COLUMNS} | {"of_bound", "states_stored", "stored_bytes_per_hit_token"}
+    assert row["dropped_loads"] == s["dropped_loads"] and row["of_bound"] == s["of_bound"]
 
 
 def test_fault_plan_from_the_command_line(tmp_path: Path) -> None:

@@ -215,6 +215,121 @@ def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 99)) -> dict
 
 
 # ---------------------------------------------------------------------------------------------
+# Stress summaries
+
+_MIB = 1 << 20
+
+#: every loss a stress summary counts, in the order tables show them (summary key, header)
+LOSS_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("alloc_retries", "alloc retries"),
+    ("alloc_failures", "alloc failures"),
+    ("never_fit", "never fit"),
+    ("rejected", "rejected"),
+    ("load_misses", "load misses"),
+    ("dropped_loads", "dropped loads"),
+    ("partial_pages_lost", "pages lost by partial loads"),
+    ("offloads_skipped", "offloads skipped"),
+    ("offloads_skipped_kv", "offloads skipped (kv backpressure)"),
+    ("offloads_skipped_breaker", "offloads skipped (breaker open)"),
+    ("offloads_dropped", "offloads dropped"),
+    ("offload_failures", "offloads failed"),
+)
+
+
+def _of_bound(s: Mapping[str, Any]) -> float | None:
+    bound = s.get("bound_hit_rate") or 0.0
+    return round(s["hit_rate"] / bound, 3) if bound else None
+
+
+def stress_row(s: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """One row of a study table: the hit rate beside its bound, what was stored for it, and
+    every loss column (:data:`LOSS_COLUMNS`)."""
+    stored = sum(s["bytes_offloaded"].values())
+    hit_tokens = s["device_hit_tokens"] + s["store_hit_tokens"]
+    row: dict[str, Any] = {
+        **extra,
+        "hit_rate": s["hit_rate"],
+        "bound_hit_rate": s["bound_hit_rate"],
+        "of_bound": _of_bound(s),
+        "device_hit_tokens": s["device_hit_tokens"],
+        "store_hit_tokens": s["store_hit_tokens"],
+        "stored_mb": round(stored / _MIB, 1),
+        "stored_bytes_per_hit_token": round(stored / hit_tokens, 1) if hit_tokens else None,
+        "states_stored": s.get("states_stored", 0),
+        "checkpoints": s["checkpoints_donated"],
+        "store_evictions": s["store"]["evictions"],
+    }
+    for key, _ in LOSS_COLUMNS:
+        row[key] = s.get(key, 0)
+    row["mismatches"] = s["restore_mismatches"]
+    row["leaks"] = s["leaked_rows"] + s["leaked_slots"] + s["locked_nodes_at_end"]
+    row["seconds"] = s["seconds"]
+    return row
+
+
+def resilience_rows(s: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Table rows for the store wrapper's retries and circuit breaker, KV backpressure and
+    partial restores (the wrapper's rows only when it ran)."""
+    rows: list[dict[str, Any]] = [
+        {"metric": "offloads skipped (kv backpressure / breaker open)",
+         "value": f"{s.get('offloads_skipped_kv', 0)} / {s.get('offloads_skipped_breaker', 0)}"},
+        {"metric": "loads kept partly (pages lost)",
+         "value": f"{s.get('partial_loads', 0)} ({s.get('partial_pages_lost', 0)})"},
+        {"metric": "bad objects removed", "value": s.get("bad_objects_removed", 0)},
+    ]
+    r = s.get("resilience")
+    if r:
+        rows[:0] = [
+            {"metric": "store retries (keys recovered / exhausted)",
+             "value": f"{r['retries']} ({r['recovered_keys']} / {r['exhausted_keys']})"},
+            {"metric": "store timeouts / unavailable calls", "value": f"{r['timeouts']} / {r['unavailable']}"},
+            {"metric": "breaker trips / rejected calls / resumes",
+             "value": f"{r['breaker_trips']} / {r['rejected_calls']} / {r['resumes']}"},
+        ]
+    return rows
+
+
+def format_stress_summary(s: Mapping[str, Any]) -> str:
+    """The stress tool's printed table: the hit rate beside its bound, then every loss."""
+    of_bound = _of_bound(s)
+    rows: list[dict[str, Any]] = [
+        {"metric": "requests (completed)", "value": f"{s['requests']:,} ({s['completed']:,})"},
+        {"metric": "prompt tokens", "value": s["prompt_tokens"]},
+        {"metric": "hit rate / bound (infinite cache) = of bound",
+         "value": f"{s['hit_rate']:.1%} / {s['bound_hit_rate']:.1%} = "
+                  + (f"{of_bound:.3f}" if of_bound is not None else "-")},
+        {"metric": "device hit tokens / store hit tokens",
+         "value": f"{s['device_hit_tokens']:,} / {s['store_hit_tokens']:,}"},
+        {"metric": "device pools: KV pages / state slots", "value": f"{s['kv_pages']:,} / {s['mamba_slots']:,}"},
+        {"metric": "restores verified (pages + states)", "value": s["restores_verified"]},
+        {"metric": "restore mismatches", "value": s["restore_mismatches"]},
+        {"metric": "leaked rows / slots / locked nodes",
+         "value": f"{s['leaked_rows']} / {s['leaked_slots']} / {s['locked_nodes_at_end']}"},
+        {"metric": "waits: causal (previous turn) / admission (pools) / max queue",
+         "value": f"{s['causal_waits']} / {s['alloc_waits']} / {s['max_waiting']}"},
+        {"metric": "alloc retries / failures (dropped) / never fit / rejected",
+         "value": f"{s['alloc_retries']} / {s['alloc_failures']} / {s['never_fit']} / {s['rejected']}"},
+        {"metric": "loads: allocation misses / dropped -> recomputed",
+         "value": f"{s['load_misses']} / {s['dropped_loads']}"},
+        {"metric": "offloads (skipped / dropped / failed)",
+         "value": f"{s['offloads']} ({s['offloads_skipped']} / {s['offloads_dropped']} / {s['offload_failures']})"},
+        *resilience_rows(s),
+        {"metric": "checkpoints donated", "value": s["checkpoints_donated"]},
+        {"metric": "store evictions", "value": s["store"]["evictions"]},
+        {"metric": "MB offloaded kv / mamba / draft",
+         "value": " / ".join(f"{v / _MIB:.1f}" for v in s["bytes_offloaded"].values())},
+        {"metric": "MB loaded kv / mamba / draft",
+         "value": " / ".join(f"{v / _MIB:.1f}" for v in s["bytes_loaded"].values())},
+    ]
+    for phase in ("lookup", "load", "commit"):
+        p = s["latency_ms"][phase]
+        rows.append({"metric": f"{phase} ms p50 / p99", "value": f"{p['p50']} / {p['p99']}"})
+    rows.append({"metric": "event-loop lag ms p99", "value": s["loop_lag_ms"]["p99"]})
+    rows.append({"metric": "seconds", "value": s["seconds"]})
+    return format_table(rows, ["metric", "value"])
+
+
+# ---------------------------------------------------------------------------------------------
 # Plot
 
 

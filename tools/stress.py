@@ -1,151 +1,61 @@
 """``hylinker stress``: replay a trace through the whole runtime and verify every restore.
 
-The forward is synthetic: for every whole page it writes content that is a function of the
-page key and the position (KV and draft rows), and for every checkpoint a state that is a
-function of the boundary's page key. Every restored page and state — from the device tree
-or from the store — is compared byte for byte with what it must be. The run ends by releasing
-everything and checking that no row, slot or lock leaked.
+Requests reach the runtime the way a serving engine would let them: in causal order (the next
+turn of a conversation only after the previous one completed), through a bounded waiting queue
+that admits a request when its pages and state slots fit (:mod:`.replay`). The forward is
+synthetic (:mod:`.content`): every restored page and state — from the device tree or from the
+store — is compared byte for byte with what it must be. The run ends by releasing everything
+and checking that no row, slot or lock leaked. Every loss is counted and reported beside the
+hit rate it explains.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import attrs
 import numpy as np
-import torch
 
+from ..components.admission import CHECKPOINT_POLICIES, checkpoint_policy
+from ..components.eviction import EVICTION_POLICIES, eviction_policy
 from ..components.keys import page_keys
-from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
-from ..components.mamba import checkpoint_depth
+from ..components.layout import PoolKind
 from ..components.pools import HybridPools, PoolError
 from ..runtime.config import LinkerConfig
 from ..runtime.linker import Linker, Request
 from ..runtime.tree_actor import PoolExhaustedError
 from ..stores.base import Store
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
-from .report import format_table, percentiles, progress_bar
+from .content import PRESETS, Content, preset_layout
+from .replay import Demand, QueueFullError, WaitingQueue, pages_for
+from .report import format_stress_summary, percentiles, progress_bar
+from .workloads import (
+    MOONCAKE_BLOCK_TOKENS,
+    bound_hit_rate,
+    causal_parents,
+    read_mooncake_trace,
+    synthetic_agentic,
+)
 from .workloads import Request as WorkloadRequest
-from .workloads import bound_hit_rate, read_mooncake_trace, synthetic_agentic
 
 HELP = "replay a trace (or a synthetic agentic workload) through the runtime; verify every restore"
 
 MIB = 1 << 20
-PRESETS = ("kimi", "attention")
-POLICIES = ("end", "marconi", "grid")
-
-
-# ---- geometry ---------------------------------------------------------------------------
-
-def preset_layout(name: str, page_size: int = 64, chunk_size: int = 64) -> ModelLayout:
-    """Stress geometries, scaled to this machine.
-
-    * ``kimi``: Kimi-K3-like ratios — one MLA-like KV layer (fp8, 256 B per token), four
-      KDA layers whose states add up to ~65 KV pages of 64 tokens (the real ratio: one state is
-      worth ~64 pages), a one-layer draft model.
-    * ``attention``: plain attention, four layers of 64 B per token, no states, no draft.
-    """
-    if name == "kimi":
-        kda = [MambaLayerSpec(layer_id=i, conv_shape=(4, 256), conv_dtype=torch.float32,
-                              temporal_shape=(4, 128, 128), temporal_dtype=torch.float32)
-               for i in (0, 1, 2)]
-        kda.append(MambaLayerSpec(layer_id=4, conv_shape=(4, 256), conv_dtype=torch.float32,
-                                  temporal_shape=(4, 128, 128), temporal_dtype=torch.float32))
-        return ModelLayout.create(page_size=page_size, chunk_size=chunk_size, full_layers=[3],
-                                  kv_row_shape=[256], kv_dtype="float8_e4m3fn", mamba_layers=kda,
-                                  draft_layers=1, draft_row_shape=[32], draft_dtype="bfloat16",
-                                  model_name="stress-kimi")
-    if name == "attention":
-        return ModelLayout.create(page_size=page_size, chunk_size=chunk_size, full_layers=[0, 1, 2, 3],
-                                  kv_row_shape=[32], kv_dtype="bfloat16", model_name="stress-attention")
-    raise ValueError(f"unknown preset {name!r}; choose from {PRESETS}")
-
-
-# ---- synthetic content -------------------------------------------------------------------
-
-class Content:
-    """Deterministic bytes for every page and state: a function of the page key and position.
-
-    A page's byte ``b`` of token ``p`` in layer ``l`` is ``TABLE[(s + l * P + p) % M, b]``
-    with ``s`` taken from the page key, so content is cheap to write and to check (a gather)
-    and two different pages coincide with probability ~1/M.
-    """
-
-    M = 65521
-
-    def __init__(self, layout: ModelLayout, pools: HybridPools, seed: int = 0) -> None:
-        self.layout = layout
-        self.pools = pools
-        g = torch.Generator().manual_seed(seed)
-        self.views: dict[PoolKind, torch.Tensor] = {}
-        self.tables: dict[PoolKind, torch.Tensor] = {}
-        for kind, t in ((PoolKind.FULL, pools.kv.tensor),
-                        (PoolKind.DRAFT, pools.draft.tensor if pools.draft is not None else None)):
-            if t is None:
-                continue
-            v = t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
-            self.views[kind] = v
-            self.tables[kind] = torch.randint(0, 256, (self.M, v.shape[2]), generator=g, dtype=torch.uint8)
-        self.state_views: list[torch.Tensor] = []
-        if pools.mamba is not None:
-            self.state_views = [t.view(torch.uint8).reshape(t.shape[0], -1) for t in pools.mamba.tensors()]
-            width = sum(v.shape[1] for v in self.state_views)
-            self.state_table = torch.randint(0, 256, (self.M + width // 64 + 1, 64), generator=g,
-                                             dtype=torch.uint8)
-
-    @staticmethod
-    def _seed(keys: Sequence[bytes]) -> torch.Tensor:
-        return torch.tensor([int.from_bytes(k[:7], "little") for k in keys], dtype=torch.int64)
-
-    def _page_index(self, keys: Sequence[bytes], n_layers: int) -> torch.Tensor:
-        P = self.layout.page_size
-        s = self._seed(keys)  # [n]
-        idx = s[:, None, None] + torch.arange(n_layers)[None, :, None] * P + torch.arange(P)[None, None, :]
-        return (idx % self.M).transpose(0, 1).reshape(n_layers, -1)  # [L, n*P]
-
-    def write_pages(self, keys: Sequence[bytes], rows: torch.Tensor) -> None:
-        if not keys:
-            return
-        for kind, v in self.views.items():
-            idx = self._page_index(keys, v.shape[0])
-            v[:, rows] = self.tables[kind][idx]
-
-    def check_pages(self, keys: Sequence[bytes], rows: torch.Tensor) -> int:
-        """Number of pages whose content differs from what it must be."""
-        if not keys:
-            return 0
-        bad = torch.zeros(len(keys), dtype=torch.bool)
-        P = self.layout.page_size
-        for kind, v in self.views.items():
-            idx = self._page_index(keys, v.shape[0])
-            diff = (v[:, rows] != self.tables[kind][idx]).reshape(v.shape[0], len(keys), P, -1)
-            bad |= diff.any(dim=3).any(dim=2).any(dim=0)
-        return int(bad.sum())
-
-    def _state_bytes(self, key: bytes) -> list[torch.Tensor]:
-        s = int.from_bytes(key[:7], "little") % self.M
-        out = []
-        off = 0
-        for v in self.state_views:
-            n = v.shape[1]
-            rows = -(-n // 64)
-            out.append(self.state_table[s + off // 64: s + off // 64 + rows].reshape(-1)[:n])
-            off += n
-        return out
-
-    def write_state(self, key: bytes, slot: int) -> None:
-        for v, b in zip(self.state_views, self._state_bytes(key)):
-            v[slot] = b
-
-    def check_state(self, key: bytes, slot: int) -> bool:
-        return all(torch.equal(v[slot], b) for v, b in zip(self.state_views, self._state_bytes(key)))
+POLICIES = CHECKPOINT_POLICIES
+#: state slots a running hybrid request may hold at once: its prefix's state (locked), its
+#: working state and the checkpoint being written
+SLOTS_PER_REQUEST = 3
+#: a request whose allocation still fails (offloads in flight lock rows) goes back to the
+#: queue this many times before it is dropped and counted as an allocation failure
+MAX_ATTEMPTS = 50
+__all__ = ["PRESETS", "Content", "StressConfig", "StressRun", "preset_layout"]
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -155,12 +65,17 @@ class StressConfig:
     preset: str = "kimi"
     page_size: int = 64
     chunk_size: int = 64
-    kv_pages: int = 4096
-    mamba_slots: int = 48
+    #: device pools; ``None`` derives them from the workload (:func:`derive_pools`)
+    kv_pages: int | None = None
+    mamba_slots: int | None = None
     concurrency: int = 8
-    time_scale: float = 0.0  # 0: as fast as possible
+    time_scale: float = 0.0  # 0: as fast as the queue admits
+    #: the next turn of a conversation waits for the previous one to complete
+    causal: bool = True
+    max_waiting: int = 1 << 16
     touch: bool = True
     policy: str = "marconi"
+    eviction: str = "lru"
     #: prefix granularity of the workload (512 for Mooncake traces: sharing is known per block)
     block_tokens: int = 0
     seed: int = 0
@@ -174,34 +89,75 @@ class StressResult:
     latency_s: dict[str, list[float]]
 
 
+def derive_pools(requests: list[WorkloadRequest], page_size: int, concurrency: int, hybrid: bool,
+                 backpressure_share: float) -> tuple[int, int]:
+    """Device pools that fit the workload: ``concurrency`` of its longest prompts at once (and a
+    quarter more, for the device cache), and state slots for as many running requests beside
+    the share of the pool that offloads in flight may hold (the backpressure rule)."""
+    longest = max((pages_for(r.prompt_length, page_size) for r in requests), default=1)
+    kv_pages = max(4096, math.ceil(1.25 * concurrency * longest))
+    slots = 0
+    if hybrid:
+        slots = max(48, math.ceil(SLOTS_PER_REQUEST * concurrency / (1 - backpressure_share)) + 1)
+    return kv_pages, slots
+
+
+@attrs.define
+class _Attempts:
+    """One request's tries: the hit it is credited with never includes its own donations."""
+
+    hit: tuple[int, int] | None = None  # (device, store) tokens of record
+    donated: bool = False
+
+
 class StressRun:
     def __init__(self, cfg: StressConfig, store: Store, requests: list[WorkloadRequest]) -> None:
         self.cfg = cfg
         self.store = store
         self.requests = requests
         self.layout = preset_layout(cfg.preset, cfg.page_size, cfg.chunk_size)
-        self.pools = HybridPools(self.layout, kv_pages=cfg.kv_pages,
-                                 mamba_slots=cfg.mamba_slots if self.layout.is_hybrid else 0)
+        share = cfg.linker.mamba_backpressure_share if cfg.linker.mamba_backpressure else 0.0
+        kv, slots = derive_pools(requests, self.layout.page_size, cfg.concurrency, self.layout.is_hybrid,
+                                 share)
+        self.kv_pages = cfg.kv_pages if cfg.kv_pages is not None else kv
+        self.mamba_slots = (cfg.mamba_slots if cfg.mamba_slots is not None else slots) if self.layout.is_hybrid else 0
+        self.pools = HybridPools(self.layout, kv_pages=self.kv_pages, mamba_slots=self.mamba_slots)
         self.content = Content(self.layout, self.pools, cfg.seed)
+        # the waiting queue's budget: the whole KV pool, and the slots offloads can never hold
+        slot_budget = math.floor(self.mamba_slots * (1 - share)) if self.layout.is_hybrid else 0
+        self.queue = WaitingQueue(pages=self.kv_pages, slots=slot_budget, concurrency=cfg.concurrency,
+                                  max_waiting=cfg.max_waiting)
         self.lat: dict[str, list[float]] = {"lookup": [], "load": [], "commit": []}
         self.c: dict[str, int] = {k: 0 for k in (
             "prompt_tokens", "device_hit_tokens", "store_hit_tokens", "restores_verified",
-            "restore_mismatches", "alloc_failures", "checkpoints_donated", "recomputed_loads")}
+            "restore_mismatches", "alloc_retries", "alloc_failures", "never_fit", "rejected",
+            "causal_waits", "checkpoints_donated", "recomputed_loads", "completed")}
         self.hits_over_time: list[tuple[float, float]] = []
-        self.seen_pages: set[bytes] = set()
-        #: (request id, prompt tokens, device hit tokens, store tokens found by lookup)
-        self.per_request: list[tuple[str, int, int, int]] = []
         self.lags: list[float] = []
         self.resilience: ResilienceStatistics | None = None
+        self.parents = (causal_parents(requests, block_tokens=cfg.block_tokens) if cfg.causal
+                        else [None] * len(requests))
+        self.never_fit_ids = [r.request_id for r in requests if self.queue.never_fits(self._demand(r))]
+
+    def _demand(self, wr: WorkloadRequest) -> Demand:
+        return Demand(pages_for(wr.prompt_length, self.layout.page_size),
+                      SLOTS_PER_REQUEST if self.layout.is_hybrid else 0)
 
     async def run(self, show_progress: bool = True) -> StressResult:
         cfg = self.cfg
+        if self.never_fit_ids:
+            print(f"stress: {len(self.never_fit_ids)} requests can never fit the device pools "
+                  f"({self.kv_pages} pages, {self.mamba_slots} slots), e.g. {self.never_fit_ids[:3]}; "
+                  "they are counted as never_fit", file=sys.stderr)
         lk_cfg = attrs.evolve(cfg.linker, touch=cfg.touch)
         t_start = time.perf_counter()
-        limiter = anyio.Semaphore(cfg.concurrency)
         done = anyio.Event()
+        finished = [anyio.Event() for _ in self.requests]
         bar = progress_bar(len(self.requests), desc="stress", unit="req", force=show_progress and sys.stderr.isatty())
-        async with Linker(self.layout, self.pools, self.store, lk_cfg) as lk:
+        block = cfg.block_tokens
+        async with Linker(self.layout, self.pools, self.store, lk_cfg,
+                          checkpoints=checkpoint_policy(cfg.policy, block_tokens=block),
+                          eviction=eviction_policy(cfg.eviction)) as lk:
             self.linker = lk
 
             async def ticker() -> None:
@@ -210,11 +166,19 @@ class StressRun:
                     await anyio.sleep(0.005)
                     self.lags.append(max(0.0, (time.perf_counter() - t0) * 1e3 - 5.0))
 
-            async def one(wr: WorkloadRequest) -> None:
+            async def client(i: int, wr: WorkloadRequest) -> None:
                 try:
-                    await self._serve(lk, wr)
+                    if cfg.time_scale > 0:
+                        delay = wr.arrival_s * cfg.time_scale - (time.perf_counter() - t_start)
+                        if delay > 0:
+                            await anyio.sleep(delay)
+                    parent = self.parents[i]
+                    if parent is not None and not finished[parent].is_set():
+                        self.c["causal_waits"] += 1
+                        await finished[parent].wait()
+                    await self._admit_and_serve(lk, wr, i)
                 finally:
-                    limiter.release()
+                    finished[i].set()
                     bar.update(1)
                     total = self.c["prompt_tokens"]
                     hit = self.c["device_hit_tokens"] + self.c["store_hit_tokens"]
@@ -223,13 +187,8 @@ class StressRun:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
                 async with anyio.create_task_group() as reqs:
-                    for wr in self.requests:
-                        if cfg.time_scale > 0:
-                            delay = wr.arrival_s * cfg.time_scale - (time.perf_counter() - t_start)
-                            if delay > 0:
-                                await anyio.sleep(delay)
-                        await limiter.acquire()
-                        reqs.start_soon(one, wr)
+                    for i, wr in enumerate(self.requests):
+                        reqs.start_soon(client, i, wr)
                 await lk.drain()
                 done.set()
             bar.close()
@@ -241,6 +200,30 @@ class StressRun:
         elapsed = time.perf_counter() - t_start
         return StressResult(self._summary(stats, pool_stats, locked, leaks, elapsed),
                             self.hits_over_time, self.lat)
+
+    async def _admit_and_serve(self, lk: Linker, wr: WorkloadRequest, order: int) -> None:
+        self.c["prompt_tokens"] += wr.prompt_length
+        demand = self._demand(wr)
+        if self.queue.never_fits(demand):
+            self.c["never_fit"] += 1
+            return
+        attempts = _Attempts()
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                self.c["alloc_retries"] += 1
+                if self.queue.running == 0:
+                    await lk.drain()  # only offloads in flight hold what it needs
+                else:
+                    await self.queue.wait_progress(0.05)
+            try:
+                async with self.queue.admitted_for(demand, order):
+                    if await self._serve(lk, wr, attempts):
+                        self.c["completed"] += 1
+                        return
+            except QueueFullError:
+                self.c["rejected"] += 1
+                return
+        self.c["alloc_failures"] += 1
 
     def _leaks(self, lk: Linker) -> dict[str, int]:
         pages, slots = lk.leaked()
@@ -254,17 +237,15 @@ class StressRun:
             out["idle_check_failed"] = 1
         return out
 
-    async def _serve(self, lk: Linker, wr: WorkloadRequest) -> None:
+    async def _serve(self, lk: Linker, wr: WorkloadRequest, attempts: _Attempts) -> bool:
+        """One try at serving ``wr``; False when the device pools ran out (it is retried)."""
         tokens = wr.token_ids()
         P = self.layout.page_size
-        L = len(tokens)
-        self.c["prompt_tokens"] += L
         async with lk.session(wr.request_id, tokens) as req:
             t0 = time.perf_counter()
             hit = await lk.lookup(req)
             self.lat["lookup"].append(time.perf_counter() - t0)
-            self.c["device_hit_tokens"] += hit.device_tokens
-            self.per_request.append((wr.request_id, L, hit.device_tokens, hit.store_tokens))
+            restored = 0
             if hit.store_tokens:
                 t0 = time.perf_counter()
                 load = await lk.load(req)
@@ -274,16 +255,22 @@ class StressRun:
                     t0 = time.perf_counter()
                     restored = await lk.commit(load)
                     self.lat["commit"].append(time.perf_counter() - t0)
-                    self.c["store_hit_tokens"] += restored
                     if restored == 0:
                         self.c["recomputed_loads"] += 1
+            this_try = (hit.device_tokens, restored)
             keys = page_keys(req.tokens, P, req.seed)
             # content checks and writes stand in for device work: keep them off the loop
             await anyio.to_thread.run_sync(self._verify, req, keys)
             try:
-                await self._forward(lk, req, keys)
+                await self._forward(lk, req, keys, attempts)
             except PoolExhaustedError:
-                self.c["alloc_failures"] += 1
+                if attempts.donated and attempts.hit is None:
+                    attempts.hit = this_try
+                return False
+        device, store = attempts.hit if attempts.hit is not None else this_try
+        self.c["device_hit_tokens"] += device
+        self.c["store_hit_tokens"] += store
+        return True
 
     def _verify(self, req: Request, keys: list[bytes]) -> None:
         n = req.prefix_pages
@@ -297,36 +284,7 @@ class StressRun:
                 bad += 1
         self.c["restore_mismatches"] += bad
 
-    def _depths(self, req: Request, keys: list[bytes], L: int) -> list[int]:
-        """Checkpoint depths this request donates, by admission policy."""
-        G = self.layout.grid
-        prefix = req.prefix_tokens
-        end = checkpoint_depth(prefix, L - prefix, G, self.layout.chunk_size)
-        if end is None:
-            return []
-        if self.cfg.policy == "grid":
-            return list(range(prefix + G, end + 1, G))
-        depths = {end}
-        if end == L and end - G > prefix:
-            # a prompt ending on the grid restores at most L - G (one token must run): donate
-            # there too, or resubmitting the same prompt could restore nothing
-            depths.add(end - G)
-        if self.cfg.policy == "marconi":
-            # the branch point: where this prompt leaves every earlier prompt
-            shared = 0
-            while shared < len(keys) and keys[shared] in self.seen_pages:
-                shared += 1
-            branch = shared * self.layout.page_size // G * G
-            if prefix < branch < end:
-                depths.add(branch)
-            # the end of the turn, as far as the workload can share it: its last whole block
-            if self.cfg.block_tokens:
-                last_block = L // self.cfg.block_tokens * self.cfg.block_tokens // G * G
-                if prefix < last_block < end:
-                    depths.add(last_block)
-        return sorted(depths)
-
-    async def _forward(self, lk: Linker, req: Request, keys: list[bytes]) -> None:
+    async def _forward(self, lk: Linker, req: Request, keys: list[bytes], attempts: _Attempts) -> None:
         P = self.layout.page_size
         L = len(req.tokens)
         prefix_pages = req.prefix_pages
@@ -337,15 +295,14 @@ class StressRun:
         if not self.layout.is_hybrid:
             if whole > prefix_pages:
                 await lk.insert(req, whole * P)
-            self.seen_pages.update(keys[:whole])
+                attempts.donated = True
             return
         lk.working_slot(req)
-        depths = self._depths(req, keys, L)
-        self.seen_pages.update(keys[:whole])
-        for depth in depths:
+        for depth in lk.checkpoint_depths(req):
             slot = lk.checkpoint_slot(req)
             self.content.write_state(keys[depth // P - 1], slot)
             await lk.insert(req, depth, checkpoint_slot=slot)
+            attempts.donated = True
             self.c["checkpoints_donated"] += 1
 
     def _summary(self, stats: Any, pool_stats: dict[str, Any], locked: int, leaks: dict[str, int],
@@ -361,24 +318,44 @@ class StressRun:
             p = percentiles([v * 1e3 for v in values], (50, 99))
             return {k: round(v, 3) for k, v in p.items()}
 
-        pools = {p: pool_stats[p] for p in pool_stats}
+        def per_pool(attr: str) -> dict[str, int]:
+            return {k: getattr(pool_stats[v.value], attr) if v.value in pool_stats else 0
+                    for k, v in (("kv", PoolKind.FULL), ("mamba", PoolKind.MAMBA), ("draft", PoolKind.DRAFT))}
+
         sstats = self.store.statistics()
+        hit_rate = hit / prompt if prompt else 0.0
         return {
             "requests": len(self.requests),
+            "completed": self.c["completed"],
             "preset": self.cfg.preset,
             "policy": self.cfg.policy,
+            "eviction": self.cfg.eviction,
             "page_size": self.layout.page_size,
             "grid": grid,
+            "kv_pages": self.kv_pages,
+            "mamba_slots": self.mamba_slots,
+            "concurrency": self.cfg.concurrency,
+            "causal": self.cfg.causal,
             "prompt_tokens": prompt,
             "device_hit_tokens": self.c["device_hit_tokens"],
             "store_hit_tokens": self.c["store_hit_tokens"],
-            "hit_rate": round(hit / prompt, 4) if prompt else 0.0,
+            "hit_rate": round(hit_rate, 4),
             "bound_hit_rate": round(bound, 4),
+            "of_bound": round(hit_rate / bound, 3) if bound else None,
             "restores_verified": self.c["restores_verified"],
             "restore_mismatches": self.c["restore_mismatches"],
             "recomputed_loads": self.c["recomputed_loads"],
+            # admission: waits are not losses; retries cost work; the rest lose a request's hits
+            "causal_waits": self.c["causal_waits"],
+            "alloc_waits": self.queue.waited,
+            "max_waiting": self.queue.max_depth,
+            "alloc_retries": self.c["alloc_retries"],
             "alloc_failures": self.c["alloc_failures"],
+            "never_fit": self.c["never_fit"],
+            "rejected": self.c["rejected"],
+            "load_misses": stats.load_misses,
             "checkpoints_donated": self.c["checkpoints_donated"],
+            "states_stored": pool_stats[PoolKind.MAMBA.value].objects_offloaded if PoolKind.MAMBA.value in pool_stats else 0,
             "leaked_rows": leaks["leaked_rows"],
             "leaked_slots": leaks["leaked_slots"],
             "idle_check_failed": leaks.get("idle_check_failed", 0),
@@ -396,12 +373,8 @@ class StressRun:
             "partial_loads": stats.partial_loads,
             "partial_pages_lost": stats.partial_pages_lost,
             "resilience": attrs.asdict(self.resilience) if self.resilience is not None else None,
-            "bytes_offloaded": {k: pools[v.value].bytes_offloaded if v.value in pools else 0
-                                for k, v in (("kv", PoolKind.FULL), ("mamba", PoolKind.MAMBA),
-                                             ("draft", PoolKind.DRAFT))},
-            "bytes_loaded": {k: pools[v.value].bytes_loaded if v.value in pools else 0
-                             for k, v in (("kv", PoolKind.FULL), ("mamba", PoolKind.MAMBA),
-                                          ("draft", PoolKind.DRAFT))},
+            "bytes_offloaded": per_pool("bytes_offloaded"),
+            "bytes_loaded": per_pool("bytes_loaded"),
             "store": {"name": self.store.capabilities.name, "used_bytes": sstats.used_bytes,
                       "capacity_bytes": sstats.capacity_bytes, "evictions": sstats.evictions},
             "latency_ms": {"lookup": ms(self.lat["lookup"]), "load": ms(self.lat["load"]),
@@ -419,7 +392,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="Mooncake-format JSONL trace (default: the built-in synthetic agentic workload)")
     w.add_argument("--requests", type=int, default=None, help="take the first N requests")
     w.add_argument("--time-scale", type=float, default=0.0,
-                   help="replay arrival times multiplied by this (0: as fast as concurrency allows)")
+                   help="replay arrival times multiplied by this (0: as fast as the queue admits)")
+    w.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                   help="start a request that continues an earlier one (the next turn of a "
+                        "conversation) only after that one completed")
     w.add_argument("--synthetic-scale", type=float, default=0.25,
                    help="size multiplier of the synthetic workload's prompts")
     w.add_argument("--seed", type=int, default=0)
@@ -427,11 +403,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", choices=PRESETS, default="kimi")
     g.add_argument("--page-size", type=int, default=64)
     g.add_argument("--chunk-size", type=int, default=64)
-    g.add_argument("--kv-pages", type=int, default=4096, help="device KV pool, in pages")
-    g.add_argument("--mamba-slots", type=int, default=48, help="device state pool, in slots")
-    g.add_argument("--concurrency", type=int, default=8)
+    g.add_argument("--kv-pages", type=int, default=None,
+                   help="device KV pool, in pages (default: derived from the workload)")
+    g.add_argument("--mamba-slots", type=int, default=None,
+                   help="device state pool, in slots (default: derived from the concurrency)")
+    g.add_argument("--concurrency", type=int, default=8, help="requests running at once")
+    g.add_argument("--max-waiting", type=int, default=1 << 16,
+                   help="bound of the waiting queue; an arrival beyond it is rejected (counted)")
     g.add_argument("--policy", choices=POLICIES, default="marconi",
-                   help="checkpoint admission: end of prefill / + branch points / every grid boundary")
+                   help="checkpoint admission: end of prefill / + branch points and last block / "
+                        "+ budgeted speculative states / every grid boundary")
+    g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
+                   help="device-cache eviction: least recently used / recency + compute saved per byte")
     s = parser.add_argument_group("store")
     s.add_argument("--store", choices=("embedded", "mooncake"), default="embedded")
     s.add_argument("--store-capacity-mb", type=int, default=2048)
@@ -500,8 +483,9 @@ def stress_config(args: argparse.Namespace) -> StressConfig:
     return StressConfig(
         preset=args.preset, page_size=args.page_size, chunk_size=args.chunk_size,
         kv_pages=args.kv_pages, mamba_slots=args.mamba_slots, concurrency=args.concurrency,
-        time_scale=args.time_scale, touch=args.touch, policy=args.policy, seed=args.seed,
-        block_tokens=512 if args.trace is not None else 0,
+        time_scale=args.time_scale, causal=args.causal, max_waiting=args.max_waiting, touch=args.touch,
+        policy=args.policy, eviction=args.eviction, seed=args.seed,
+        block_tokens=MOONCAKE_BLOCK_TOKENS if args.trace is not None else 0,
         linker=LinkerConfig(mamba_backpressure=not args.no_mamba_backpressure,
                             kv_backpressure_share=args.kv_backpressure_share,
                             resilience=None if args.no_retries else ResiliencePolicy()),
@@ -532,7 +516,7 @@ def run(args: argparse.Namespace) -> int:
         return run_chaos(args, stress_config(args), requests)
     result = anyio.run(run_stress, args, requests)
     s = result.summary
-    print(format_summary(s))
+    print(format_stress_summary(s))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(s, indent=2))
@@ -547,54 +531,3 @@ def run(args: argparse.Namespace) -> int:
     bad = s["restore_mismatches"] or s["leaked_rows"] or s["leaked_slots"] or s["locked_nodes_at_end"] \
         or s["idle_check_failed"]
     return 1 if bad else 0
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    rows = [
-        {"metric": "requests", "value": s["requests"]},
-        {"metric": "prompt tokens", "value": s["prompt_tokens"]},
-        {"metric": "hit rate (device + store)", "value": f"{s['hit_rate']:.1%}"},
-        {"metric": "  bound (infinite cache)", "value": f"{s['bound_hit_rate']:.1%}"},
-        {"metric": "device hit tokens", "value": s["device_hit_tokens"]},
-        {"metric": "store hit tokens", "value": s["store_hit_tokens"]},
-        {"metric": "restores verified (pages + states)", "value": s["restores_verified"]},
-        {"metric": "restore mismatches", "value": s["restore_mismatches"]},
-        {"metric": "loads dropped -> recomputed", "value": s["dropped_loads"]},
-        {"metric": "leaked rows / slots / locked nodes",
-         "value": f"{s['leaked_rows']} / {s['leaked_slots']} / {s['locked_nodes_at_end']}"},
-        {"metric": "offloads (skipped / dropped / failed)",
-         "value": f"{s['offloads']} ({s['offloads_skipped']} / {s['offloads_dropped']} / {s['offload_failures']})"},
-        *resilience_rows(s),
-        {"metric": "MB offloaded kv / mamba / draft",
-         "value": " / ".join(f"{v / MIB:.1f}" for v in s["bytes_offloaded"].values())},
-        {"metric": "MB loaded kv / mamba / draft",
-         "value": " / ".join(f"{v / MIB:.1f}" for v in s["bytes_loaded"].values())},
-        {"metric": "lookup ms p50 / p99",
-         "value": f"{s['latency_ms']['lookup']['p50']} / {s['latency_ms']['lookup']['p99']}"},
-        {"metric": "load ms p50 / p99",
-         "value": f"{s['latency_ms']['load']['p50']} / {s['latency_ms']['load']['p99']}"},
-        {"metric": "commit ms p50 / p99",
-         "value": f"{s['latency_ms']['commit']['p50']} / {s['latency_ms']['commit']['p99']}"},
-        {"metric": "event-loop lag ms p99", "value": s["loop_lag_ms"]["p99"]},
-        {"metric": "seconds", "value": s["seconds"]},
-    ]
-    return format_table(rows, ["metric", "value"])
-
-
-def resilience_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
-    """Table rows for the store wrapper's retries and circuit breaker (none without it)."""
-    r = s.get("resilience")
-    if not r:
-        return []
-    return [
-        {"metric": "store retries (keys recovered / exhausted)",
-         "value": f"{r['retries']} ({r['recovered_keys']} / {r['exhausted_keys']})"},
-        {"metric": "store timeouts / unavailable calls", "value": f"{r['timeouts']} / {r['unavailable']}"},
-        {"metric": "breaker trips / rejected calls / resumes",
-         "value": f"{r['breaker_trips']} / {r['rejected_calls']} / {r['resumes']}"},
-        {"metric": "offloads skipped (kv backpressure / breaker open)",
-         "value": f"{s.get('offloads_skipped_kv', 0)} / {s.get('offloads_skipped_breaker', 0)}"},
-        {"metric": "loads kept partly (pages lost)",
-         "value": f"{s.get('partial_loads', 0)} ({s.get('partial_pages_lost', 0)})"},
-        {"metric": "bad objects removed", "value": s.get("bad_objects_removed", 0)},
-    ]

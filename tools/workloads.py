@@ -457,3 +457,51 @@ def bound_hit_rate(requests: Iterable[Request], *, page_size: int, grid: int) ->
     """``hit_tokens / prompt_tokens`` of :func:`bound_hit_tokens` (0.0 for no prompt tokens)."""
     hit, total = bound_hit_tokens(requests, page_size=page_size, grid=grid)
     return hit / total if total else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal order
+
+
+def causal_parents(requests: Sequence[Request], *, block_tokens: int = 0) -> list[int | None]:
+    """For each request, the index of the earlier request it continues, or ``None``.
+
+    Request ``R`` continues ``E`` (an earlier request in list order) when ``R``'s prompt
+    extends ``E``'s and is longer: the next turn of a conversation contains the previous
+    prompt. Of several such ``E`` the one with the longest prompt wins (ties: the latest).
+
+    Without ``block_tokens`` a prompt extends ``E`` when ``E``'s segments are a prefix of its
+    own. A block-granular trace (``block_tokens``, 512 for Mooncake) names blocks, and the
+    previous turn's partial last block reappears in the next turn as a new, whole block: there
+    ``E``'s whole blocks must be a prefix, and at least two of them (a one-block prompt
+    shares only the system prompt every conversation starts with, so nothing says which
+    conversation it began).
+    """
+    if block_tokens < 0:
+        raise ValueError(f"block_tokens must be >= 0, got {block_tokens}")
+    min_segments = 2 if block_tokens else 1
+    # chained hash of the first k segments -> (prompt length, index) of the best earlier E
+    known: dict[int, tuple[int, int]] = {}
+    parents: list[int | None] = []
+    for i, req in enumerate(requests):
+        segs = req.prompt.segments
+        chain: list[int] = []
+        h = 0
+        for seg in segs:
+            h = hash((h, seg))
+            chain.append(h)
+        parent: tuple[int, int] | None = None
+        for k in range(len(segs), 0, -1):
+            got = known.get(chain[k - 1])
+            if got is not None and got[0] < req.prompt_length and (parent is None or got > parent):
+                parent = got
+        parents.append(None if parent is None else parent[1])
+        whole = len(segs)
+        if block_tokens and segs and segs[-1][1] < block_tokens:
+            whole -= 1
+        if whole >= min_segments:
+            key = chain[whole - 1]
+            prev = known.get(key)
+            if prev is None or (req.prompt_length, i) >= prev:
+                known[key] = (req.prompt_length, i)
+    return parents
