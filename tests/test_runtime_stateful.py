@@ -343,7 +343,7 @@ class LinkerMachine(RuleBasedStateMachine):
             slots += len(req.checkpoints) + (req.working is not None)
             if req.load is not None and not req.load.finished:
                 pages += req.load.rows.numel() // P
-                slots += req.load.slot is not None
+                slots += len(req.load.states)
             if req.node is not tree.root:
                 assert req.node.lock >= 1 and req.node.mamba_lock >= 1
                 assert _attached(req.node, tree.root), f"{req.id} stands on an evicted node"
