@@ -17,9 +17,28 @@ from .components.keys import TokenError, namespace_seed, object_key, page_keys
 from .components.layout import LayoutError, MambaLayerSpec, ModelLayout, PoolKind
 from .components.lookup import restorable_page_counts
 from .components.mamba import checkpoint_depth, checkpoint_grid, restorable_ceiling
+from .components.pool_view import (
+    PoolSet,
+    PoolView,
+    PoolViewError,
+    kv_view,
+    stacked_kv_view,
+    state_view,
+)
 from .components.pools import HybridPools, PoolError, dcp_fold
 from .components.radix import RadixTree
 from .runtime.config import LinkerConfig
+from .runtime.data_plane import (
+    DataPlane,
+    DataPlaneClosedError,
+    DataPlaneConfig,
+    LoadTicket,
+    OffloadTicket,
+    SyncDataPlane,
+    SyncLoad,
+    Transfer,
+    TransferOutcome,
+)
 from .runtime.events import DeviceEvent, FenceError, wait_fence
 from .runtime.linker import Linker, LoadHandle, LookupResult, PhaseError, Request
 from .runtime.statistics import LinkerStatistics, PoolActorStatistics, QueueStatistics
@@ -97,4 +116,23 @@ __all__ = [
     "restorable_ceiling",
     "restorable_page_counts",
     "wait_fence",
+]
+
+# the data plane over an engine's own pools (docs/design.md, "Data plane")
+__all__ += [
+    "DataPlane",
+    "DataPlaneClosedError",
+    "DataPlaneConfig",
+    "LoadTicket",
+    "OffloadTicket",
+    "PoolSet",
+    "PoolView",
+    "PoolViewError",
+    "SyncDataPlane",
+    "SyncLoad",
+    "Transfer",
+    "TransferOutcome",
+    "kv_view",
+    "stacked_kv_view",
+    "state_view",
 ]

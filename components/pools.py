@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .layout import ModelLayout, PoolKind
+from .pool_view import PoolSet, PoolView, stacked_kv_view, state_view
 
 
 class PoolError(RuntimeError):
@@ -183,6 +184,22 @@ class HybridPools:
             problems.append(f"mamba: {self.mamba.slots.capacity - self.mamba.slots.num_free} slots in use")
         if problems:
             raise PoolError("pools are not idle: " + "; ".join(problems))
+
+    def views(self) -> PoolSet:
+        """Views over these pools' own tensors: the same objects an engine's borrowed pools
+        give (``components.pool_view``); the runtime moves data only through views."""
+        views: list[PoolView] = [stacked_kv_view(
+            self.kv.tensor, layer_ids=self.layout.full_layers, page_size=self.layout.page_size)]
+        if self.mamba is not None:
+            views.append(state_view([[c] for c in self.mamba.conv], list(self.mamba.temporal),
+                                    layer_ids=[s.layer_id for s in self.layout.mamba_layers]))
+        if self.draft is not None:
+            views.append(stacked_kv_view(
+                self.draft.tensor, layer_ids=self.layout.full_layers[: self.draft.tensor.shape[0]],
+                page_size=self.layout.page_size, kind=PoolKind.DRAFT))
+        pool_set = PoolSet(views)
+        pool_set.check_layout(self.layout)
+        return pool_set
 
     def pool_tensors(self, kind: PoolKind) -> list[torch.Tensor]:
         if kind is PoolKind.FULL:

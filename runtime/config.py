@@ -39,6 +39,9 @@ class LinkerConfig:
     touch_interval_s: float = attrs.field(default=5.0, validator=_positive)
     #: a device fence still pending after this long fails its offload (FenceError)
     fence_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    #: objects per page/state, each holding a run of layers: a load lands (and reports) the
+    #: first group's layers before later groups arrive (``runtime/data_plane.py``)
+    layer_groups: int = attrs.field(default=1, validator=_positive)
     #: look up the store on admission
     store_lookup: bool = True
     #: retries, timeouts and the circuit breaker every store call goes through

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Generic, TypeVar
 
@@ -29,12 +29,13 @@ import numpy as np
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..components.layout import ModelLayout, PoolKind
+from ..components.layout import PoolKind
 from ..stores import framing
 from ..stores.base import GetResult, Outcome, Store, StoreError
 from .events import DeviceEvent, wait_fence
 from .statistics import PoolActorStatistics, QueueStatistics
 from .tracing import trace
+from .transfer import PoolCodec
 
 T = TypeVar("T")
 _FRAME_FAULTS = frozenset(f.value for f in framing.FrameFault)
@@ -47,14 +48,42 @@ class Completion(Generic[T]):
         self._event = anyio.Event()
         self._value: T | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Completion[T]], None]] = []
 
     def set(self, value: T) -> None:
+        """Set the result; the first ``set`` or ``fail`` wins, later ones are ignored."""
+        if self._event.is_set():
+            return
         self._value = value
         self._event.set()
+        self._run_callbacks()
 
     def fail(self, error: BaseException) -> None:
+        if self._event.is_set():
+            return
         self._error = error
         self._event.set()
+        self._run_callbacks()
+
+    def add_callback(self, fn: Callable[[Completion[T]], None]) -> None:
+        """Call ``fn(self)`` on the loop once the result is set (now, if it already is)."""
+        if self._event.is_set():
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def _run_callbacks(self) -> None:
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def value(self) -> T | None:
+        return self._value
 
     @property
     def done(self) -> bool:
@@ -89,7 +118,10 @@ class LoadResult:
         return all(self.ok)
 
 
-@attrs.define
+CANCELLED = "cancelled"  # LoadResult fault: the job was cancelled before it started
+
+
+@attrs.define(eq=False)
 class TransferJob:
     keys: list[str]
     index: torch.Tensor  # [n, per]
@@ -97,6 +129,15 @@ class TransferJob:
     on_layer: Callable[[int], None] | None = None
     completion: Completion[object] = attrs.field(factory=Completion)
     request_id: str = ""
+    group: int = 0  # which layer group's codec moves this job's objects
+    started: bool = False  # a worker took it: it can no longer be cancelled
+    cancelled: bool = False  # cancelled before it started: it ends without touching rows
+
+
+def cancel_job(job: TransferJob) -> None:
+    """End a load job that has not started: no row is touched, every object reads cancelled."""
+    job.cancelled = True
+    job.completion.set(LoadResult([False] * len(job.keys), {CANCELLED: len(job.keys)}))
 
 
 class LatencyMonitor:
@@ -177,9 +218,9 @@ class PoolActor:
     def __init__(
         self,
         kind: PoolKind,
-        codec: object,
+        codecs: Sequence[PoolCodec],
         store: Store,
-        layout: ModelLayout,
+        fingerprint: bytes,
         *,
         staging_frames: int,
         queue_depth: int,
@@ -188,15 +229,15 @@ class PoolActor:
         inline_bytes: int = 1 << 20,
         fence_timeout_s: float | None = None,
     ) -> None:
-        from .transfer import PoolCodec
-
-        assert isinstance(codec, PoolCodec)
+        if not codecs:
+            raise ValueError("a pool actor needs at least one codec")
         self.kind = kind
-        self.codec = codec
+        self.codecs = list(codecs)  # one per layer group
+        self.codec = self.codecs[0]
         self.store = store
-        self.layout = layout
-        self.fingerprint = layout.fingerprint
-        self.frame_bytes = framing.framed_size(codec.payload_bytes)
+        self.fingerprint = fingerprint
+        self.frame_sizes = [framing.framed_size(c.payload_bytes) for c in self.codecs]
+        self.frame_bytes = max(self.frame_sizes)
         # 64-byte aligned frames; one arena per direction so loads never wait for offloads
         stride = -(-self.frame_bytes // 64) * 64
         self.stride = stride
@@ -222,15 +263,20 @@ class PoolActor:
                        load_failures=0, verify_failures=0)
 
     # ---- submission ----------------------------------------------------------------
-    async def submit_offload(self, job: TransferJob) -> None:
+    def reserve_offload(self, job: TransferJob) -> None:
+        """Count a MAMBA job's states as pending now, before the submitter's first await (the
+        backpressure rule reads this count); the worker uncounts them when the job ends, and
+        :meth:`unreserve_offload` does if it is never queued."""
         if self.kind is PoolKind.MAMBA:
             self.pending_states += len(job.keys)
-        try:
-            await self.offload_q.put(job)
-        except BaseException:
-            if self.kind is PoolKind.MAMBA:
-                self.pending_states -= len(job.keys)
-            raise
+
+    def unreserve_offload(self, job: TransferJob) -> None:
+        if self.kind is PoolKind.MAMBA:
+            self.pending_states -= len(job.keys)
+
+    async def submit_offload(self, job: TransferJob) -> None:
+        """Queue a job reserved with :meth:`reserve_offload` (waits while the queue is full)."""
+        await self.offload_q.put(job)
 
     async def submit_load(self, job: TransferJob) -> None:
         await self.load_q.put(job)
@@ -251,7 +297,12 @@ class PoolActor:
         """One worker: jobs in FIFO order, one at a time, exactly one result each."""
         async with queue.rx:
             async for job in queue.rx:
+                if job.cancelled:  # cancelled before it started (and already ended): skip it
+                    queue.depth -= 1
+                    cancel_job(job)
+                    continue
                 try:
+                    job.started = True
                     with anyio.CancelScope(shield=True):  # never abandon a store call mid-flight
                         result = await work(job)
                 except Exception as exc:
@@ -265,23 +316,23 @@ class PoolActor:
                     if counts_states:
                         self.pending_states -= len(job.keys)
 
-    def _views(self, direction: str, half: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Frames of one half of a direction's arena (double buffering)."""
+    def _views(self, direction: str, half: int, n: int, size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Frames of ``size`` bytes in one half of a direction's arena (double buffering)."""
         arena = self._arenas[direction]
         base = half * self.batch * self.stride
         grid = arena[base: base + n * self.stride].view(n, self.stride)
-        frames = [arena[base + i * self.stride: base + i * self.stride + self.frame_bytes] for i in range(n)]
+        frames = [arena[base + i * self.stride: base + i * self.stride + size] for i in range(n)]
         return grid, frames
 
-    def _np_frames(self, direction: str, half: int, n: int) -> list[np.ndarray]:
+    def _np_frames(self, direction: str, half: int, n: int, size: int) -> list[np.ndarray]:
         """The same frames as NumPy views: framing and host copies need no tensor per object."""
         arena = self._arenas_np[direction]
         base = half * self.batch * self.stride
-        return [arena[base + i * self.stride: base + i * self.stride + self.frame_bytes] for i in range(n)]
+        return [arena[base + i * self.stride: base + i * self.stride + size] for i in range(n)]
 
-    def _inline(self, batch: tuple[int, int]) -> bool:
+    def _inline(self, batch: tuple[int, int], size: int) -> bool:
         """Small host copies run on the loop: two thread hops cost more than the copy."""
-        return self.codec.device.type == "cpu" and (batch[1] - batch[0]) * self.frame_bytes <= self.inline_bytes
+        return self.codec.device.type == "cpu" and (batch[1] - batch[0]) * size <= self.inline_bytes
 
     def _batches(self, n: int) -> list[tuple[int, int]]:
         return [(lo, min(n, lo + self.batch)) for lo in range(0, n, self.batch)]
@@ -290,14 +341,15 @@ class PoolActor:
         """Gather + frame sub-batch k in a thread while sub-batch k-1 is being put."""
         await wait_fence(job.fence, timeout_s=self.fence_timeout_s)
         t0 = time.perf_counter()
+        codec, size = self.codecs[job.group], self.frame_sizes[job.group]
         batches = self._batches(len(job.keys))
         results: list[list[Outcome]] = [[] for _ in batches]
 
         def pack(k: int) -> list[torch.Tensor]:
             lo, hi = batches[k]
-            grid, frames = self._views("offload", k % 2, hi - lo)
-            self.codec.gather(job.index[lo:hi], grid[:, framing.HEADER_BYTES: self.frame_bytes])
-            for key, f in zip(job.keys[lo:hi], self._np_frames("offload", k % 2, hi - lo)):
+            grid, frames = self._views("offload", k % 2, hi - lo, size)
+            codec.gather(job.index[lo:hi], grid[:, framing.HEADER_BYTES: size])
+            for key, f in zip(job.keys[lo:hi], self._np_frames("offload", k % 2, hi - lo, size)):
                 framing.seal_array(f, key, self.fingerprint)
             return frames
 
@@ -315,7 +367,7 @@ class PoolActor:
 
         ready: tuple[int, list[torch.Tensor]] | None = None
         for k in range(len(batches)):
-            if self._inline(batches[k]):
+            if self._inline(batches[k], size):
                 frames = pack(k)  # small: cheaper than two thread hops
                 if ready is not None:
                     await put(*ready)
@@ -331,13 +383,13 @@ class PoolActor:
         for o in outcomes:
             if o is Outcome.OK:
                 self._c["objects_offloaded"] += 1
-                self._c["bytes_offloaded"] += self.frame_bytes
+                self._c["bytes_offloaded"] += size
             elif o is Outcome.EXISTS:
                 self._c["objects_already_stored"] += 1
             else:
                 self._c["offload_failures"] += 1
         trace("offload", pool=self.kind.value, request_id=job.request_id, objects=len(job.keys),
-              bytes=len(job.keys) * self.frame_bytes, us=round((time.perf_counter() - t0) * 1e6),
+              bytes=len(job.keys) * size, us=round((time.perf_counter() - t0) * 1e6),
               failures=sum(o not in (Outcome.OK, Outcome.EXISTS) for o in outcomes))
         return OffloadResult(outcomes)
 
@@ -345,15 +397,16 @@ class PoolActor:
         """Get sub-batch k while sub-batch k-1 is verified and scattered in a thread."""
         faults: dict[str, int] = {}
         t0 = time.perf_counter()
+        codec, size = self.codecs[job.group], self.frame_sizes[job.group]
         batches = self._batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
 
         def unpack(k: int, results: list[GetResult]) -> None:
             lo, hi = batches[k]
-            frames = self._np_frames("load", k % 2, hi - lo)
+            frames = self._np_frames("load", k % 2, hi - lo, size)
             index = job.index[lo:hi]
             # host pools: land each object right after verifying it, while it is still in cache
-            fused = self.codec.host_path(index)
+            fused = codec.host_path(index)
             rows = index[:, 0].tolist()
             ok: list[bool] = []
             for i, (key, f, r) in enumerate(zip(job.keys[lo:hi], frames, results)):
@@ -368,27 +421,27 @@ class PoolActor:
                     ok.append(False)
                     continue
                 if fused:
-                    self.codec.scatter_one(payload, rows[i])
+                    codec.scatter_one(payload, rows[i])
                 ok.append(True)
             good[k] = ok
             # layers are reported only when every object of the job has landed
             report = job.on_layer if k == len(batches) - 1 and all(all(g) for g in good) else None
             if fused:
                 if report is not None:
-                    for layer in self.codec.layer_ids:
+                    for layer in codec.layer_ids:
                         report(layer)
                 return
-            grid, _ = self._views("load", k % 2, hi - lo)
+            grid, _ = self._views("load", k % 2, hi - lo, size)
             sel = [i for i, g in enumerate(ok) if g]
             if len(sel) == len(ok):
-                self.codec.scatter(grid[:, framing.HEADER_BYTES: self.frame_bytes], index, report)
+                codec.scatter(grid[:, framing.HEADER_BYTES: size], index, report)
             elif sel:
                 pick = torch.tensor(sel, dtype=torch.int64)
-                self.codec.scatter(grid[pick, framing.HEADER_BYTES: self.frame_bytes], index[pick], None)
+                codec.scatter(grid[pick, framing.HEADER_BYTES: size], index[pick], None)
 
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
-            _, frames = self._views("load", k % 2, hi - lo)
+            _, frames = self._views("load", k % 2, hi - lo, size)
             start = time.perf_counter()
             try:
                 results = await self.store.get(job.keys[lo:hi], frames)
@@ -403,21 +456,21 @@ class PoolActor:
         for k in range(len(batches)):
             async with anyio.create_task_group() as tg:
                 if landed is not None:
-                    if self._inline(batches[landed[0]]):
+                    if self._inline(batches[landed[0]], size):
                         unpack(*landed)
                     else:
                         tg.start_soon(partial(anyio.to_thread.run_sync, unpack, *landed, limiter=self.limiter))
                 results = await get(k)
             landed = (k, results)
         if landed is not None:
-            if self._inline(batches[landed[0]]):
+            if self._inline(batches[landed[0]], size):
                 unpack(*landed)
             else:
                 await anyio.to_thread.run_sync(unpack, *landed, limiter=self.limiter)
         ok = [g for batch in good for g in batch]
         n_ok = sum(ok)
         self._c["objects_loaded"] += n_ok
-        self._c["bytes_loaded"] += n_ok * self.frame_bytes
+        self._c["bytes_loaded"] += n_ok * size
         self._c["load_misses"] += faults.get(Outcome.MISSING.value, 0)
         verify = sum(v for k, v in faults.items() if k in _FRAME_FAULTS)
         self._c["verify_failures"] += verify

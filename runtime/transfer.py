@@ -1,21 +1,20 @@
 """Gather and scatter between pool rows and staging frames, vectorized per batch.
 
-A *transfer* is one pool's list of objects for one phase: ``index[n, per]`` says which device
-rows (KV, DRAFT: ``per = page_size``) or slot (MAMBA: ``per = 1``) object ``i`` covers.
-A codec turns a batch of such objects into payload bytes (``[n, payload_bytes]`` uint8) and
-back — never a Python loop per row:
+A *transfer* is one pool's list of objects for one phase: ``index[n, unit]`` says which rows
+(KV, DRAFT: ``unit = page_size``) or slot (MAMBA: ``unit = 1``) object ``i`` covers. A
+:class:`PoolCodec` over a :class:`~hylinker.components.pool_view.PoolView` turns a batch of such
+objects into payload bytes (``[n, payload_bytes]`` uint8) and back — never a Python loop per row:
 
-* device pools (CUDA/HIP): one gather (``index_select``) per pool tensor on the device, then
-  one copy to the host; the reverse on load, layer by layer;
-* host pools: one ``memcpy`` per page (or state) and tensor, straight between the pool and the
-  frame through NumPy views — no intermediate tensor, and no intra-op thread pool (torch's
-  parallel copies cost more than they save for 16 KiB–1 MiB pieces on a busy 2-core host).
+* device pools (CUDA/HIP): one gather (``index_select``) per layer part on the device, then one
+  copy to the host; the reverse on load, layer by layer;
+* host pools: one ``memcpy`` per object and part (or per object when the view is stacked),
+  straight between the pool and the frame through NumPy views — no intermediate tensor and no
+  intra-op thread pool (torch's parallel copies cost more than they save for 16 KiB–1 MiB
+  pieces on a busy 2-core host).
 
-Payload layouts:
-
-* KV / DRAFT page: ``[layer][token][*row]`` for the page's ``P`` tokens, layer-major, so a
-  page object holds every layer and the scatter can still land layer by layer.
-* MAMBA state: ``conv_0 ‖ temporal_0 ‖ conv_1 ‖ ...`` in layout order, raw bytes.
+Payload layout (the view's, see ``components/pool_view.py``): layer-major, then part-major, then
+row-major. A codec may cover a subset of a view's layers (a *layer group*): its objects then
+hold only those layers, so a multi-group load lands, verifies and reports group by group.
 """
 
 from __future__ import annotations
@@ -25,75 +24,59 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..components.layout import ModelLayout, PoolKind
-from ..components.pools import HybridPools
+from ..components.pool_view import PoolView
 
 
 class PoolCodec:
-    """Moves one pool's objects between device tensors and payload bytes."""
+    """Moves one pool's objects (or one layer group of them) between tensors and payload bytes."""
 
-    def __init__(self, kind: PoolKind, layout: ModelLayout, pools: HybridPools) -> None:
-        self.kind = kind
-        self.layout = layout
-        self.payload_bytes = layout.payload_bytes(kind)
-        if kind is PoolKind.MAMBA:
-            assert pools.mamba is not None
-            self.tensors = pools.mamba.tensors()
-            owners: list[int] = []
-            for spec in layout.mamba_layers:
-                owners.append(spec.layer_id)
-                if spec.temporal_shape is not None:
-                    owners.append(spec.layer_id)
-            self.tensor_layers = owners
-            # per tensor: [slots, bytes of one slot]
-            self._bytes = [t.view(torch.uint8).reshape(t.shape[0], -1) for t in self.tensors]
-        else:
-            t = pools.kv.tensor if kind is PoolKind.FULL else pools.draft.tensor  # type: ignore[union-attr]
-            self.tensors = [t]
-            self.tensor_layers = list(layout.full_layers[: t.shape[0]])
-            self.row_shape = tuple(t.shape[2:])
-            # [layer, row, bytes of one row]
-            self._bytes = [t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)]
-            self.layer_page_bytes = layout.page_size * self._bytes[0].shape[2]
-        self.device = self.tensors[0].device
-        self._host = [b.numpy() for b in self._bytes] if self.device.type == "cpu" else None
+    def __init__(self, view: PoolView) -> None:
+        self.view = view
+        self.kind = view.kind
+        self.unit = view.unit
+        self.payload_bytes = view.payload_bytes
+        self.device = view.device
+        # segments in payload order: (layer id, [capacity, row bytes] byte view of one part)
+        self._segments: list[tuple[int, torch.Tensor]] = [
+            (lp.layer_id, t.view(torch.uint8).reshape(t.shape[0], -1)) for lp in view.layers for t in lp.parts]
+        self._widths = [b.shape[1] * self.unit for _, b in self._segments]
+        self._offsets = np.cumsum([0, *self._widths])[:-1].tolist()
+        host = self.device.type == "cpu"
+        self._host = [b.numpy() for _, b in self._segments] if host else None
+        # stacked views: each part of every layer in one [L, capacity, row bytes] array, so a
+        # host copy moves a whole object with one NumPy call per part
+        self._stacked: list[np.ndarray] | None = None
+        if host and view.stacked is not None and len({b for lb in view.part_row_bytes for b in lb}) == 1:
+            self._stacked = [st.view(torch.uint8).reshape(st.shape[0], st.shape[1], -1).numpy()
+                             for st in view.stacked]
 
     @property
     def layer_ids(self) -> list[int]:
-        """Model layer ids this pool feeds, in scatter order (duplicates removed)."""
-        return list(dict.fromkeys(self.tensor_layers))
+        """Model layer ids this codec's objects feed, in scatter order."""
+        return self.view.layer_ids
 
     # ---- offload ------------------------------------------------------------------------
     def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the objects named by ``index[n, per]`` into ``out[n, payload_bytes]``."""
+        """Copy the objects named by ``index[n, unit]`` into ``out[n, payload_bytes]``."""
         if self._host is not None and _runs(index):
             dst = out.numpy()
-            if self.kind is PoolKind.MAMBA:
-                for i, slot in enumerate(index[:, 0].tolist()):
-                    off = 0
-                    for src in self._host:
-                        w = src.shape[1]
-                        dst[i, off:off + w] = src[slot]
-                        off += w
+            starts = index[:, 0].tolist()
+            u = self.unit
+            if self._stacked is not None:
+                n_parts = len(self._stacked)
+                for i, r0 in enumerate(starts):
+                    d = dst[i].reshape(self._stacked[0].shape[0], n_parts, u, -1)
+                    for j, st in enumerate(self._stacked):
+                        d[:, j] = st[:, r0:r0 + u]
                 return
-            src = self._host[0]
-            per = index.shape[1]
-            for i, r0 in enumerate(index[:, 0].tolist()):
-                dst[i].reshape(src.shape[0], per, src.shape[2])[:] = src[:, r0:r0 + per]
+            for i, r0 in enumerate(starts):
+                for src, off, w in zip(self._host, self._offsets, self._widths):
+                    dst[i, off:off + w] = src[r0:r0 + u].reshape(-1)
             return
         n = index.shape[0]
-        if self.kind is PoolKind.MAMBA:
-            slots = index[:, 0].to(self.device)
-            off = 0
-            for b in self._bytes:
-                w = b.shape[1]
-                out[:, off:off + w].copy_(b.index_select(0, slots))
-                off += w
-            return
-        b = self._bytes[0]
         rows = index.reshape(-1).to(self.device)
-        g = b.index_select(1, rows).reshape(b.shape[0], n, -1).transpose(0, 1)  # [n, L, P*row]
-        out.copy_(g.reshape(n, -1))
+        for (_, b), off, w in zip(self._segments, self._offsets, self._widths):
+            out[:, off:off + w].copy_(b.index_select(0, rows).reshape(n, w))
 
     # ---- load ---------------------------------------------------------------------------
     def host_path(self, index: torch.Tensor) -> bool:
@@ -104,16 +87,15 @@ class PoolCodec:
         """Host path: write one object's verified payload into its rows starting at row
         ``first`` (a page's first row, or the state's slot)."""
         assert self._host is not None
-        if self.kind is PoolKind.MAMBA:
-            off = 0
-            for dst in self._host:
-                w = dst.shape[1]
-                dst[first] = payload[off:off + w]
-                off += w
+        u = self.unit
+        if self._stacked is not None:
+            n_parts = len(self._stacked)
+            src = payload.reshape(self._stacked[0].shape[0], n_parts, u, -1)
+            for j, st in enumerate(self._stacked):
+                st[:, first:first + u] = src[:, j]
             return
-        dst = self._host[0]
-        per = self.layout.page_size
-        dst[:, first:first + per] = payload.reshape(dst.shape[0], per, dst.shape[2])
+        for dst, off, w in zip(self._host, self._offsets, self._widths):
+            dst[first:first + u] = payload[off:off + w].reshape(u, -1)
 
     def scatter(self, src: torch.Tensor, index: torch.Tensor,
                 on_layer: Callable[[int], None] | None = None) -> None:
@@ -122,46 +104,22 @@ class PoolCodec:
         ``on_layer(layer_id)`` is called as soon as each model layer's data has landed.
         """
         n = index.shape[0]
+        u = self.unit
         host = self._host is not None and _runs(index)
-        if self.kind is PoolKind.MAMBA:
-            slots_l = index[:, 0].tolist()
-            slots = index[:, 0].to(self.device)
-            off = 0
-            for i, b in enumerate(self._bytes):
-                w = b.shape[1]
-                if host:
-                    assert self._host is not None
-                    s = src.numpy()
-                    for j, slot in enumerate(slots_l):
-                        self._host[i][slot] = s[j, off:off + w]
-                else:
-                    b.index_copy_(0, slots, src[:, off:off + w].to(self.device))
-                off += w
-                layer = self.tensor_layers[i]
-                last_of_layer = i + 1 == len(self._bytes) or self.tensor_layers[i + 1] != layer
-                if on_layer is not None and last_of_layer:
-                    on_layer(layer)
-            return
-        b = self._bytes[0]
-        lb = self.layer_page_bytes
-        per = index.shape[1]
-        if host:
-            assert self._host is not None
-            dst = self._host[0]
-            s = src.numpy()
-            starts = index[:, 0].tolist()
-            for layer in range(b.shape[0]):
-                for j, r0 in enumerate(starts):
-                    dst[layer, r0:r0 + per] = s[j, layer * lb:(layer + 1) * lb].reshape(per, -1)
-                if on_layer is not None:
-                    on_layer(self.tensor_layers[layer])
-            return
         rows = index.reshape(-1).to(self.device)
-        for layer in range(b.shape[0]):
-            part = src[:, layer * lb:(layer + 1) * lb].to(self.device)
-            b[layer].index_copy_(0, rows, part.reshape(n * per, -1))
-            if on_layer is not None:
-                on_layer(self.tensor_layers[layer])
+        starts = index[:, 0].tolist()
+        s = src.numpy() if host else None
+        last = len(self._segments) - 1
+        for k, ((layer, b), off, w) in enumerate(zip(self._segments, self._offsets, self._widths)):
+            if host:
+                assert self._host is not None and s is not None
+                dst = self._host[k]
+                for j, r0 in enumerate(starts):
+                    dst[r0:r0 + u] = s[j, off:off + w].reshape(u, -1)
+            else:
+                b.index_copy_(0, rows, src[:, off:off + w].reshape(n * u, -1).to(self.device))
+            if on_layer is not None and (k == last or self._segments[k + 1][0] != layer):
+                on_layer(layer)
 
 
 def _runs(index: torch.Tensor) -> bool:
@@ -172,4 +130,3 @@ def _runs(index: torch.Tensor) -> bool:
 
 
 __all__ = ["PoolCodec"]
-

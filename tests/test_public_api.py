@@ -17,6 +17,12 @@ EXPECTED = {
     # reliability (issue 11): the store wrapper every linker uses, its policy and statistics
     "ResiliencePolicy", "ResilienceStatistics", "ResilientStore",
 }
+# the data plane over an engine's own pools
+EXPECTED |= {
+    "DataPlane", "DataPlaneClosedError", "DataPlaneConfig", "LoadTicket", "OffloadTicket",
+    "PoolSet", "PoolView", "PoolViewError", "SyncDataPlane", "SyncLoad", "Transfer",
+    "TransferOutcome", "kv_view", "stacked_kv_view", "state_view",
+}
 
 
 def test_all_is_the_curated_list() -> None:

@@ -43,8 +43,8 @@ def test_round_trip_moves_exactly_the_named_objects(kv_dtype: str, kind: PoolKin
     _fill_random(src, 1)
     _fill_random(dst, 2)
     before = [t.clone() for t in dst.pool_tensors(kind)]
-    codec_src = PoolCodec(kind, layout, src)
-    codec_dst = PoolCodec(kind, layout, dst)
+    codec_src = PoolCodec(src.views()[kind])
+    codec_dst = PoolCodec(dst.views()[kind])
     P = layout.page_size
     if kind is PoolKind.MAMBA:
         index = torch.tensor([[4], [1], [3]])
@@ -82,7 +82,7 @@ def test_payload_is_layer_major_per_page() -> None:
     kv = pools.kv.tensor
     kv[0].fill_(11)
     kv[1].fill_(22)
-    codec = PoolCodec(PoolKind.FULL, layout, pools)
+    codec = PoolCodec(pools.views()[PoolKind.FULL])
     out = torch.zeros(1, layout.payload_bytes(PoolKind.FULL), dtype=torch.uint8)
     codec.gather(torch.arange(4)[None], out)
     half = out.shape[1] // 2

@@ -1,0 +1,790 @@
+"""The data plane: loads and offloads between an engine's own pools and a store.
+
+An engine that owns its prefix tree, allocators and locks (SGLang, vLLM, or hylinker's own
+:class:`~hylinker.runtime.linker.Linker`) decides *which* rows and slots hold *which* object;
+the data plane only moves the bytes, verifies them and says when they landed.
+
+How an engine uses it::
+
+    pools = PoolSet([kv_view(k_bufs, v_bufs, layer_ids=full_ids, page_size=P),
+                     state_view(mamba.conv, mamba.temporal, layer_ids=mamba_ids)])
+    async with DataPlane(pools, store, namespace=b"model/tp0") as dp:
+        present = await dp.exists({PoolKind.FULL: page_keys, PoolKind.MAMBA: [state_key]})
+        ticket = await dp.load([Transfer(PoolKind.FULL, page_keys, kv_rows),
+                                Transfer(PoolKind.MAMBA, [state_key], [slot])])
+        await ticket.wait_layer(layer_id)        # that layer's rows hold verified data
+        outcome = await ticket.wait()            # outcome.ok: every object landed
+        done = await dp.offload([Transfer(PoolKind.FULL, new_keys, new_rows)], fence=event)
+        ...                                      # await done.wait() for its outcome
+
+A synchronous scheduler uses :class:`SyncDataPlane` (the same calls from any thread, results
+as ``concurrent.futures.Future``; the event loop runs on a background thread).
+
+Contract (what the caller keeps, what the data plane guarantees):
+
+* A *transfer* names one pool's objects: ``keys[i]`` is stored from / loaded into the rows
+  ``index[i]`` (``[n, page_size]`` rows, or flat whole pages; one slot per state). Keys are the
+  engine's; equal keys must mean equal bytes (objects are immutable, first writer wins).
+* One submission (a list of transfers, at most one per pool) gets one ticket and one outcome.
+  Per pool and direction, jobs run in submission order; submissions themselves are queued in
+  the order they were made (a bounded queue: a submitter waits while it is full).
+* A load writes only the rows its transfers name, and reports a layer landed only after every
+  object feeding that layer (every pool, every layer group) arrived and its checksum and
+  header were verified. A failed object is reported (``outcome.ok`` false, faults counted);
+  its rows may hold partial bytes, so the engine must not use them (recompute or abort).
+* An offload reads its rows only after its ``fence`` completed (the forward wrote them).
+* :meth:`LoadTicket.cancel` succeeds only before any of the load's jobs started; the rows
+  are then untouched. :meth:`DataPlane.reset` cancels queued loads and waits for every
+  transfer in flight; :meth:`DataPlane.close` does the same and refuses new work.
+* Store failures never raise out of a transfer: they are per-object outcomes. Misuse raises
+  (:class:`~hylinker.components.pool_view.PoolViewError`, :class:`DataPlaneClosedError`).
+
+Layer groups: with ``layer_groups = G > 1`` every page or state is stored as ``G`` objects,
+each holding a run of consecutive layers (keys ``{key}|g{g}of{G}``); a load fetches group 0
+of all its objects first, so the forward's first layers can start while later groups are
+still in flight. ``G = 1`` stores one object per page or state holding every layer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.from_thread
+import attrs
+import torch
+
+from ..components.layout import PoolKind
+from ..components.pool_view import PoolSet, PoolView, PoolViewError
+from ..stores.base import Store, StoreError
+from .events import DeviceEvent
+from .pool_actor import (
+    CANCELLED,
+    STORED,
+    LatencyMonitor,
+    LoadResult,
+    OffloadResult,
+    PoolActor,
+    TransferJob,
+    cancel_job,
+)
+from .statistics import PoolActorStatistics
+from .tracing import trace
+from .transfer import PoolCodec
+
+
+class DataPlaneClosedError(RuntimeError):
+    """The data plane is not running (not entered yet, closing or closed)."""
+
+
+@attrs.frozen
+class DataPlaneConfig:
+    """The data path's knobs (``LinkerConfig`` carries the same fields for the Linker)."""
+
+    queue_depth: int = 64  # jobs each pool queues per direction before submitters wait
+    staging_bytes_per_pool: int = 16 << 20  # host staging per pool and direction
+    copy_threads: int = 2  # threads for gather/scatter copies
+    inline_copy_bytes: int = 4 << 20  # host sub-batches up to this size copy on the loop
+    fence_timeout_s: float = 60.0  # an offload fence pending longer fails the offload
+    latency_high_ms: float = 250.0  # store latency EMA watermarks (LatencyMonitor)
+    latency_low_ms: float = 50.0
+    layer_groups: int = 1  # objects per page/state, each a run of layers (see module doc)
+
+    def __attrs_post_init__(self) -> None:
+        for f in attrs.fields(DataPlaneConfig):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"DataPlaneConfig.{f.name} must be positive, got {v!r}")
+        if not isinstance(self.layer_groups, int):
+            raise ValueError(f"DataPlaneConfig.layer_groups must be an int, got {self.layer_groups!r}")
+
+
+@attrs.frozen
+class Transfer:
+    """One pool's objects of a submission: ``keys[i]`` ↔ rows (or slot) ``index[i]``."""
+
+    pool: PoolKind
+    keys: Sequence[str]
+    index: Any  # torch.Tensor [n, unit] or flat [n * unit]; or a sequence of ints
+
+
+@attrs.frozen
+class TransferOutcome:
+    """What one submission did. ``objects[pool][i]``: object ``i`` landed and verified (load)
+    or reached the store (offload, ``OK`` or ``EXISTS``) in every layer group."""
+
+    ok: bool
+    objects: dict[PoolKind, list[bool]]
+    faults: dict[str, int]  # reason -> objects (load: missing, bad_checksum, ...; offload: full, ...)
+    cancelled: bool = False
+
+
+def group_key(key: str, group: int, groups: int) -> str:
+    """The store key of layer group ``group`` of an object (the key itself when ``groups == 1``)."""
+    return key if groups == 1 else f"{key}|g{group}of{groups}"
+
+
+class _Ticket:
+    """Shared by load and offload tickets: the jobs of one submission and their outcome."""
+
+    def __init__(self, plane: DataPlane, ticket_id: int, request_id: str,
+                 jobs: list[tuple[PoolKind, int, TransferJob]], sizes: dict[PoolKind, int]) -> None:
+        self.plane = plane
+        self.id = ticket_id
+        self.request_id = request_id
+        self.jobs = jobs  # (pool, group, job)
+        self._sizes = sizes  # objects per pool
+        self._left = len(jobs)
+        self._done = anyio.Event()
+        self._outcome: TransferOutcome | None = None
+        self._done_callbacks: list[Callable[[TransferOutcome], None]] = []
+        self._submitted = False
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def outcome(self) -> TransferOutcome | None:
+        return self._outcome
+
+    async def wait(self) -> TransferOutcome:
+        """The submission's outcome, once every job of it ended."""
+        await self._done.wait()
+        assert self._outcome is not None
+        return self._outcome
+
+    def add_done_callback(self, fn: Callable[[TransferOutcome], None]) -> None:
+        """``fn(outcome)`` on the loop when the submission ends (now, if it has)."""
+        if self._outcome is not None:
+            fn(self._outcome)
+        else:
+            self._done_callbacks.append(fn)
+
+    def _job_ended(self, pool: PoolKind, group: int, job: TransferJob) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self._finish()
+
+    def _per_object(self, pool: PoolKind, job: TransferJob) -> tuple[list[bool], dict[str, int]]:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        objects: dict[PoolKind, list[bool]] = {p: [True] * n for p, n in self._sizes.items()}
+        faults: dict[str, int] = {}
+        cancelled = False
+        for pool, _group, job in self.jobs:
+            ok, f = self._per_object(pool, job)
+            objects[pool] = [a and b for a, b in zip(objects[pool], ok)]
+            for k, v in f.items():
+                faults[k] = faults.get(k, 0) + v
+            cancelled = cancelled or job.cancelled
+        ok_all = not cancelled and all(all(v) for v in objects.values())
+        self._outcome = TransferOutcome(ok_all, objects, faults, cancelled)
+        self._done.set()
+        self.plane._ticket_ended(self)
+        callbacks, self._done_callbacks = self._done_callbacks, []
+        for fn in callbacks:
+            fn(self._outcome)
+
+
+class LoadTicket(_Ticket):
+    """A submitted load: await it whole (:meth:`wait`) or per model layer (:meth:`wait_layer`)."""
+
+    def __init__(self, plane: DataPlane, ticket_id: int, request_id: str,
+                 jobs: list[tuple[PoolKind, int, TransferJob]], sizes: dict[PoolKind, int]) -> None:
+        super().__init__(plane, ticket_id, request_id, jobs, sizes)
+        self._feeds: dict[int, int] = {}  # layer -> jobs feeding it still pending
+        for pool, group, _job in jobs:
+            for layer in plane.codecs[pool][group].layer_ids:
+                self._feeds[layer] = self._feeds.get(layer, 0) + 1
+        self._layer_events = {layer: anyio.Event() for layer in self._feeds}
+        self._landed: set[int] = set()
+        self._layer_callbacks: list[Callable[[int, bool], None]] = []
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self._feeds)
+
+    @property
+    def started(self) -> bool:
+        """Whether a worker took any of this load's jobs (then it can no longer be cancelled)."""
+        return any(job.started for _, _, job in self.jobs)
+
+    def cancel(self) -> bool:
+        """Cancel the load if none of its jobs started: True, and no row is ever written.
+        False if it already started or ended (it then runs to its outcome)."""
+        if self.done or self.started:
+            return False
+        self.plane._c["loads_cancelled"] += 1
+        trace("data.load.cancelled", request_id=self.request_id, ticket=self.id)
+        for _, _, job in self.jobs:  # ends now; the workers skip the jobs still queued
+            cancel_job(job)
+        return True
+
+    async def wait_layer(self, layer_id: int) -> bool:
+        """Wait until ``layer_id``'s data landed (True) or the load ended without it (False)."""
+        if layer_id not in self._layer_events:
+            raise KeyError(f"layer {layer_id} is not restored by this load")
+        await self._layer_events[layer_id].wait()
+        return layer_id in self._landed
+
+    def add_layer_callback(self, fn: Callable[[int, bool], None]) -> None:
+        """``fn(layer_id, landed)`` on the loop once per layer: True when it landed, False
+        when the load ended without it. Layers already settled are reported now."""
+        for layer, ev in self._layer_events.items():
+            if ev.is_set():
+                fn(layer, layer in self._landed)
+        self._layer_callbacks.append(fn)
+
+    def _settle_layer(self, layer: int, landed: bool) -> None:
+        ev = self._layer_events[layer]
+        if ev.is_set():
+            return
+        if landed:
+            self._landed.add(layer)
+        ev.set()
+        for fn in self._layer_callbacks:
+            fn(layer, landed)
+
+    def _job_ended(self, pool: PoolKind, group: int, job: TransferJob) -> None:
+        res = job.completion.value
+        good = job.completion.error is None and isinstance(res, LoadResult) and res.all_ok and not job.cancelled
+        if good:  # a layer lands when every job feeding it (pools, groups) landed verified
+            for layer in self.plane.codecs[pool][group].layer_ids:
+                self._feeds[layer] -= 1
+                if self._feeds[layer] == 0:
+                    self._settle_layer(layer, True)
+        super()._job_ended(pool, group, job)
+
+    def _finish(self) -> None:
+        super()._finish()
+        for layer in self._layer_events:  # a failed or cancelled load releases every waiter
+            self._settle_layer(layer, False)
+
+    def _per_object(self, pool: PoolKind, job: TransferJob) -> tuple[list[bool], dict[str, int]]:
+        if job.cancelled:
+            return [False] * len(job.keys), {CANCELLED: len(job.keys)}
+        res = job.completion.value
+        if job.completion.error is not None or not isinstance(res, LoadResult):
+            return [False] * len(job.keys), {"error": len(job.keys)}
+        return list(res.ok), dict(res.faults)
+
+
+class OffloadTicket(_Ticket):
+    """A submitted offload; :meth:`wait` gives which objects reached the store."""
+
+    def _per_object(self, pool: PoolKind, job: TransferJob) -> tuple[list[bool], dict[str, int]]:
+        res = job.completion.value
+        if job.completion.error is not None or not isinstance(res, OffloadResult):
+            reason = "fence" if job.completion.error is not None else "error"
+            return [False] * len(job.keys), {reason: len(job.keys)}
+        faults: dict[str, int] = {}
+        for o in res.outcomes:
+            if o not in STORED:
+                faults[o.value] = faults.get(o.value, 0) + 1
+        return [o in STORED for o in res.outcomes], faults
+
+
+class DataPlane:
+    """Per-pool actors over a :class:`PoolSet` and a store. See the module docstring.
+
+    Use as ``async with DataPlane(pools, store) as dp:``. The store is the caller's: the data
+    plane never closes it.
+    """
+
+    def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView], store: Store,
+                 config: DataPlaneConfig | None = None, *, fingerprint: bytes | None = None,
+                 namespace: bytes | str = b"") -> None:
+        self.pools = pools if isinstance(pools, PoolSet) else PoolSet(pools)
+        self.store = store
+        self.config = config or DataPlaneConfig()
+        self.fingerprint = fingerprint if fingerprint is not None else self.pools.fingerprint(namespace)
+        self.latency = LatencyMonitor(self.config.latency_high_ms, self.config.latency_low_ms)
+        self._limiter = anyio.CapacityLimiter(self.config.copy_threads)
+        self.groups = self.config.layer_groups
+        self.codecs: dict[PoolKind, list[PoolCodec]] = {
+            kind: [PoolCodec(v) for v in view.layer_groups(self.groups)] for kind, view in self.pools.items()}
+        self.actors: dict[PoolKind, PoolActor] = {}
+        for kind, codecs in self.codecs.items():
+            biggest = max(c.payload_bytes for c in codecs)
+            frames = max(1, self.config.staging_bytes_per_pool // (biggest + 64))
+            self.actors[kind] = PoolActor(
+                kind, codecs, store, self.fingerprint, staging_frames=frames,
+                queue_depth=self.config.queue_depth, latency=self.latency, thread_limiter=self._limiter,
+                inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closing = False
+        self._ids = itertools.count(1)
+        self._open: set[_Ticket] = set()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._submit_lock = {"load": anyio.Lock(), "offload": anyio.Lock()}
+        self._c: dict[str, int] = dict.fromkeys(
+            ("loads", "loads_ok", "loads_failed", "loads_cancelled", "offloads", "offloads_ok",
+             "offloads_failed", "exists_calls", "exists_errors"), 0)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def __aenter__(self) -> DataPlane:
+        if self._tg is not None or self._closing:
+            raise DataPlaneClosedError("a data plane runs once")
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        for actor in self.actors.values():
+            self._tg.start_soon(actor.run_offloads)
+            self._tg.start_soon(actor.run_loads)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.close()
+        assert self._tg is not None
+        tg, self._tg = self._tg, None
+        return await tg.__aexit__(*exc)
+
+    @property
+    def running(self) -> bool:
+        return self._tg is not None and not self._closing
+
+    def _check_running(self) -> None:
+        if self._tg is None:
+            raise DataPlaneClosedError("the data plane is not running: use `async with DataPlane(...)`")
+        if self._closing:
+            raise DataPlaneClosedError("the data plane is closing")
+
+    async def reset(self) -> None:
+        """Quiesce: cancel loads that have not started, wait for every transfer in flight."""
+        for t in list(self._open):
+            if isinstance(t, LoadTicket):
+                t.cancel()
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Wait until every submitted transfer ended."""
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        """Refuse new work, cancel loads that have not started, wait for the rest; idempotent."""
+        if self._closing:
+            await self.drain()
+            return
+        self._closing = True
+        with anyio.CancelScope(shield=True):
+            await self.reset()
+        for actor in self.actors.values():
+            actor.close_queues()
+
+    # ---- probe ------------------------------------------------------------------------------
+    async def exists(self, keys: Mapping[PoolKind, Sequence[str]]) -> dict[PoolKind, list[bool]]:
+        """Which objects the store holds now, per pool, in one store call (every layer group
+        of an object must be present). A store error or a wrong-length answer is a miss for
+        every key (fail closed), counted as ``exists_errors``."""
+        self._check_running()
+        names: list[str] = []
+        spans: dict[PoolKind, tuple[int, int]] = {}
+        for pool, ks in keys.items():
+            if pool not in self.actors:
+                raise PoolViewError(f"no {pool.value} pool in this data plane")
+            _check_keys(ks, pool)
+            spans[pool] = (len(names), len(ks))
+            g = len(self.codecs[pool])
+            names.extend(group_key(k, j, g) for k in ks for j in range(g))
+        out = {pool: [False] * n for pool, (_, n) in spans.items()}
+        if not names:
+            return out
+        self._c["exists_calls"] += 1
+        start = time.perf_counter()
+        try:
+            present = await self.store.exists(names)
+        except StoreError as exc:
+            self._c["exists_errors"] += 1
+            trace("data.exists.store_error", error=str(exc), keys=len(names))
+            return out
+        self.latency.observe(time.perf_counter() - start)
+        if len(present) != len(names):
+            self._c["exists_errors"] += 1
+            trace("data.exists.store_error", error=f"answered {len(present)} of {len(names)} keys")
+            return out
+        for pool, (off, n) in spans.items():
+            g = len(self.codecs[pool])
+            out[pool] = [all(bool(present[off + i * g + j]) for j in range(g)) for i in range(n)]
+        return out
+
+    # ---- submissions ---------------------------------------------------------------------------
+    def _jobs(self, transfers: Sequence[Transfer], fence: DeviceEvent | None, request_id: str
+              ) -> tuple[list[tuple[PoolKind, int, TransferJob]], dict[PoolKind, int]]:
+        seen: set[PoolKind] = set()
+        jobs: list[tuple[PoolKind, int, TransferJob]] = []
+        sizes: dict[PoolKind, int] = {}
+        checked: list[tuple[PoolKind, list[str], torch.Tensor]] = []
+        for tr in transfers:
+            if not isinstance(tr, Transfer):
+                raise TypeError(f"expected a Transfer, got {type(tr).__name__}")
+            if tr.pool not in self.actors:
+                raise PoolViewError(f"no {tr.pool.value} pool in this data plane")
+            if tr.pool in seen:
+                raise PoolViewError(f"two transfers for pool {tr.pool.value} in one submission")
+            seen.add(tr.pool)
+            keys = _check_keys(tr.keys, tr.pool)
+            index = self.pools[tr.pool].objects(tr.index)
+            if index.shape[0] != len(keys):
+                raise PoolViewError(f"{tr.pool.value}: {len(keys)} keys for {index.shape[0]} objects")
+            if keys:
+                checked.append((tr.pool, keys, index))
+        for pool, keys, index in checked:
+            sizes[pool] = len(keys)
+            groups = len(self.codecs[pool])
+            for g in range(groups):
+                names = [group_key(k, g, groups) for k in keys]
+                jobs.append((pool, g, TransferJob(names, index, fence=fence, request_id=request_id, group=g)))
+        # group-major: every pool's group 0 first, so the first layers land first
+        jobs.sort(key=lambda item: item[1])
+        return jobs, sizes
+
+    async def load(self, transfers: Sequence[Transfer], *, request_id: str = "") -> LoadTicket:
+        """Queue a load (rows are written only by this load until its ticket is done)."""
+        ticket = self.prepare_load(transfers, request_id=request_id)
+        await self.submit(ticket)
+        return ticket
+
+    async def offload(self, transfers: Sequence[Transfer], *, fence: DeviceEvent | None = None,
+                      request_id: str = "") -> OffloadTicket:
+        """Queue an offload; its rows are read once ``fence`` completed."""
+        ticket = self.prepare_offload(transfers, fence=fence, request_id=request_id)
+        await self.submit(ticket)
+        return ticket
+
+    def prepare_load(self, transfers: Sequence[Transfer], *, request_id: str = "") -> LoadTicket:
+        """Validate a load and build its ticket without queueing it (then :meth:`submit`):
+        a caller holds the ticket before the first await, so a cancelled submission still
+        leaves it a ticket that ends."""
+        self._check_running()
+        jobs, sizes = self._jobs(transfers, None, request_id)
+        self._c["loads"] += 1
+        return LoadTicket(self, next(self._ids), request_id, jobs, sizes)
+
+    def prepare_offload(self, transfers: Sequence[Transfer], *, fence: DeviceEvent | None = None,
+                        request_id: str = "") -> OffloadTicket:
+        """Like :meth:`prepare_load`, for an offload."""
+        self._check_running()
+        jobs, sizes = self._jobs(transfers, fence, request_id)
+        self._c["offloads"] += 1
+        return OffloadTicket(self, next(self._ids), request_id, jobs, sizes)
+
+    async def submit(self, ticket: LoadTicket | OffloadTicket) -> None:
+        """Queue a prepared ticket's jobs (waits while a queue is full). If this is cancelled
+        or the plane closes meanwhile, the jobs not yet queued end as failed (a load's as
+        cancelled); the ticket ends either way."""
+        if ticket.plane is not self or ticket._submitted:
+            raise ValueError("a ticket is submitted once, to the plane that prepared it")
+        ticket._submitted = True
+        if self._closing:
+            self._track(ticket)
+            for _pool, _group, job in ticket.jobs:
+                if isinstance(ticket, LoadTicket):
+                    cancel_job(job)
+                else:
+                    job.completion.fail(DataPlaneClosedError("the data plane is closing"))
+            if not ticket.jobs:
+                ticket._finish()
+            return
+        await self._submit(ticket, "load" if isinstance(ticket, LoadTicket) else "offload")
+
+    def _track(self, ticket: _Ticket) -> None:
+        if not self._open:
+            self._idle = anyio.Event()
+        self._open.add(ticket)
+        for pool, group, job in ticket.jobs:
+            job.completion.add_callback(functools.partial(_job_ended, ticket, pool, group, job))
+
+    async def _submit(self, ticket: _Ticket, direction: str) -> None:
+        if not ticket.jobs:
+            ticket._finish()
+            return
+        self._track(ticket)
+        offload = direction == "offload"
+        if offload:  # before the first await: the MAMBA backpressure count is never stale
+            for pool, _group, job in ticket.jobs:
+                self.actors[pool].reserve_offload(job)
+        queued = 0
+        try:
+            async with self._submit_lock[direction]:  # submissions enter the queues in order
+                for pool, _group, job in ticket.jobs:
+                    actor = self.actors[pool]
+                    if direction == "load":
+                        await actor.submit_load(job)
+                    else:
+                        await actor.submit_offload(job)
+                    queued += 1
+        finally:
+            for pool, _group, job in ticket.jobs[queued:]:  # never queued: end them here
+                if offload:
+                    self.actors[pool].unreserve_offload(job)
+                    job.completion.fail(DataPlaneClosedError("the submission was interrupted"))
+                else:
+                    cancel_job(job)
+
+    def _ticket_ended(self, ticket: _Ticket) -> None:
+        self._open.discard(ticket)
+        assert ticket.outcome is not None
+        kind = "loads" if isinstance(ticket, LoadTicket) else "offloads"
+        if ticket.outcome.ok:
+            self._c[f"{kind}_ok"] += 1
+        elif not ticket.outcome.cancelled:
+            self._c[f"{kind}_failed"] += 1
+        if not self._open:
+            self._idle.set()
+
+    # ---- inspection ---------------------------------------------------------------------------
+    def pending_objects(self, pool: PoolKind) -> int:
+        """Objects of ``pool`` in queued or running offloads (MAMBA: states held for writing)."""
+        return self.actors[pool].pending_states if pool is PoolKind.MAMBA else self.actors[pool].offload_q.depth
+
+    def statistics(self) -> dict[str, int]:
+        return dict(self._c)
+
+    def pool_statistics(self) -> dict[str, PoolActorStatistics]:
+        return {k.value: a.statistics() for k, a in self.actors.items()}
+
+
+def _job_ended(ticket: _Ticket, pool: PoolKind, group: int, job: TransferJob, _done: object) -> None:
+    ticket._job_ended(pool, group, job)
+
+
+def _check_keys(keys: Sequence[str], pool: PoolKind) -> list[str]:
+    if isinstance(keys, (str, bytes)):
+        raise PoolViewError(f"{pool.value}: keys must be a sequence of strings, not one {type(keys).__name__}")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, str) or not k:
+            raise PoolViewError(f"{pool.value}: store keys must be non-empty strings, got {k!r}")
+    if len(set(out)) != len(out):
+        raise PoolViewError(f"{pool.value}: repeated keys in one transfer")
+    return out
+
+
+# ---- the synchronous facade ----------------------------------------------------------------------
+
+class SyncLoad:
+    """A load submitted through :class:`SyncDataPlane`. Thread-safe.
+
+    ``result`` resolves to the :class:`TransferOutcome`; ``layer(layer_id)`` is a future that
+    resolves to True when that layer landed, False when the load ended without it (it never
+    raises and never hangs: a failed or cancelled load resolves every layer to False).
+    """
+
+    def __init__(self, layer_ids: Sequence[int], result: concurrent.futures.Future[TransferOutcome]) -> None:
+        self.result = result
+        self._layers = {layer: concurrent.futures.Future[bool]() for layer in layer_ids}
+        self._ticket: LoadTicket | None = None
+        self._cancel_requested = False
+        self._lock = threading.Lock()
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self._layers)
+
+    def layer(self, layer_id: int) -> concurrent.futures.Future[bool]:
+        if layer_id not in self._layers:
+            raise KeyError(f"layer {layer_id} is not restored by this load")
+        return self._layers[layer_id]
+
+    def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
+        return self.layer(layer_id).result(timeout)
+
+    def _settle(self, layer: int, landed: bool) -> None:
+        fut = self._layers.get(layer)
+        if fut is not None and not fut.done():
+            fut.set_result(landed)
+
+    def _settle_all(self) -> None:
+        for layer in self._layers:
+            self._settle(layer, False)
+
+
+class SyncDataPlane:
+    """A :class:`DataPlane` for synchronous callers (a scheduler thread).
+
+    The event loop runs on a background thread started by the constructor; every method is
+    thread-safe and returns at once with a ``concurrent.futures.Future`` (or a
+    :class:`SyncLoad`), except :meth:`reset` and :meth:`close`, which block until every
+    transfer is quiesced. ``store_factory`` builds the store on the loop thread (stores bind to
+    the loop that uses them); the facade closes it on :meth:`close` when ``own_store``.
+
+    Offload outcomes also queue in submission order: :meth:`pop_completed_offloads` returns
+    the outcomes of the oldest offloads that ended, stopping at the first still running.
+    """
+
+    def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView], store_factory: Callable[[], Store],
+                 config: DataPlaneConfig | None = None, *, fingerprint: bytes | None = None,
+                 namespace: bytes | str = b"", own_store: bool = True) -> None:
+        self._stack = contextlib.ExitStack()
+        self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
+        try:
+            self.store: Store = self._portal.call(_call, store_factory)
+            if own_store:  # closed on the loop thread, after the data plane quiesced
+                self._stack.callback(self._portal.call, self.store.close)
+            self.plane = DataPlane(pools, self.store, config, fingerprint=fingerprint, namespace=namespace)
+            self._stack.enter_context(self._portal.wrap_async_context_manager(self.plane))
+        except BaseException:
+            self._stack.close()
+            raise
+        self._fifo: deque[concurrent.futures.Future[TransferOutcome]] = deque()
+        self._fifo_lock = threading.Lock()
+        self._closed = False
+
+    def __enter__(self) -> SyncDataPlane:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise DataPlaneClosedError("the data plane is closed")
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def exists(self, keys: Mapping[PoolKind, Sequence[str]]) -> concurrent.futures.Future[dict[PoolKind, list[bool]]]:
+        self._check()
+        return self._portal.start_task_soon(self.plane.exists, keys)
+
+    def load(self, transfers: Sequence[Transfer], *, request_id: str = "") -> SyncLoad:
+        """Queue a load; bad input raises here (in the caller's thread)."""
+        self._check()
+        # validate in the caller's thread: misuse raises where it happened
+        self.plane._jobs(transfers, None, request_id)
+        layers = sorted({layer for tr in transfers for layer in self.plane.pools[tr.pool].layer_ids})
+        result: concurrent.futures.Future[TransferOutcome] = concurrent.futures.Future()
+        handle = SyncLoad(layers, result)
+
+        async def run() -> None:
+            try:
+                if handle._cancel_requested:
+                    raise _CancelledBeforeSubmit
+                ticket = await self.plane.load(transfers, request_id=request_id)
+            except _CancelledBeforeSubmit:
+                outcome = TransferOutcome(False, {tr.pool: [False] * len(tr.keys) for tr in transfers},
+                                          {CANCELLED: sum(len(tr.keys) for tr in transfers)}, True)
+                self.plane._c["loads_cancelled"] += 1
+                handle._settle_all()
+                result.set_result(outcome)
+                return
+            except BaseException as exc:
+                handle._settle_all()
+                result.set_exception(exc)
+                return
+            with handle._lock:
+                handle._ticket = ticket
+                if handle._cancel_requested:
+                    ticket.cancel()
+            ticket.add_layer_callback(handle._settle)
+            def finished(outcome: TransferOutcome) -> None:
+                handle._settle_all()
+                result.set_result(outcome)
+
+            ticket.add_done_callback(finished)
+
+        self._portal.start_task_soon(run)
+        return handle
+
+    def cancel(self, load: SyncLoad) -> bool:
+        """Cancel a load that has not started: True, and its rows are never written."""
+        self._check()
+        with load._lock:
+            if load._ticket is None:
+                if load.result.done():
+                    return False
+                load._cancel_requested = True
+                return True
+        ticket = load._ticket
+        return bool(self._portal.call(ticket.cancel))
+
+    def offload(self, transfers: Sequence[Transfer], *, fence: DeviceEvent | None = None,
+                request_id: str = "") -> concurrent.futures.Future[TransferOutcome]:
+        """Queue an offload; the future (and the FIFO) gets its outcome."""
+        self._check()
+        self.plane._jobs(transfers, fence, request_id)
+        result: concurrent.futures.Future[TransferOutcome] = concurrent.futures.Future()
+
+        async def run() -> None:
+            try:
+                ticket = await self.plane.offload(transfers, fence=fence, request_id=request_id)
+                result.set_result(await ticket.wait())
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        with self._fifo_lock:  # FIFO order = submission order = queue order (one portal loop)
+            self._fifo.append(result)
+            self._portal.start_task_soon(run)
+        return result
+
+    def num_completed_offloads(self) -> int:
+        with self._fifo_lock:
+            n = 0
+            for f in self._fifo:
+                if not f.done():
+                    break
+                n += 1
+            return n
+
+    def pop_completed_offloads(self) -> list[TransferOutcome]:
+        """Outcomes of the oldest ended offloads, in submission order (a failed submission
+        reads as an outcome with ``ok`` false)."""
+        out: list[TransferOutcome] = []
+        with self._fifo_lock:
+            while self._fifo and self._fifo[0].done():
+                f = self._fifo.popleft()
+                try:
+                    out.append(f.result())
+                except Exception as exc:
+                    out.append(TransferOutcome(False, {}, {type(exc).__name__: 1}))
+        return out
+
+    def statistics(self) -> dict[str, int]:
+        return dict(self._portal.call(self.plane.statistics))
+
+    def reset(self) -> None:
+        """Cancel loads that have not started and wait for every transfer in flight."""
+        self._check()
+        self._portal.call(self.plane.reset)
+
+    def close(self) -> None:
+        """Quiesce every transfer, stop the loop thread (and close the store if owned)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._portal.call(self.plane.close)
+        finally:
+            self._stack.close()  # leaves the DataPlane, closes an owned store, stops the thread
+
+
+class _CancelledBeforeSubmit(Exception):
+    pass
+
+
+def _call(fn: Callable[[], Store]) -> Store:
+    return fn()
+
+
+__all__ = [
+    "DataPlane",
+    "DataPlaneClosedError",
+    "DataPlaneConfig",
+    "LoadTicket",
+    "OffloadTicket",
+    "SyncDataPlane",
+    "SyncLoad",
+    "Transfer",
+    "TransferOutcome",
+    "group_key",
+]

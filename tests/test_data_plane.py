@@ -1,0 +1,407 @@
+"""The data plane over borrowed pools: round trips, probe, per-layer readiness, cancellation,
+quiescing, bad input, lying stores, and the synchronous facade."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+import pytest
+import torch
+
+from hylinker.components.layout import PoolKind
+from hylinker.components.pool_view import PoolSet, PoolViewError, kv_view, state_view
+from hylinker.runtime.data_plane import (
+    DataPlane,
+    DataPlaneClosedError,
+    DataPlaneConfig,
+    SyncDataPlane,
+    Transfer,
+    group_key,
+)
+from hylinker.stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
+from hylinker.stores.embedded import EmbeddedStore
+from hylinker.testing.fakes import FakeDeviceEvent, GatedStore
+
+P = 4
+ROWS = 64
+SLOTS = 6
+FULL_IDS = [0, 2, 4, 6]
+MAMBA_IDS = [1, 3]
+
+
+class EnginePools:
+    """What an engine owns: per-layer MHA K/V buffers, SGLang-style stacked state tensors,
+    a draft KV on the same rows."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.empty(*shape, dtype=dtype)
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g,
+                                                    dtype=torch.uint8))
+            return t
+
+        self.k = [rnd(ROWS, 2, 8, dtype=torch.bfloat16) for _ in FULL_IDS]
+        self.v = [rnd(ROWS, 2, 8, dtype=torch.bfloat16) for _ in FULL_IDS]
+        self.conv = [rnd(len(MAMBA_IDS), SLOTS, 3, 4, dtype=torch.bfloat16)]
+        self.temporal = rnd(len(MAMBA_IDS), SLOTS, 2, 4, 4, dtype=torch.float32)
+        self.draft = [rnd(ROWS, 16, dtype=torch.float16)]
+
+    def views(self) -> PoolSet:
+        return PoolSet([
+            kv_view(self.k, self.v, layer_ids=FULL_IDS, page_size=P),
+            state_view(self.conv, self.temporal, layer_ids=MAMBA_IDS),
+            kv_view(self.draft, layer_ids=[FULL_IDS[-1]], page_size=P, kind=PoolKind.DRAFT),
+        ])
+
+    def rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        r = rows.reshape(-1)
+        return [t[r].view(torch.uint8).clone() for t in (*self.k, *self.v, *self.draft)]
+
+    def slot(self, slot: int) -> list[torch.Tensor]:
+        return [t[:, slot].view(torch.uint8).clone() for t in (*self.conv, self.temporal)]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in (*self.k, *self.v, *self.draft, *self.conv, self.temporal)]
+
+
+def pages(*ids: int) -> torch.Tensor:
+    return torch.tensor(ids)[:, None] * P + torch.arange(P)
+
+
+def keys(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}-{i}" for i in range(n)]
+
+
+def transfers(prefix: str, rows: torch.Tensor, slot: int | None) -> list[Transfer]:
+    n = rows.shape[0]
+    out = [Transfer(PoolKind.FULL, keys(prefix + "k", n), rows),
+           Transfer(PoolKind.DRAFT, keys(prefix + "d", n), rows)]
+    if slot is not None:
+        out.append(Transfer(PoolKind.MAMBA, [prefix + "s"], [[slot]]))
+    return out
+
+
+def plane(engine: EnginePools, store: Store, groups: int = 1, **kw: int) -> DataPlane:
+    return DataPlane(engine.views(), store, DataPlaneConfig(layer_groups=groups, **kw), namespace="test")
+
+
+@contextlib.asynccontextmanager
+async def opened_on_exit(gated: GatedStore) -> AsyncIterator[None]:
+    """Open the gate when the block ends, so a failed assertion cannot leave the plane's
+    close waiting on a held store call."""
+    try:
+        yield
+    finally:
+        gated.open()
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[EmbeddedStore]:
+    s = EmbeddedStore(16 << 20)
+    yield s
+    await s.close()
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+async def test_offload_then_load_restores_exactly_the_named_rows(store: EmbeddedStore, groups: int) -> None:
+    a, b = EnginePools(1), EnginePools(2)
+    src_rows, dst_rows = pages(3, 0, 9), pages(1, 12, 5)
+    want_rows, want_slot = a.rows(src_rows), a.slot(4)
+    async with plane(a, store, groups) as dp:
+        done = await dp.offload(transfers("x", src_rows, 4))
+        out = await done.wait()
+        assert out.ok and out.objects[PoolKind.FULL] == [True] * 3
+    before = b.snapshot()
+    async with plane(b, store, groups) as dp:
+        present = await dp.exists({PoolKind.FULL: [*keys("xk", 3), "nope"], PoolKind.MAMBA: ["xs"]})
+        assert present == {PoolKind.FULL: [True, True, True, False], PoolKind.MAMBA: [True]}
+        ticket = await dp.load(transfers("x", dst_rows, 2))
+        out = await ticket.wait()
+        assert out.ok and not out.cancelled
+        assert all([await ticket.wait_layer(layer) for layer in ticket.layer_ids])
+    assert all(torch.equal(x, y) for x, y in zip(b.rows(dst_rows), want_rows))
+    assert all(torch.equal(x, y) for x, y in zip(b.slot(2), want_slot))
+    # nothing else changed
+    after = b.snapshot()
+    touched_rows = dst_rows.reshape(-1)
+    for old, new in zip(before, after):
+        if new.shape[0] == ROWS:
+            keep = torch.ones(ROWS, dtype=torch.bool)
+            keep[touched_rows] = False
+            assert torch.equal(old[keep].view(torch.uint8), new[keep].view(torch.uint8))
+        else:  # stacked state [L, slots, ...]
+            keep_s = [s for s in range(SLOTS) if s != 2]
+            assert torch.equal(old[:, keep_s].view(torch.uint8), new[:, keep_s].view(torch.uint8))
+    if groups > 1:  # one object per layer group
+        assert await store.exists([group_key("xk-0", 0, groups), "xk-0"]) == [True, False]
+
+
+async def test_layer_zero_is_usable_while_later_layers_are_held_back(store: EmbeddedStore) -> None:
+    a, b = EnginePools(1), EnginePools(2)
+    rows = pages(0, 1)
+    async with plane(a, store, 2) as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, keys("k", 2), rows)])).wait()).ok
+    gated = GatedStore(store, hold_gets=True)
+    async with plane(b, gated, 2) as dp, opened_on_exit(gated):
+        ticket = await dp.load([Transfer(PoolKind.FULL, keys("k", 2), pages(4, 5))])
+        with anyio.fail_after(5):
+            await gated.wait_held(1)
+            assert gated.release(1) == 1  # the first layer group's get only
+            assert await ticket.wait_layer(0) is True
+            assert await ticket.wait_layer(2) is True  # layers 0 and 2 are group 0
+            await gated.wait_held(1)  # group 1 (layers 4, 6) is still at the gate
+        assert not ticket.done
+        late = [b.k[2][16:24].view(torch.uint8).clone(), b.k[3][16:24].view(torch.uint8).clone()]
+        assert torch.equal(late[0], EnginePools(2).k[2][16:24].view(torch.uint8))  # not landed yet
+        gated.open()
+        with anyio.fail_after(5):
+            assert (await ticket.wait()).ok
+            assert await ticket.wait_layer(6) is True
+    assert torch.equal(b.k[3][16:24].view(torch.uint8), a.k[3][0:8].view(torch.uint8))
+
+
+async def test_cancel_before_start_never_touches_rows(store: EmbeddedStore) -> None:
+    a, b = EnginePools(1), EnginePools(2)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload(transfers("c", pages(0, 1), 0))).wait()).ok
+    gated = GatedStore(store, hold_gets=True)
+    before = b.snapshot()
+    async with plane(b, gated) as dp, opened_on_exit(gated):
+        first = await dp.load([Transfer(PoolKind.FULL, keys("ck", 2), pages(2, 3))])
+        second = await dp.load([Transfer(PoolKind.FULL, keys("ck", 2), pages(6, 7))])
+        with anyio.fail_after(5):
+            await gated.wait_held(1)
+        assert first.started and not first.cancel()  # running: it goes on
+        assert not second.started and second.cancel()
+        assert not second.cancel()  # once
+        gated.open()
+        with anyio.fail_after(5):
+            assert (await first.wait()).ok
+            out = await second.wait()
+            assert out.cancelled and not out.ok and out.faults == {"cancelled": 2}
+            assert [await second.wait_layer(layer) for layer in second.layer_ids] == [False] * 4
+        assert dp.statistics()["loads_cancelled"] == 1
+    after = b.snapshot()
+    for t_old, t_new in zip(before, after):
+        if t_new.shape[0] == ROWS:
+            assert torch.equal(t_old[24:32].view(torch.uint8), t_new[24:32].view(torch.uint8))
+        else:
+            assert torch.equal(t_old[:, 5].view(torch.uint8), t_new[:, 5].view(torch.uint8))
+
+
+async def test_close_quiesces_in_flight_transfers(store: EmbeddedStore) -> None:
+    a = EnginePools(1)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload(transfers("q", pages(0, 1), 0))).wait()).ok
+    gated = GatedStore(store, hold_gets=True)
+    dp = plane(EnginePools(2), gated)
+    async with dp:
+        running = await dp.load([Transfer(PoolKind.FULL, keys("qk", 2), pages(2, 3))])
+        queued = await dp.load([Transfer(PoolKind.FULL, keys("qk", 2), pages(4, 5))])
+        with anyio.fail_after(5):
+            await gated.wait_held(1)
+        closed = anyio.Event()
+
+        async def close() -> None:
+            await dp.close()
+            closed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close)
+            await anyio.sleep(0.05)
+            assert not closed.is_set()  # waits for the running load
+            assert queued.done and (await queued.wait()).cancelled  # the queued one never starts
+            with pytest.raises(DataPlaneClosedError):
+                await dp.load([Transfer(PoolKind.FULL, keys("qk", 1), pages(9))])
+            gated.open()
+        assert closed.is_set() and (await running.wait()).ok
+
+
+async def test_an_offload_reads_rows_only_after_its_fence(store: EmbeddedStore) -> None:
+    a = EnginePools(1)
+    fence = FakeDeviceEvent(polls=None)
+    async with plane(a, store) as dp:
+        ticket = await dp.offload([Transfer(PoolKind.FULL, ["f"], pages(0))], fence=fence)
+        await anyio.sleep(0.02)
+        assert not ticket.done
+        for t in a.k:  # the forward writes the rows, then the event completes
+            t[0:4].fill_(3.0)
+        fence.set()
+        assert (await ticket.wait()).ok
+    b = EnginePools(2)
+    async with plane(b, store) as dp:
+        assert (await (await dp.load([Transfer(PoolKind.FULL, ["f"], pages(1))])).wait()).ok
+    assert all(bool((t[4:8] == 3.0).all()) for t in b.k)
+
+
+async def test_a_failing_fence_fails_the_offload_not_the_plane(store: EmbeddedStore) -> None:
+    a = EnginePools(1)
+    async with plane(a, store) as dp:
+        bad = await dp.offload([Transfer(PoolKind.FULL, ["g"], pages(0))], fence=FakeDeviceEvent(error="boom"))
+        out = await bad.wait()
+        assert not out.ok and out.faults == {"fence": 1}
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, ["h"], pages(0))])).wait()).ok
+        assert dp.statistics()["offloads_failed"] == 1
+
+
+@pytest.mark.parametrize("case", ["count", "two_for_one_pool", "repeated_rows", "out_of_range",
+                                  "repeated_keys", "unknown_pool", "one_string", "not_a_transfer"])
+async def test_bad_submissions_raise_before_anything_moves(store: EmbeddedStore, case: str) -> None:
+    a = EnginePools(1)
+    cases: dict[str, list[Transfer]] = {
+        "count": [Transfer(PoolKind.FULL, keys("b", 3), pages(0, 1))],
+        "two_for_one_pool": [Transfer(PoolKind.FULL, ["b"], pages(0)), Transfer(PoolKind.FULL, ["c"], pages(1))],
+        "repeated_rows": [Transfer(PoolKind.FULL, keys("b", 2), torch.cat([pages(0), pages(0)]))],
+        "out_of_range": [Transfer(PoolKind.MAMBA, ["s"], [[SLOTS]])],
+        "repeated_keys": [Transfer(PoolKind.FULL, ["b", "b"], pages(0, 1))],
+        "unknown_pool": [Transfer(PoolKind.MAMBA, ["s"], [[0]])],
+        "one_string": [Transfer(PoolKind.FULL, "b", pages(0))],
+        "not_a_transfer": [(PoolKind.FULL, ["b"], pages(0))],  # type: ignore[list-item]
+    }
+    bad = cases[case]
+    views = a.views() if case != "unknown_pool" else PoolSet([a.views()[PoolKind.FULL]])
+    async with DataPlane(views, store) as dp:
+        for submit in (dp.load, dp.offload):
+            with pytest.raises((PoolViewError, TypeError)):
+                await submit(bad)
+        assert dp.statistics()["loads"] == dp.statistics()["offloads"] == 0
+    assert store.statistics().puts == 0
+
+
+class ShortStore:
+    """A store that answers every batch with one result too few (a protocol breach)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return self.inner.capabilities
+
+    def register(self, region: torch.Tensor) -> None:
+        self.inner.register(region)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return (await self.inner.exists(keys))[:-1]
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
+        return (await self.inner.put(keys, buffers))[:-1]
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        return (await self.inner.get(keys, buffers))[:-1]
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        await self.inner.touch(keys)
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        return await self.inner.remove(keys)
+
+    def statistics(self) -> StoreStatistics:
+        return self.inner.statistics()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_a_store_that_answers_the_wrong_count_fails_the_transfer(store: EmbeddedStore) -> None:
+    a = EnginePools(1)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload(transfers("w", pages(0, 1), 0))).wait()).ok
+    b = EnginePools(2)
+    async with plane(b, ShortStore(store)) as dp:
+        assert await dp.exists({PoolKind.FULL: keys("wk", 2)}) == {PoolKind.FULL: [False, False]}
+        assert dp.statistics()["exists_errors"] == 1
+        with anyio.fail_after(5):
+            out = await (await dp.load(transfers("w", pages(2, 3), 1))).wait()
+        assert not out.ok and out.faults.get("failed") == 5
+        put = await (await dp.offload([Transfer(PoolKind.FULL, ["new"], pages(0))])).wait()
+        assert not put.ok
+
+
+async def test_a_corrupted_object_is_reported_and_other_layers_are_not_claimed(store: EmbeddedStore) -> None:
+    a = EnginePools(1)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload(transfers("z", pages(0, 1), 0))).wait()).ok
+    # another geometry under the same key: rejected by the header, never reported landed
+    await store.remove(["zk-1"])
+    other = EnginePools(3)
+    views = PoolSet([kv_view(other.k, layer_ids=FULL_IDS, page_size=P)])  # K only: other bytes
+    async with DataPlane(views, store, namespace="other") as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, ["zk-1"], pages(0))])).wait()).ok
+    b = EnginePools(2)
+    async with plane(b, store) as dp:
+        ticket = await dp.load(transfers("z", pages(2, 3), 1))
+        out = await ticket.wait()
+        assert not out.ok and out.objects[PoolKind.FULL] == [True, False]
+        assert sum(out.faults.values()) == 1
+        assert [await ticket.wait_layer(layer) for layer in FULL_IDS] == [False] * 4
+        assert await ticket.wait_layer(MAMBA_IDS[0]) is True  # its own pool landed verified
+
+
+def test_sync_facade_from_threads() -> None:
+    a, b = EnginePools(1), EnginePools(2)
+    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20), namespace="t") as src:
+        futs = [src.offload(transfers(f"s{i}", pages(i), i)) for i in range(4)]
+        for f in futs:
+            assert f.result(timeout=10).ok
+        assert src.num_completed_offloads() == 4
+        popped = src.pop_completed_offloads()
+        assert [o.ok for o in popped] == [True] * 4 and src.pop_completed_offloads() == []
+        present = src.exists({PoolKind.FULL: ["s0k-0", "zz"]}).result(timeout=10)
+        assert present[PoolKind.FULL] == [True, False]
+        # a synchronous scheduler loading from several threads at once
+        results: dict[int, bool] = {}
+
+        def load(i: int) -> None:
+            handle = src.load(transfers(f"s{i}", pages(8 + i), i))
+            assert all(handle.wait_layer(layer, timeout=10) for layer in handle.layer_ids)
+            results[i] = handle.result.result(timeout=10).ok
+
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert results == {i: True for i in range(4)}
+        assert all(torch.equal(x, y) for x, y in zip(a.rows(pages(8 + 3)), a.rows(pages(3))))
+        src.reset()
+        with pytest.raises(KeyError):
+            src.load(transfers("s0", pages(9), 0)).layer(99)
+    with pytest.raises(DataPlaneClosedError):
+        src.offload(transfers("late", pages(0), 0))
+    del b
+
+
+def test_sync_facade_cancel_and_close_with_transfers_in_flight() -> None:
+    a = EnginePools(1)
+    held: list[GatedStore] = []
+
+    def factory() -> Store:
+        g = GatedStore(EmbeddedStore(16 << 20), hold_gets=True)
+        held.append(g)
+        return g
+
+    dp = SyncDataPlane(a.views(), factory)
+    try:
+        assert dp.offload([Transfer(PoolKind.FULL, ["c0"], pages(0))]).result(timeout=10).ok
+        running = dp.load([Transfer(PoolKind.FULL, ["c0"], pages(1))])
+        queued = dp.load([Transfer(PoolKind.FULL, ["c0"], pages(2))])
+        dp._portal.call(held[0].wait_held, 1)
+        assert not dp.cancel(running)
+        assert dp.cancel(queued)
+        out = queued.result.result(timeout=10)
+        assert out.cancelled and queued.layer(0).result(timeout=10) is False
+        closer = concurrent.futures.ThreadPoolExecutor(1).submit(dp.close)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            closer.result(timeout=0.1)  # waits for the running load
+        dp._portal.call(held[0].open)
+        closer.result(timeout=10)
+        assert running.result.result(timeout=1).ok
+    finally:
+        dp.close()
