@@ -98,9 +98,13 @@ class DataPlaneConfig:
     latency_high_ms: float = 250.0  # store latency EMA watermarks (LatencyMonitor)
     latency_low_ms: float = 50.0
     layer_groups: int = 1  # objects per page/state, each a run of layers (see module doc)
+    #: let a scatter-gather store read/write host pool rows in place (checksums over the rows)
+    in_place: bool = True
 
     def __attrs_post_init__(self) -> None:
         for f in attrs.fields(DataPlaneConfig):
+            if f.name == "in_place":
+                continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"DataPlaneConfig.{f.name} must be positive, got {v!r}")
@@ -321,7 +325,8 @@ class DataPlane:
             self.actors[kind] = PoolActor(
                 kind, codecs, store, self.fingerprint, staging_frames=frames,
                 queue_depth=self.config.queue_depth, latency=self.latency, thread_limiter=self._limiter,
-                inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s)
+                inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s,
+                in_place=self.config.in_place)
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)

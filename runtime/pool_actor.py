@@ -31,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..components.layout import PoolKind
 from ..stores import framing
-from ..stores.base import GetResult, Outcome, Store, StoreError
+from ..stores.base import GetResult, Outcome, Store, StoreError, supports_scatter
 from .events import DeviceEvent, wait_fence
 from .statistics import PoolActorStatistics, QueueStatistics
 from .tracing import trace
@@ -228,6 +228,7 @@ class PoolActor:
         thread_limiter: anyio.CapacityLimiter,
         inline_bytes: int = 1 << 20,
         fence_timeout_s: float | None = None,
+        in_place: bool = True,
     ) -> None:
         if not codecs:
             raise ValueError("a pool actor needs at least one codec")
@@ -251,6 +252,12 @@ class PoolActor:
         self._arenas_np = {d: a.numpy() for d, a in self._arenas.items()}
         for arena in self._arenas.values():
             store.register(arena)
+        # in place: the store reads and writes host pool rows directly (checksums over the
+        # rows), so a transfer makes one pass over the bytes instead of three
+        self.scatter = supports_scatter(store) and self.codec.device.type == "cpu" and in_place
+        if self.scatter:
+            for region in {id(t): t for c in self.codecs for t in c.regions()}.values():
+                store.register(region)
         self.offload_q = _Queue(queue_depth)
         self.load_q = _Queue(queue_depth)
         self.latency = latency
@@ -342,6 +349,8 @@ class PoolActor:
         await wait_fence(job.fence, timeout_s=self.fence_timeout_s)
         t0 = time.perf_counter()
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]
+        if self.scatter and codec.host_path(job.index):
+            return await self._offload_in_place(job, codec, size, t0)
         batches = self._batches(len(job.keys))
         results: list[list[Outcome]] = [[] for _ in batches]
 
@@ -380,6 +389,9 @@ class PoolActor:
         if ready is not None:
             await put(*ready)
         outcomes = [o for r in results for o in r]
+        return self._offloaded(job, outcomes, size, t0)
+
+    def _offloaded(self, job: TransferJob, outcomes: list[Outcome], size: int, t0: float) -> OffloadResult:
         for o in outcomes:
             if o is Outcome.OK:
                 self._c["objects_offloaded"] += 1
@@ -398,6 +410,8 @@ class PoolActor:
         faults: dict[str, int] = {}
         t0 = time.perf_counter()
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]
+        if self.scatter and codec.host_path(job.index):
+            return await self._load_in_place(job, codec, size, t0)
         batches = self._batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
 
@@ -467,7 +481,10 @@ class PoolActor:
                 unpack(*landed)
             else:
                 await anyio.to_thread.run_sync(unpack, *landed, limiter=self.limiter)
-        ok = [g for batch in good for g in batch]
+        return self._loaded(job, [g for batch in good for g in batch], faults, size, t0)
+
+    def _loaded(self, job: TransferJob, ok: list[bool], faults: dict[str, int], size: int,
+                t0: float) -> LoadResult:
         n_ok = sum(ok)
         self._c["objects_loaded"] += n_ok
         self._c["bytes_loaded"] += n_ok * size
@@ -478,6 +495,126 @@ class PoolActor:
         trace("load", pool=self.kind.value, request_id=job.request_id, objects=len(job.keys),
               ok=n_ok, faults=faults, us=round((time.perf_counter() - t0) * 1e6))
         return LoadResult(ok, faults)
+
+    # ---- in place: the store reads and writes the pool rows (scatter-gather) ----------------
+    def _headers(self, direction: str, half: int, n: int) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+        """``n`` 64-byte header buffers in one half of a direction's arena."""
+        base = half * self.batch * self.stride
+        arena, arena_np = self._arenas[direction], self._arenas_np[direction]
+        hb = framing.HEADER_BYTES
+        return ([arena[base + i * hb: base + (i + 1) * hb] for i in range(n)],
+                [arena_np[base + i * hb: base + (i + 1) * hb] for i in range(n)])
+
+    async def _offload_in_place(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> OffloadResult:
+        """Seal headers over the pool rows (checksum in place) for sub-batch k while k-1 is
+        put straight from the rows: no staging copy."""
+        batches = self._batches(len(job.keys))
+        results: list[list[Outcome]] = [[] for _ in batches]
+        starts = job.index[:, 0].tolist()
+
+        def pack(k: int) -> list[list[torch.Tensor]]:
+            lo, hi = batches[k]
+            heads, heads_np = self._headers("offload", k % 2, hi - lo)
+            parts: list[list[torch.Tensor]] = []
+            for i, (key, r0) in enumerate(zip(job.keys[lo:hi], starts[lo:hi])):
+                pieces = codec.pieces(r0)
+                framing.seal_parts(heads_np[i], [p.numpy() for p in pieces], key, self.fingerprint)
+                parts.append([heads[i], *pieces])
+            return parts
+
+        async def put(k: int, parts: list[list[torch.Tensor]]) -> None:
+            lo, hi = batches[k]
+            start = time.perf_counter()
+            try:
+                got = await self.store.put_parts(job.keys[lo:hi], parts)  # type: ignore[attr-defined]
+            except StoreError:
+                got = [Outcome.UNREACHABLE] * (hi - lo)
+            if len(got) != hi - lo:
+                got = [Outcome.FAILED] * (hi - lo)
+            results[k] = got
+            self.latency.observe(time.perf_counter() - start)
+
+        ready: tuple[int, list[list[torch.Tensor]]] | None = None
+        for k in range(len(batches)):
+            if self._inline(batches[k], size):
+                parts = pack(k)
+                if ready is not None:
+                    await put(*ready)
+            else:
+                async with anyio.create_task_group() as tg:
+                    if ready is not None:
+                        tg.start_soon(put, *ready)
+                    parts = await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
+            ready = (k, parts)
+        if ready is not None:
+            await put(*ready)
+        return self._offloaded(job, [o for r in results for o in r], size, t0)
+
+    async def _load_in_place(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
+        """Get sub-batch k straight into the pool rows while sub-batch k-1 is verified there.
+
+        A failed object may leave partial bytes in its rows; the load then reports it failed
+        (and no layer of it landed), so the engine never uses those rows."""
+        faults: dict[str, int] = {}
+        batches = self._batches(len(job.keys))
+        good: list[list[bool]] = [[] for _ in batches]
+        starts = job.index[:, 0].tolist()
+        pieces_of: dict[int, list[list[torch.Tensor]]] = {}
+
+        async def get(k: int) -> list[GetResult]:
+            lo, hi = batches[k]
+            heads, _ = self._headers("load", k % 2, hi - lo)
+            pieces = [codec.pieces(r0) for r0 in starts[lo:hi]]
+            pieces_of[k] = pieces
+            start = time.perf_counter()
+            try:
+                results = await self.store.get_parts(  # type: ignore[attr-defined]
+                    job.keys[lo:hi], [[h, *p] for h, p in zip(heads, pieces)])
+            except StoreError:
+                results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
+            if len(results) != hi - lo:
+                results = [GetResult(Outcome.FAILED)] * (hi - lo)
+            self.latency.observe(time.perf_counter() - start)
+            return results
+
+        def verify(k: int, results: list[GetResult]) -> None:
+            lo, hi = batches[k]
+            _, heads_np = self._headers("load", k % 2, hi - lo)
+            ok: list[bool] = []
+            for key, h, p, r in zip(job.keys[lo:hi], heads_np, pieces_of.pop(k), results):
+                if r.outcome is not Outcome.OK:
+                    faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
+                    ok.append(False)
+                    continue
+                try:
+                    framing.verify_parts(h, r.nbytes, [x.numpy() for x in p], key, self.fingerprint)
+                except framing.FrameError as exc:
+                    faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
+                    ok.append(False)
+                    continue
+                ok.append(True)
+            good[k] = ok
+
+        landed: tuple[int, list[GetResult]] | None = None
+        for k in range(len(batches)):
+            async with anyio.create_task_group() as tg:
+                if landed is not None:
+                    if self._inline(batches[landed[0]], size):
+                        verify(*landed)
+                    else:
+                        tg.start_soon(partial(anyio.to_thread.run_sync, verify, *landed, limiter=self.limiter))
+                results = await get(k)
+            landed = (k, results)
+        if landed is not None:
+            if self._inline(batches[landed[0]], size):
+                verify(*landed)
+            else:
+                await anyio.to_thread.run_sync(verify, *landed, limiter=self.limiter)
+        ok = [g for batch in good for g in batch]
+        if job.on_layer is not None and all(ok):
+            for layer in codec.layer_ids:
+                job.on_layer(layer)
+        return self._loaded(job, ok, faults, size, t0)
 
     def statistics(self) -> PoolActorStatistics:
         return PoolActorStatistics(

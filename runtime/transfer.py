@@ -50,6 +50,19 @@ class PoolCodec:
             self._stacked = [st.view(torch.uint8).reshape(st.shape[0], st.shape[1], -1).numpy()
                              for st in view.stacked]
 
+    def pieces(self, first: int) -> list[torch.Tensor]:
+        """One object's payload as views of the pool memory, in payload order (one run of
+        ``unit`` rows per layer part): what a scatter-gather store reads or writes in place.
+        Host pools with ascending-run objects only (``host_path``)."""
+        u = self.unit
+        return [b[first:first + u].reshape(-1) for _, b in self._segments]
+
+    def regions(self) -> list[torch.Tensor]:
+        """The pool memory this codec touches, as byte tensors (to register with a store)."""
+        if self.view.stacked is not None:
+            return [st.view(torch.uint8).reshape(-1) for st in self.view.stacked]
+        return [b.reshape(-1) for _, b in self._segments]
+
     @property
     def layer_ids(self) -> list[int]:
         """Model layer ids this codec's objects feed, in scatter order."""

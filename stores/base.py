@@ -65,6 +65,7 @@ class StoreCapabilities:
     remove: bool  # can delete single keys
     zero_copy: bool  # reads/writes registered buffers directly (no extra host copy)
     max_batch: int = 4096  # keys per call the backend handles well
+    scatter: bool = False  # put_parts / get_parts: one object from / into several buffers
 
 
 @attrs.frozen
@@ -167,6 +168,25 @@ class Store(Protocol):
     async def close(self) -> None:
         """Wait for in-flight calls, release resources; idempotent."""
         ...
+
+
+@runtime_checkable
+class ScatterStore(Store, Protocol):
+    """A store that moves one object between the store and *several* buffers (scatter-gather),
+    so the runtime can read and write pool rows in place: ``parts[i]`` are object ``i``'s
+    buffers, in order; the object is their concatenation. Same outcomes and rules as
+    :meth:`Store.put` / :meth:`Store.get` (a get reports the object's bytes; an object larger
+    than its parts is ``TOO_SMALL`` and writes nothing). Declared by ``capabilities.scatter``."""
+
+    async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]: ...
+
+    async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]: ...
+
+
+def supports_scatter(store: Store) -> bool:
+    """Whether ``store`` declares and implements scatter-gather (wrappers that forward the
+    inner store's capabilities without the methods do not count)."""
+    return bool(store.capabilities.scatter) and isinstance(store, ScatterStore)
 
 
 def check_buffers(keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> None:

@@ -32,6 +32,7 @@ import heapq
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -228,7 +229,8 @@ class EmbeddedStore:
         self._thread_threshold = thread_threshold_bytes
         self._max_workers = max_workers
         self._limiter: anyio.CapacityLimiter | None = None
-        self._capabilities = StoreCapabilities(name=name, touch=True, remove=True, zero_copy=False)
+        self._capabilities = StoreCapabilities(name=name, touch=True, remove=True, zero_copy=False,
+                                               scatter=True)
 
         self._lock = threading.Lock()
         self._classes: list[_SizeClass] = []
@@ -293,6 +295,67 @@ class EmbeddedStore:
                 return results
             sources = [self._view(loc) for _, loc in plan]
             targets = [buffers[i].numpy()[: loc[2]] for i, loc in plan]
+            copied = False
+            try:
+                copied = await self._copy(targets, sources, sum(loc[2] for _, loc in plan))
+            finally:
+                self._finish_get(plan, copied)
+            for i, loc in plan:
+                results[i] = GetResult(Outcome.OK, loc[2]) if copied else GetResult(Outcome.FAILED)
+            return results
+        finally:
+            self._calls.exit()
+
+    async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        """Store each object from its buffers (their concatenation), one copy per buffer."""
+        sized = _check_parts(keys, parts)
+        self._calls.enter()
+        try:
+            outcomes, plan = self._plan_put(keys, sized)
+            if not plan:
+                return outcomes
+            targets: list[np.ndarray] = []
+            sources: list[np.ndarray] = []
+            for i, _, loc in plan:
+                dst = self._view(loc)
+                off = 0
+                for p in parts[i]:
+                    n = p.numel()
+                    targets.append(dst[off:off + n])
+                    sources.append(p.numpy())
+                    off += n
+            copied = False
+            try:
+                copied = await self._copy(targets, sources, sum(loc[2] for _, _, loc in plan))
+            finally:
+                self._finish_put(plan, copied)
+            if not copied:
+                for i, _, _ in plan:
+                    outcomes[i] = Outcome.FAILED
+            return outcomes
+        finally:
+            self._calls.exit()
+
+    async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        """Read each object into its buffers in order (one copy per buffer, none staged)."""
+        sized = _check_parts(keys, parts)
+        self._calls.enter()
+        try:
+            results, plan = self._plan_get(keys, sized)
+            if not plan:
+                return results
+            targets: list[np.ndarray] = []
+            sources: list[np.ndarray] = []
+            for i, loc in plan:
+                src = self._view(loc)
+                off = 0
+                for p in parts[i]:
+                    n = min(p.numel(), loc[2] - off)
+                    if n <= 0:
+                        break
+                    targets.append(p.numpy()[:n])
+                    sources.append(src[off:off + n])
+                    off += n
             copied = False
             try:
                 copied = await self._copy(targets, sources, sum(loc[2] for _, loc in plan))
@@ -535,6 +598,29 @@ class EmbeddedStore:
             _log.exception("embedded store copy failed", objects=len(targets), nbytes=nbytes)
             return False
         return True
+
+
+class _Sized:
+    """Stands for an object made of several buffers where only its size matters."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._n = nbytes
+
+    def numel(self) -> int:
+        return self._n
+
+
+def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Any]:
+    """Check every buffer like ``check_buffers``; one size stand-in per object."""
+    if len(keys) != len(parts):
+        raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
+    sized: list[Any] = []
+    for key, ps in zip(keys, parts):
+        if not ps:
+            raise ValueError(f"no buffers for {key!r}")
+        check_buffers([key] * len(ps), list(ps))
+        sized.append(_Sized(sum(p.numel() for p in ps)))
+    return sized
 
 
 def _copy_all(targets: list[np.ndarray], sources: list[np.ndarray]) -> None:

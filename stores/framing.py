@@ -130,6 +130,48 @@ def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: b
     return payload
 
 
+def seal_parts(header: np.ndarray, pieces: list[np.ndarray], key: str, layout_fingerprint: bytes) -> None:
+    """Write into ``header`` (64 bytes) the header of the object ``header ‖ pieces...``: the
+    same object :func:`seal_array` makes, for a payload scattered over several buffers (pool
+    rows read in place by a zero-copy put)."""
+    h = xxhash.xxh3_64()
+    length = 0
+    for p in pieces:
+        h.update(p.data)
+        length += p.shape[0]
+    header[:HEADER_BYTES] = np.frombuffer(_HEADER.pack(
+        MAGIC, FORMAT_VERSION, 0, layout_fingerprint[:8], key_digest(key), length, h.intdigest(),
+        b"\0" * 16), dtype=np.uint8)
+
+
+def verify_parts(header: np.ndarray, nbytes: int, pieces: list[np.ndarray], key: str,
+                 layout_fingerprint: bytes) -> None:
+    """:func:`verify_array` for an object read as ``header ‖ pieces...`` (a zero-copy get into
+    pool rows): the header's fields, the length against the pieces, and the checksum over the
+    bytes as they landed. Raises :class:`FrameError`."""
+    if nbytes < HEADER_BYTES or header.shape[0] < HEADER_BYTES:
+        raise FrameError(FrameFault.TRUNCATED, key, f"{nbytes} bytes, header needs {HEADER_BYTES}")
+    magic, version, _flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(header.data, 0)
+    if magic != MAGIC:
+        raise FrameError(FrameFault.BAD_MAGIC, key)
+    if version != FORMAT_VERSION:
+        raise FrameError(FrameFault.BAD_VERSION, key, f"version {version}")
+    if layout != layout_fingerprint[:8]:
+        raise FrameError(FrameFault.OTHER_LAYOUT, key)
+    if digest != key_digest(key):
+        raise FrameError(FrameFault.OTHER_KEY, key)
+    room = sum(p.shape[0] for p in pieces)
+    if length != nbytes - HEADER_BYTES or length != room:
+        raise FrameError(
+            FrameFault.BAD_LENGTH if nbytes - HEADER_BYTES >= room else FrameFault.TRUNCATED, key,
+            f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}, rows hold {room}")
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        h.update(p.data)
+    if h.intdigest() != checksum:
+        raise FrameError(FrameFault.BAD_CHECKSUM, key)
+
+
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("frames are contiguous uint8 CPU tensors")

@@ -239,7 +239,8 @@ class MooncakeStore:
         self._client = client
         self._config = config
         self._capabilities = StoreCapabilities(
-            name="mooncake", touch=True, remove=True, zero_copy=True, max_batch=config.max_batch
+            name="mooncake", touch=True, remove=True, zero_copy=True, max_batch=config.max_batch,
+            scatter=True,
         )
         self._limiter = anyio.CapacityLimiter(config.workers)
         self._regions: list[tuple[int, int, torch.Tensor]] = []
@@ -371,6 +372,44 @@ class MooncakeStore:
             return []
         try:
             results = await self._run(self._get_blocking, keys, buffers)
+        except _Unreachable:
+            results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
+        count_gets(self._counters, results)
+        return results
+
+    async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        """Store each object from several buffers (``batch_put_from_multi_buffers`` when all
+        of an object's buffers lie in registered regions; others are joined and bounced)."""
+        sizes = _check_parts(keys, parts)
+        keys = list(keys)
+        if not keys:
+            self._check_open()
+            return []
+        first: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        unique = sorted(first.values())
+        try:
+            got = await self._run(self._put_parts_blocking, [keys[i] for i in unique], [list(parts[i]) for i in unique])
+        except _Unreachable:
+            got = [Outcome.UNREACHABLE] * len(unique)
+        by_index = dict(zip(unique, got))
+        outcomes = [by_index[i] if i in by_index else
+                    (Outcome.EXISTS if by_index[first[k]] in (Outcome.OK, Outcome.EXISTS) else by_index[first[k]])
+                    for i, k in enumerate(keys)]
+        count_puts(self._counters, outcomes, sizes)
+        return outcomes
+
+    async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        """Read each object into several buffers in order (``batch_get_into_multi_buffers``
+        when all of them lie in registered regions; others are read whole and split)."""
+        _check_parts(keys, parts)
+        keys = list(keys)
+        if not keys:
+            self._check_open()
+            return []
+        try:
+            results = await self._run(self._get_parts_blocking, keys, [list(p) for p in parts])
         except _Unreachable:
             results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
         count_gets(self._counters, results)
@@ -612,6 +651,70 @@ class MooncakeStore:
                         self._unstage(idx, buffers, codes)
         return [r if r is not None else GetResult(Outcome.FAILED) for r in results]
 
+    def _put_parts_blocking(self, keys: list[str], parts: list[list[torch.Tensor]]) -> list[Outcome]:
+        self._gate()
+        outcomes: list[Outcome | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        if self._config.detect_exists:
+            present = self._batch_is_exist(keys)
+            if RPC_FAIL in present:
+                return [Outcome.UNREACHABLE] * len(keys)
+            todo = []
+            for i, code in enumerate(present):
+                if code == 1:
+                    outcomes[i] = Outcome.EXISTS
+                else:
+                    todo.append(i)
+        direct = [i for i in todo if all(self._in_region(p) for p in parts[i])]
+        joined = [i for i in todo if i not in set(direct)]
+        for chunk in self._chunks(len(direct)):
+            idx = [direct[j] for j in chunk]
+            codes = self._client.batch_put_from_multi_buffers(
+                [keys[i] for i in idx],
+                [[p.data_ptr() for p in parts[i]] for i in idx],
+                [[p.numel() for p in parts[i]] for i in idx],
+            )
+            self._record(outcomes, idx, codes, put_outcome)
+        if joined:  # not registered: one contiguous copy each, then the bounced path
+            got = self._put_blocking([keys[i] for i in joined], [torch.cat(parts[i]) for i in joined])
+            for i, o in zip(joined, got):
+                outcomes[i] = o
+        return [o if o is not None else Outcome.FAILED for o in outcomes]
+
+    def _get_parts_blocking(self, keys: list[str], parts: list[list[torch.Tensor]]) -> list[GetResult]:
+        self._gate()
+        results: list[GetResult | None] = [None] * len(keys)
+        direct = [i for i in range(len(keys)) if all(self._in_region(p) for p in parts[i])]
+        joined = [i for i in range(len(keys)) if i not in set(direct)]
+        for chunk in self._chunks(len(direct)):
+            idx = [direct[j] for j in chunk]
+            args = ([keys[i] for i in idx], [[p.data_ptr() for p in parts[i]] for i in idx],
+                    [[p.numel() for p in parts[i]] for i in idx])
+            codes = [int(c) for c in self._client.batch_get_into_multi_buffers(*args)]
+            retry = [j for j, code in enumerate(codes) if code == LEASE_EXPIRED]
+            if retry:  # the lease ran out mid-transfer; a second read takes a fresh one
+                again = self._client.batch_get_into_multi_buffers(*([a[j] for j in retry] for a in args))
+                for j, code in zip(retry, again):
+                    codes[j] = int(code)
+            self._note(codes)
+            for i, code in zip(idx, codes):
+                outcome = get_outcome(code)
+                results[i] = GetResult(outcome, code if outcome is Outcome.OK else 0)
+        if joined:  # not registered: read whole through the bounced path, then split
+            whole = [torch.empty(sum(p.numel() for p in parts[i]), dtype=torch.uint8) for i in joined]
+            got = self._get_blocking([keys[i] for i in joined], whole)
+            for i, w, r in zip(joined, whole, got):
+                results[i] = r
+                if r.outcome is Outcome.OK:
+                    off = 0
+                    for p in parts[i]:
+                        n = min(p.numel(), r.nbytes - off)
+                        if n <= 0:
+                            break
+                        p[:n].copy_(w[off:off + n])
+                        off += n
+        return [r if r is not None else GetResult(Outcome.FAILED) for r in results]
+
     def _stage(self, idx: list[int], buffers: list[torch.Tensor], *, copy_in: bool) -> list[int]:
         assert self._bounce is not None
         base = self._bounce.data_ptr()
@@ -644,6 +747,19 @@ class MooncakeStore:
         self._note(ints)
         for i, code in zip(idx, ints):
             outcomes[i] = mapping(code)
+
+
+def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[int]:
+    """Check every buffer like ``check_buffers``; returns each object's total bytes."""
+    if len(keys) != len(parts):
+        raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
+    sizes: list[int] = []
+    for key, ps in zip(keys, parts):
+        if not ps:
+            raise ValueError(f"no buffers for {key!r}")
+        check_buffers([key] * len(ps), list(ps))
+        sizes.append(sum(p.numel() for p in ps))
+    return sizes
 
 
 def _aligned(n: int) -> int:

@@ -87,8 +87,9 @@ def transfers(prefix: str, rows: torch.Tensor, slot: int | None) -> list[Transfe
     return out
 
 
-def plane(engine: EnginePools, store: Store, groups: int = 1, **kw: int) -> DataPlane:
-    return DataPlane(engine.views(), store, DataPlaneConfig(layer_groups=groups, **kw), namespace="test")
+def plane(engine: EnginePools, store: Store, groups: int = 1, *, in_place: bool = True) -> DataPlane:
+    return DataPlane(engine.views(), store, DataPlaneConfig(layer_groups=groups, in_place=in_place),
+                     namespace="test")
 
 
 @contextlib.asynccontextmanager
@@ -108,17 +109,21 @@ async def store() -> AsyncIterator[EmbeddedStore]:
     await s.close()
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place-put", "staged-put"])
 @pytest.mark.parametrize("groups", [1, 2, 4])
-async def test_offload_then_load_restores_exactly_the_named_rows(store: EmbeddedStore, groups: int) -> None:
+async def test_offload_then_load_restores_exactly_the_named_rows(store: EmbeddedStore, groups: int,
+                                                                 in_place: bool) -> None:
     a, b = EnginePools(1), EnginePools(2)
     src_rows, dst_rows = pages(3, 0, 9), pages(1, 12, 5)
     want_rows, want_slot = a.rows(src_rows), a.slot(4)
-    async with plane(a, store, groups) as dp:
+    # one path writes, the other reads: in place and staged objects are the same bytes
+    async with plane(a, store, groups, in_place=in_place) as dp:
+        assert all(actor.scatter is in_place for actor in dp.actors.values())
         done = await dp.offload(transfers("x", src_rows, 4))
         out = await done.wait()
         assert out.ok and out.objects[PoolKind.FULL] == [True] * 3
     before = b.snapshot()
-    async with plane(b, store, groups) as dp:
+    async with plane(b, store, groups, in_place=not in_place) as dp:
         present = await dp.exists({PoolKind.FULL: [*keys("xk", 3), "nope"], PoolKind.MAMBA: ["xs"]})
         assert present == {PoolKind.FULL: [True, True, True, False], PoolKind.MAMBA: [True]}
         ticket = await dp.load(transfers("x", dst_rows, 2))
@@ -405,3 +410,33 @@ def test_sync_facade_cancel_and_close_with_transfers_in_flight() -> None:
         assert running.result.result(timeout=1).ok
     finally:
         dp.close()
+
+
+@pytest.mark.parametrize("fault", ["flip_payload", "torn", "other_key"])
+async def test_in_place_loads_verify_the_landed_rows(store: EmbeddedStore, fault: str) -> None:
+    a = EnginePools(1)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, ["v0", "v1"], pages(0, 1))])).wait()).ok
+    size = a.views()[PoolKind.FULL].payload_bytes + 64
+    frame = torch.zeros(size, dtype=torch.uint8)
+    assert (await store.get(["v1"], [frame]))[0].outcome is Outcome.OK
+    await store.remove(["v1"])
+    if fault == "flip_payload":
+        frame[64 + size // 3] ^= 0x10
+        await store.put(["v1"], [frame])
+    elif fault == "torn":
+        await store.put(["v1"], [frame[: size - 100].clone()])
+    else:  # a valid object, filed under another key
+        other = torch.zeros(size, dtype=torch.uint8)
+        assert (await store.get(["v0"], [other]))[0].outcome is Outcome.OK
+        await store.put(["v1"], [other])
+    b = EnginePools(2)
+    async with plane(b, store) as dp:
+        assert all(actor.scatter for actor in dp.actors.values())
+        ticket = await dp.load([Transfer(PoolKind.FULL, ["v0", "v1"], pages(2, 3))])
+        out = await ticket.wait()
+        assert not out.ok and out.objects[PoolKind.FULL] == [True, False]
+        assert out.faults == {{"flip_payload": "bad_checksum", "torn": "truncated",
+                               "other_key": "other_key"}[fault]: 1}
+        assert [await ticket.wait_layer(layer) for layer in FULL_IDS] == [False] * 4
+        assert dp.pool_statistics()["kv"].verify_failures == 1

@@ -361,3 +361,40 @@ def test_master_helper_reports_missing_binary() -> None:
     master = MooncakeMaster(binary="/nonexistent/mooncake_master")
     with pytest.raises(MooncakeMasterError, match="not executable"):
         master.start(timeout_s=2)
+
+
+async def test_scatter_gather_registered_and_joined(mooncake_store: MooncakeStore) -> None:
+    """put_parts / get_parts: one object from / into several buffers, in place when every
+    buffer is registered (multi-buffer batch calls), joined through the bounce buffer when not;
+    both give the same object as a plain put."""
+    store = mooncake_store
+    assert store.capabilities.scatter
+    p = prefix()
+    region = torch.zeros(4 * MIB, dtype=torch.uint8)
+    store.register(region)
+    frame = framed(f"{p}a", 300_000, 1)
+    head, body = frame[:framing.HEADER_BYTES], frame[framing.HEADER_BYTES:]
+    # registered: header and two payload pieces at scattered places of the region
+    r_head, r_a, r_b = region[0:64], region[MIB: MIB + 100_000], region[2 * MIB: 2 * MIB + 200_000]
+    r_head.copy_(head), r_a.copy_(body[:100_000]), r_b.copy_(body[100_000:])
+    loose = [head.clone(), body[:100_000].clone(), body[100_000:].clone()]
+    got = await store.put_parts([f"{p}a", f"{p}b", f"{p}a"], [[r_head, r_a, r_b], loose, loose])
+    assert got == [Outcome.OK, Outcome.OK, Outcome.EXISTS]
+    # a plain get sees one contiguous object
+    whole = torch.zeros(frame.numel(), dtype=torch.uint8)
+    assert await store.get([f"{p}b"], [whole]) == [GetResult(Outcome.OK, frame.numel())]
+    assert torch.equal(whole, frame)
+    # in place into registered pieces, and joined into unregistered ones
+    d_head, d_a, d_b = region[64:128], region[3 * MIB: 3 * MIB + 100_000], region[MIB + 200_000: MIB + 400_000]
+    u = [torch.zeros(64, dtype=torch.uint8), torch.zeros(100_000, dtype=torch.uint8),
+         torch.zeros(200_000, dtype=torch.uint8)]
+    res = await store.get_parts([f"{p}a", f"{p}b", f"{p}missing"], [[d_head, d_a, d_b], u, [region[-64:]]])
+    assert res[:2] == [GetResult(Outcome.OK, frame.numel())] * 2 and res[2].outcome is Outcome.MISSING
+    framing.verify_parts(d_head.numpy(), res[0].nbytes, [d_a.numpy(), d_b.numpy()], f"{p}a", LAYOUT)
+    framing.verify_parts(u[0].numpy(), res[1].nbytes, [u[1].numpy(), u[2].numpy()], f"{p}a", LAYOUT)  # a's bytes
+    # buffers smaller than the object: TOO_SMALL, nothing claimed
+    small = await store.get_parts([f"{p}a"], [[region[:64], region[MIB: MIB + 1000]]])
+    assert small[0].outcome is Outcome.TOO_SMALL
+    # buffers larger than the object (a torn or foreign object): a failure, never OK
+    big = await store.get_parts([f"{p}a"], [[region[:64], region[MIB: MIB + 400_000]]])
+    assert big[0].outcome is not Outcome.OK
