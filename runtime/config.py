@@ -42,6 +42,8 @@ class LinkerConfig:
     #: objects per page/state, each holding a run of layers: a load lands (and reports) the
     #: first group's layers before later groups arrive (``runtime/data_plane.py``)
     layer_groups: int = attrs.field(default=1, validator=_positive)
+    #: let a scatter-gather store read/write host pool rows in place (no staging copy)
+    in_place: bool = True
     #: look up the store on admission
     store_lookup: bool = True
     #: retries, timeouts and the circuit breaker every store call goes through

@@ -66,6 +66,7 @@ import torch
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores.base import Store, StoreError
+from .device import DeviceCopies
 from .events import DeviceEvent
 from .pool_actor import (
     CANCELLED,
@@ -308,7 +309,9 @@ class DataPlane:
 
     def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView], store: Store,
                  config: DataPlaneConfig | None = None, *, fingerprint: bytes | None = None,
-                 namespace: bytes | str = b"") -> None:
+                 namespace: bytes | str = b"", copies: Mapping[PoolKind, DeviceCopies] | None = None) -> None:
+        """``copies``: a device copy engine per pool (default: a CUDA stream for CUDA pools,
+        none for host pools); tests pass ``testing.fakes.FakeDeviceCopies`` here."""
         self.pools = pools if isinstance(pools, PoolSet) else PoolSet(pools)
         self.store = store
         self.config = config or DataPlaneConfig()
@@ -326,7 +329,7 @@ class DataPlane:
                 kind, codecs, store, self.fingerprint, staging_frames=frames,
                 queue_depth=self.config.queue_depth, latency=self.latency, thread_limiter=self._limiter,
                 inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s,
-                in_place=self.config.in_place)
+                in_place=self.config.in_place, copies=None if copies is None else copies.get(kind))
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)

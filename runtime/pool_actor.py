@@ -17,6 +17,7 @@ writes into live memory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,6 +33,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ..components.layout import PoolKind
 from ..stores import framing
 from ..stores.base import GetResult, Outcome, Store, StoreError, supports_scatter
+from .device import DeviceCopies, copies_for
 from .events import DeviceEvent, wait_fence
 from .statistics import PoolActorStatistics, QueueStatistics
 from .tracing import trace
@@ -229,12 +231,18 @@ class PoolActor:
         inline_bytes: int = 1 << 20,
         fence_timeout_s: float | None = None,
         in_place: bool = True,
+        copies: DeviceCopies | None = None,
     ) -> None:
         if not codecs:
             raise ValueError("a pool actor needs at least one codec")
         self.kind = kind
         self.codecs = list(codecs)  # one per layer group
         self.codec = self.codecs[0]
+        # device pools: copies on the actor's own stream through pinned staging (runtime/device.py)
+        self.copies = copies if copies is not None else copies_for(self.codec.device)
+        if self.copies is not None:
+            for c in self.codecs:
+                c.use_device_path()
         self.store = store
         self.fingerprint = fingerprint
         self.frame_sizes = [framing.framed_size(c.payload_bytes) for c in self.codecs]
@@ -246,15 +254,19 @@ class PoolActor:
         # objects per sub-batch: two halves, double buffered, at most 32 MiB each
         self.batch = max(1, min(self.frames // 2, (32 << 20) // stride))
         # filled once here so first use does not pay page faults on the hot path
-        self._arenas = {
-            d: torch.empty(self.frames * stride, dtype=torch.uint8).fill_(0) for d in ("offload", "load")
-        }
+        def new_arena() -> torch.Tensor:
+            n = self.frames * stride
+            buf = self.copies.staging(n) if self.copies is not None else torch.empty(n, dtype=torch.uint8)
+            return buf.fill_(0)
+
+        self._arenas = {d: new_arena() for d in ("offload", "load")}
         self._arenas_np = {d: a.numpy() for d, a in self._arenas.items()}
         for arena in self._arenas.values():
             store.register(arena)
         # in place: the store reads and writes host pool rows directly (checksums over the
         # rows), so a transfer makes one pass over the bytes instead of three
-        self.scatter = supports_scatter(store) and self.codec.device.type == "cpu" and in_place
+        self.scatter = (supports_scatter(store) and self.codec.device.type == "cpu" and in_place
+                        and self.copies is None)
         if self.scatter:
             for region in {id(t): t for c in self.codecs for t in c.regions()}.values():
                 store.register(region)
@@ -339,7 +351,8 @@ class PoolActor:
 
     def _inline(self, batch: tuple[int, int], size: int) -> bool:
         """Small host copies run on the loop: two thread hops cost more than the copy."""
-        return self.codec.device.type == "cpu" and (batch[1] - batch[0]) * size <= self.inline_bytes
+        return (self.copies is None and self.codec.device.type == "cpu"
+                and (batch[1] - batch[0]) * size <= self.inline_bytes)
 
     def _batches(self, n: int) -> list[tuple[int, int]]:
         return [(lo, min(n, lo + self.batch)) for lo in range(0, n, self.batch)]
@@ -354,13 +367,34 @@ class PoolActor:
         batches = self._batches(len(job.keys))
         results: list[list[Outcome]] = [[] for _ in batches]
 
-        def pack(k: int) -> list[torch.Tensor]:
+        def gather(k: int) -> DeviceEvent | None:
             lo, hi = batches[k]
-            grid, frames = self._views("offload", k % 2, hi - lo, size)
-            codec.gather(job.index[lo:hi], grid[:, framing.HEADER_BYTES: size])
+            grid, _ = self._views("offload", k % 2, hi - lo, size)
+            if self.copies is None:
+                codec.gather(job.index[lo:hi], grid[:, framing.HEADER_BYTES: size])
+                return None
+            with self.copies.on_stream():  # device -> pinned staging on the copy stream
+                codec.gather(job.index[lo:hi], grid[:, framing.HEADER_BYTES: size])
+                return self.copies.record()
+
+        def seal(k: int) -> list[torch.Tensor]:
+            lo, hi = batches[k]
+            _, frames = self._views("offload", k % 2, hi - lo, size)
             for key, f in zip(job.keys[lo:hi], self._np_frames("offload", k % 2, hi - lo, size)):
                 framing.seal_array(f, key, self.fingerprint)
             return frames
+
+        def pack(k: int) -> list[torch.Tensor]:
+            gather(k)
+            return seal(k)
+
+        async def pack_async(k: int) -> list[torch.Tensor]:
+            if self.copies is None:
+                return await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
+            ev = await anyio.to_thread.run_sync(gather, k, limiter=self.limiter)
+            # never seal (read) staged bytes before the device copy into them finished
+            await wait_fence(ev, timeout_s=self.fence_timeout_s)
+            return await anyio.to_thread.run_sync(seal, k, limiter=self.limiter)
 
         async def put(k: int, frames: list[torch.Tensor]) -> None:
             lo, hi = batches[k]
@@ -384,7 +418,7 @@ class PoolActor:
                 async with anyio.create_task_group() as tg:
                     if ready is not None:
                         tg.start_soon(put, *ready)
-                    frames = await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
+                    frames = await pack_async(k)
             ready = (k, frames)
         if ready is not None:
             await put(*ready)
@@ -415,7 +449,9 @@ class PoolActor:
         batches = self._batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
 
-        def unpack(k: int, results: list[GetResult]) -> None:
+        def unpack(k: int, results: list[GetResult]) -> DeviceEvent | None:
+            """Verify sub-batch k in staging and land it; on a device, returns the event that
+            completes when the copies into the rows are done."""
             lo, hi = batches[k]
             frames = self._np_frames("load", k % 2, hi - lo, size)
             index = job.index[lo:hi]
@@ -438,20 +474,22 @@ class PoolActor:
                     codec.scatter_one(payload, rows[i])
                 ok.append(True)
             good[k] = ok
-            # layers are reported only when every object of the job has landed
-            report = job.on_layer if k == len(batches) - 1 and all(all(g) for g in good) else None
             if fused:
-                if report is not None:
-                    for layer in codec.layer_ids:
-                        report(layer)
-                return
+                return None
             grid, _ = self._views("load", k % 2, hi - lo, size)
             sel = [i for i, g in enumerate(ok) if g]
-            if len(sel) == len(ok):
-                codec.scatter(grid[:, framing.HEADER_BYTES: size], index, report)
-            elif sel:
-                pick = torch.tensor(sel, dtype=torch.int64)
-                codec.scatter(grid[pick, framing.HEADER_BYTES: size], index[pick], None)
+            with self.copies.on_stream() if self.copies is not None else contextlib.nullcontext():
+                if len(sel) == len(ok):
+                    codec.scatter(grid[:, framing.HEADER_BYTES: size], index, None)
+                elif sel:
+                    pick = torch.tensor(sel, dtype=torch.int64)
+                    codec.scatter(grid[pick, framing.HEADER_BYTES: size], index[pick], None)
+                return self.copies.record() if self.copies is not None else None
+
+        async def land(k: int, results: list[GetResult]) -> None:
+            ev = await anyio.to_thread.run_sync(unpack, k, results, limiter=self.limiter)
+            # landed only once the device copies finished; the staging half is reused after
+            await wait_fence(ev, timeout_s=self.fence_timeout_s)
 
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
@@ -473,15 +511,19 @@ class PoolActor:
                     if self._inline(batches[landed[0]], size):
                         unpack(*landed)
                     else:
-                        tg.start_soon(partial(anyio.to_thread.run_sync, unpack, *landed, limiter=self.limiter))
+                        tg.start_soon(land, *landed)
                 results = await get(k)
             landed = (k, results)
         if landed is not None:
             if self._inline(batches[landed[0]], size):
                 unpack(*landed)
             else:
-                await anyio.to_thread.run_sync(unpack, *landed, limiter=self.limiter)
-        return self._loaded(job, [g for batch in good for g in batch], faults, size, t0)
+                await land(*landed)
+        ok = [g for batch in good for g in batch]
+        if job.on_layer is not None and all(ok):  # every object of the job landed
+            for layer in codec.layer_ids:
+                job.on_layer(layer)
+        return self._loaded(job, ok, faults, size, t0)
 
     def _loaded(self, job: TransferJob, ok: list[bool], faults: dict[str, int], size: int,
                 t0: float) -> LoadResult:

@@ -45,6 +45,7 @@ class PoolCodec:
         self._host = [b.numpy() for _, b in self._segments] if host else None
         # stacked views: each part of every layer in one [L, capacity, row bytes] array, so a
         # host copy moves a whole object with one NumPy call per part
+        self.non_blocking = False  # device copies: queued on the current (copy) stream
         self._stacked: list[np.ndarray] | None = None
         if host and view.stacked is not None and len({b for lb in view.part_row_bytes for b in lb}) == 1:
             self._stacked = [st.view(torch.uint8).reshape(st.shape[0], st.shape[1], -1).numpy()
@@ -62,6 +63,14 @@ class PoolCodec:
         if self.view.stacked is not None:
             return [st.view(torch.uint8).reshape(-1) for st in self.view.stacked]
         return [b.reshape(-1) for _, b in self._segments]
+
+    def use_device_path(self) -> None:
+        """Move every object with indexing ops (``index_select`` / ``index_copy_``) and
+        non-blocking copies, never by host memcpy: what a device pool needs (the actor runs
+        them on its copy stream), and how fake device copies exercise that path on a host."""
+        self._host = None
+        self._stacked = None
+        self.non_blocking = True
 
     @property
     def layer_ids(self) -> list[int]:
@@ -89,7 +98,7 @@ class PoolCodec:
         n = index.shape[0]
         rows = index.reshape(-1).to(self.device)
         for (_, b), off, w in zip(self._segments, self._offsets, self._widths):
-            out[:, off:off + w].copy_(b.index_select(0, rows).reshape(n, w))
+            out[:, off:off + w].copy_(b.index_select(0, rows).reshape(n, w), non_blocking=self.non_blocking)
 
     # ---- load ---------------------------------------------------------------------------
     def host_path(self, index: torch.Tensor) -> bool:
@@ -130,7 +139,8 @@ class PoolCodec:
                 for j, r0 in enumerate(starts):
                     dst[r0:r0 + u] = s[j, off:off + w].reshape(u, -1)
             else:
-                b.index_copy_(0, rows, src[:, off:off + w].reshape(n * u, -1).to(self.device))
+                b.index_copy_(0, rows, src[:, off:off + w].reshape(n * u, -1).to(
+                    self.device, non_blocking=self.non_blocking))
             if on_layer is not None and (k == last or self._segments[k + 1][0] != layer):
                 on_layer(layer)
 

@@ -16,8 +16,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import anyio
 import torch
@@ -70,6 +71,58 @@ class FakeDeviceEvent:
     def done(self) -> bool:
         return self._error is None and (
             self._set or (self.polls is not None and self.queries > self.polls))
+
+
+class FakeDeviceCopies:
+    """A device copy engine double (``runtime.device.DeviceCopies``) for host tensors.
+
+    The copies themselves run at once (CPU), through the device code path (indexing ops, not
+    memcpy); what is simulated is their *completion*: every :meth:`record` returns a
+    :class:`FakeDeviceEvent` that completes only when the test calls :meth:`complete` (or at
+    once with ``auto=True``). ``log`` lists ``"stream"`` (a block on the copy stream began)
+    and ``"record"`` in order, and ``on_stream_ops`` counts records made on the stream.
+    """
+
+    def __init__(self, *, auto: bool = False) -> None:
+        self.auto = auto
+        self.events: list[FakeDeviceEvent] = []
+        self.log: list[str] = []
+        self.staged_bytes = 0
+        self._depth = 0
+        self.on_stream_ops = 0
+
+    @contextlib.contextmanager
+    def _stream(self) -> Iterator[None]:
+        self.log.append("stream")
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def on_stream(self) -> contextlib.AbstractContextManager[None]:
+        return self._stream()
+
+    def record(self) -> DeviceEvent:
+        ev = FakeDeviceEvent(polls=0 if self.auto else None)
+        self.events.append(ev)
+        self.log.append("record")
+        self.on_stream_ops += self._depth > 0
+        return ev
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        self.staged_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def complete(self) -> int:
+        """Complete every event recorded so far; returns how many were pending."""
+        pending = [ev for ev in self.events if not ev.done]
+        for ev in pending:
+            ev.set()
+        return len(pending)
+
+    def pending(self) -> int:
+        return sum(not ev.done for ev in self.events)
 
 
 # ---- clock -----------------------------------------------------------------------------------

@@ -38,14 +38,14 @@ HELP = "benchmarks: control path, event-loop lag, data path (JSON with --json PA
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
-    parser.add_argument("--only", choices=["control", "lag", "data", "keys"], action="append",
+    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade"], action="append",
                         help="run only these sections (repeatable)")
     parser.add_argument("--mooncake", choices=["auto", "yes", "no"], default="auto",
                         help="include Mooncake in the data path (auto: when importable)")
 
 
 def run(args: argparse.Namespace) -> int:
-    sections = set(args.only or ["control", "lag", "data", "keys"])
+    sections = set(args.only or ["control", "lag", "data", "keys", "facade"])
     out: dict[str, Any] = {}
     if "keys" in sections:
         out["key_hashing"] = _key_hashing(args.quick)
@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     if "data" in sections:
         out["data_path"] = data_path(args.quick, args.mooncake)
         _print_data_path(out["data_path"])
+    if "facade" in sections:
+        out["sync_facade_us"] = sync_facade(args.quick)
+        _print_section("synchronous facade: µs per call, facade vs the async call on the loop",
+                       out["sync_facade_us"])
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
@@ -192,8 +196,10 @@ async def loop_lag(quick: bool = False) -> dict[str, Any]:
 StoreFactory = Callable[[int], Awaitable[Store]]
 
 
-async def runtime_transfer(store: Store, object_bytes: int, n_objects: int) -> dict[str, float]:
-    """Offload then load ``n_objects`` KV page objects through the whole runtime (GB/s)."""
+async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
+                           in_place: bool = True) -> dict[str, float]:
+    """Offload then load ``n_objects`` KV page objects through the whole runtime (GB/s);
+    ``in_place=False`` forces the staged path (stage, checksum, scatter) for comparison."""
     from ..stores.framing import HEADER_BYTES
 
     page = 64
@@ -204,7 +210,7 @@ async def runtime_transfer(store: Store, object_bytes: int, n_objects: int) -> d
     pools = HybridPools(layout, kv_pages=n_objects + 1)
     tokens = np.random.default_rng(object_bytes).integers(1, 50000, n_objects * page + 1)
     cfg = LinkerConfig(touch=False, latency_high_ms=1e6, latency_low_ms=1e5,
-                       staging_bytes_per_pool=256 << 20)
+                       staging_bytes_per_pool=256 << 20, in_place=in_place)
     nbytes = n_objects * (HEADER_BYTES + payload)
     async with Linker(layout, pools, store, cfg) as lk:
         r = lk.request("w", tokens)
@@ -257,18 +263,21 @@ def data_path(quick: bool, mooncake: str = "auto") -> list[dict[str, Any]]:
                 raw = {r["direction"]: r for r in measure_raw_vs_memcpy(factory, object_bytes, n, repeats=3)}
 
                 async def _rt(make: Callable[[int], Any] = make, object_bytes: int = object_bytes,
-                              n: int = n) -> dict[str, float]:
+                              n: int = n, in_place: bool = True) -> dict[str, float]:
                     store = await _maybe_await(make(total * 8))
                     try:
                         await _warm(store, object_bytes, n)
-                        return await runtime_transfer(store, object_bytes, n)
+                        return await runtime_transfer(store, object_bytes, n, in_place)
                     finally:
                         await store.close()
 
                 best: dict[str, float] = {"put": 0.0, "get": 0.0}
-                for _ in range(3):
+                staged: dict[str, float] = {"put": 0.0, "get": 0.0}
+                for _ in range(3):  # interleaved, so both see the same machine
                     got = anyio.run(_rt)
                     best = {k: max(best[k], got[k]) for k in best}
+                    got = anyio.run(functools.partial(_rt, in_place=False))
+                    staged = {k: max(staged[k], got[k]) for k in staged}
                 for direction in ("put", "get"):
                     r = raw[direction]
                     rows.append({
@@ -277,6 +286,7 @@ def data_path(quick: bool, mooncake: str = "auto") -> list[dict[str, Any]]:
                         "objects": n,
                         "direction": direction,
                         "runtime_gbps": round(best[direction], 2),
+                        "staged_gbps": round(staged[direction], 2),
                         "raw_gbps": round(r["raw_gbps"], 2),
                         "memcpy_gbps": round(r["memcpy_gbps"], 2),
                         "runtime_vs_raw": round(best[direction] / r["raw_gbps"], 3) if r["raw_gbps"] else None,
@@ -310,6 +320,72 @@ def _print_data_path(rows: list[dict[str, Any]]) -> None:
     from .report import format_table
 
     print("\n== data path (GB/s; best of 3)")
-    print(format_table(rows, ["store", "object_bytes", "objects", "direction", "runtime_gbps", "raw_gbps",
-                              "memcpy_gbps", "runtime_vs_raw"]))
+    print(format_table(rows, ["store", "object_bytes", "objects", "direction", "runtime_gbps", "staged_gbps",
+                              "raw_gbps", "memcpy_gbps", "runtime_vs_raw"]))
+
+
+# ---- synchronous facade ----------------------------------------------------------------
+
+def sync_facade(quick: bool = False) -> dict[str, Any]:
+    """What a synchronous scheduler pays per call for the background loop: the facade's
+    ``exists`` / one-page ``load`` / one-page ``offload`` from the calling thread (submit +
+    wait on the future) against the same async call made on the loop itself."""
+    from ..components.layout import PoolKind
+    from ..components.pool_view import PoolSet, kv_view
+    from ..runtime.data_plane import DataPlane, SyncDataPlane, Transfer
+
+    n = 200 if quick else 1000
+    page = 16
+    k = [torch.zeros(page * 64, 256, dtype=torch.uint8) for _ in range(4)]
+    views = PoolSet([kv_view(k, layer_ids=[0, 1, 2, 3], page_size=page)])
+    rows = torch.arange(page)
+
+    def calls(i: int) -> dict[str, Any]:
+        return {
+            "exists": ({PoolKind.FULL: [f"k{i % 8}"]},),
+            "offload": ([Transfer(PoolKind.FULL, [f"k{i}"], rows)],),
+            "load": ([Transfer(PoolKind.FULL, [f"k{i % 8}"], rows + page)],),
+        }
+
+    def facade() -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {"exists": [], "offload": [], "load": []}
+        with SyncDataPlane(views, lambda: EmbeddedStore(256 << 20)) as dp:
+            for i in range(n):
+                for name, args in calls(i).items():
+                    t0 = time.perf_counter()
+                    if name == "exists":
+                        dp.exists(*args).result()
+                    elif name == "offload":
+                        dp.offload(*args).result()
+                    else:
+                        dp.load(*args).result.result()
+                    out[name].append((time.perf_counter() - t0) * 1e6)
+                dp.pop_completed_offloads()
+        return out
+
+    async def direct() -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {"exists": [], "offload": [], "load": []}
+        store = EmbeddedStore(256 << 20)
+        async with DataPlane(views, store) as dp:
+            for i in range(n):
+                for name, args in calls(i).items():
+                    t0 = time.perf_counter()
+                    if name == "exists":
+                        await dp.exists(*args)
+                    elif name == "offload":
+                        await (await dp.offload(*args)).wait()
+                    else:
+                        await (await dp.load(*args)).wait()
+                    out[name].append((time.perf_counter() - t0) * 1e6)
+        await store.close()
+        return out
+
+    a, b = facade(), anyio.run(direct)
+    res: dict[str, Any] = {}
+    for name in a:
+        fa, da = _pct(a[name][n // 10:]), _pct(b[name][n // 10:])  # first 10%: warm-up
+        res[name] = {"facade_p50": fa["p50"], "async_p50": da["p50"],
+                     "overhead_p50": round(fa["p50"] - da["p50"], 1), "facade_p99": fa["p99"],
+                     "async_p99": da["p99"], "calls": n}
+    return res
 
