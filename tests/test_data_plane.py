@@ -440,3 +440,44 @@ async def test_in_place_loads_verify_the_landed_rows(store: EmbeddedStore, fault
                                "other_key": "other_key"}[fault]: 1}
         assert [await ticket.wait_layer(layer) for layer in FULL_IDS] == [False] * 4
         assert dp.pool_statistics()["kv"].verify_failures == 1
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
+@pytest.mark.parametrize("groups", [1, 3])
+async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_place: bool) -> None:
+    """The Linker is a client of the same data plane: restore is byte-exact with layer groups
+    and on either path, and every layer of the load is reported landed."""
+    import numpy as np
+
+    from hylinker.components.pools import HybridPools
+    from hylinker.runtime.config import LinkerConfig
+    from hylinker.runtime.linker import Linker
+    from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout, synthetic_prefill
+
+    layout = small_hybrid_layout()
+    store = EmbeddedStore(8 << 20)
+    pools = HybridPools(layout, kv_pages=64, mamba_slots=16)
+    content = SyntheticContent(pools)
+    tokens = np.random.default_rng(3).integers(1, 30000, size=41).astype(np.int32)
+    async with Linker(layout, pools, store, LinkerConfig(layer_groups=groups, in_place=in_place)) as lk:
+        assert all(a.scatter is in_place for a in lk.actors.values())
+        req = lk.request("donor", tokens)
+        await lk.lookup(req)
+        assert await synthetic_prefill(lk, content, req) > 0
+        await lk.release(req)
+        await lk.drain()
+        lk.flush_device()
+        req = lk.request("again", tokens)
+        hit = await lk.lookup(req)
+        assert hit.store_tokens == 40
+        load = await lk.load(req)
+        assert load is not None
+        assert all([await load.wait_layer(layer) for layer in load.ticket.layer_ids])
+        assert await lk.commit(load) == 40
+        assert content.prefix_problems(lk, req) == []
+        await lk.release(req)
+        await lk.drain()
+        lk.check_idle()
+    if groups > 1:
+        assert any("|g1of2" in k for k in store.lru_keys())  # 2 layers per pool: 2 groups
+    await store.close()
