@@ -1,0 +1,240 @@
+"""The synchronous facade of the data plane, for a scheduler that is not asyncio.
+
+:class:`SyncDataPlane` runs a :class:`~hylinker.runtime.data_plane.DataPlane` on an event loop in
+a background thread (an anyio blocking portal). Every call is thread-safe and returns at once
+with a ``concurrent.futures.Future`` (or a :class:`SyncLoad`, which has one future per layer:
+the shape of SGLang's layer-wise load counter); :meth:`SyncDataPlane.reset` and
+:meth:`SyncDataPlane.close` block until every transfer is quiesced. Offload outcomes also queue
+in submission order (:meth:`SyncDataPlane.pop_completed_offloads`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import anyio.from_thread
+
+from ..components.layout import PoolKind
+from ..components.pool_view import PoolSet, PoolView
+from ..stores.base import Store
+from .data_plane import (
+    DataPlane,
+    DataPlaneClosedError,
+    DataPlaneConfig,
+    LoadTicket,
+    Transfer,
+    TransferOutcome,
+)
+from .events import DeviceEvent
+from .pool_actor import CANCELLED
+
+
+class SyncLoad:
+    """A load submitted through :class:`SyncDataPlane`. Thread-safe.
+
+    ``result`` resolves to the :class:`TransferOutcome`; ``layer(layer_id)`` is a future that
+    resolves to True when that layer landed, False when the load ended without it (it never
+    raises and never hangs: a failed or cancelled load resolves every layer to False).
+    """
+
+    def __init__(self, layer_ids: Sequence[int], result: concurrent.futures.Future[TransferOutcome]) -> None:
+        self.result = result
+        self._layers = {layer: concurrent.futures.Future[bool]() for layer in layer_ids}
+        self._ticket: LoadTicket | None = None
+        self._cancel_requested = False
+        self._lock = threading.Lock()
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(self._layers)
+
+    def layer(self, layer_id: int) -> concurrent.futures.Future[bool]:
+        if layer_id not in self._layers:
+            raise KeyError(f"layer {layer_id} is not restored by this load")
+        return self._layers[layer_id]
+
+    def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
+        return self.layer(layer_id).result(timeout)
+
+    def _settle(self, layer: int, landed: bool) -> None:
+        fut = self._layers.get(layer)
+        if fut is not None and not fut.done():
+            fut.set_result(landed)
+
+    def _settle_all(self) -> None:
+        for layer in self._layers:
+            self._settle(layer, False)
+
+
+class SyncDataPlane:
+    """A :class:`DataPlane` for synchronous callers (a scheduler thread).
+
+    The event loop runs on a background thread started by the constructor; every method is
+    thread-safe and returns at once with a ``concurrent.futures.Future`` (or a
+    :class:`SyncLoad`), except :meth:`reset` and :meth:`close`, which block until every
+    transfer is quiesced. ``store_factory`` builds the store on the loop thread (stores bind to
+    the loop that uses them); the facade closes it on :meth:`close` when ``own_store``.
+
+    Offload outcomes also queue in submission order: :meth:`pop_completed_offloads` returns
+    the outcomes of the oldest offloads that ended, stopping at the first still running.
+    """
+
+    def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView], store_factory: Callable[[], Store],
+                 config: DataPlaneConfig | None = None, *, fingerprint: bytes | None = None,
+                 namespace: bytes | str = b"", own_store: bool = True) -> None:
+        self._stack = contextlib.ExitStack()
+        self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
+        try:
+            self.store: Store = self._portal.call(_call, store_factory)
+            if own_store:  # closed on the loop thread, after the data plane quiesced
+                self._stack.callback(self._portal.call, self.store.close)
+            self.plane = DataPlane(pools, self.store, config, fingerprint=fingerprint, namespace=namespace)
+            self._stack.enter_context(self._portal.wrap_async_context_manager(self.plane))
+        except BaseException:
+            self._stack.close()
+            raise
+        self._fifo: deque[concurrent.futures.Future[TransferOutcome]] = deque()
+        self._fifo_lock = threading.Lock()
+        self._closed = False
+
+    def __enter__(self) -> SyncDataPlane:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise DataPlaneClosedError("the data plane is closed")
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def exists(self, keys: Mapping[PoolKind, Sequence[str]]) -> concurrent.futures.Future[dict[PoolKind, list[bool]]]:
+        self._check()
+        return self._portal.start_task_soon(self.plane.exists, keys)
+
+    def load(self, transfers: Sequence[Transfer], *, request_id: str = "") -> SyncLoad:
+        """Queue a load; bad input raises here (in the caller's thread)."""
+        self._check()
+        # validate in the caller's thread: misuse raises where it happened
+        self.plane._jobs(transfers, None, request_id)
+        layers = sorted({layer for tr in transfers for layer in self.plane.pools[tr.pool].layer_ids})
+        result: concurrent.futures.Future[TransferOutcome] = concurrent.futures.Future()
+        handle = SyncLoad(layers, result)
+
+        async def run() -> None:
+            try:
+                if handle._cancel_requested:
+                    raise _CancelledBeforeSubmit
+                ticket = await self.plane.load(transfers, request_id=request_id)
+            except _CancelledBeforeSubmit:
+                outcome = TransferOutcome(False, {tr.pool: [False] * len(tr.keys) for tr in transfers},
+                                          {CANCELLED: sum(len(tr.keys) for tr in transfers)}, True)
+                self.plane._c["loads_cancelled"] += 1
+                handle._settle_all()
+                result.set_result(outcome)
+                return
+            except BaseException as exc:
+                handle._settle_all()
+                result.set_exception(exc)
+                return
+            with handle._lock:
+                handle._ticket = ticket
+                if handle._cancel_requested:
+                    ticket.cancel()
+            ticket.add_layer_callback(handle._settle)
+            def finished(outcome: TransferOutcome) -> None:
+                handle._settle_all()
+                result.set_result(outcome)
+
+            ticket.add_done_callback(finished)
+
+        self._portal.start_task_soon(run)
+        return handle
+
+    def cancel(self, load: SyncLoad) -> bool:
+        """Cancel a load that has not started: True, and its rows are never written."""
+        self._check()
+        with load._lock:
+            if load._ticket is None:
+                if load.result.done():
+                    return False
+                load._cancel_requested = True
+                return True
+        ticket = load._ticket
+        return bool(self._portal.call(ticket.cancel))
+
+    def offload(self, transfers: Sequence[Transfer], *, fence: DeviceEvent | None = None,
+                request_id: str = "") -> concurrent.futures.Future[TransferOutcome]:
+        """Queue an offload; the future (and the FIFO) gets its outcome."""
+        self._check()
+        self.plane._jobs(transfers, fence, request_id)
+        result: concurrent.futures.Future[TransferOutcome] = concurrent.futures.Future()
+
+        async def run() -> None:
+            try:
+                ticket = await self.plane.offload(transfers, fence=fence, request_id=request_id)
+                result.set_result(await ticket.wait())
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        with self._fifo_lock:  # FIFO order = submission order = queue order (one portal loop)
+            self._fifo.append(result)
+            self._portal.start_task_soon(run)
+        return result
+
+    def num_completed_offloads(self) -> int:
+        with self._fifo_lock:
+            n = 0
+            for f in self._fifo:
+                if not f.done():
+                    break
+                n += 1
+            return n
+
+    def pop_completed_offloads(self) -> list[TransferOutcome]:
+        """Outcomes of the oldest ended offloads, in submission order (a failed submission
+        reads as an outcome with ``ok`` false)."""
+        out: list[TransferOutcome] = []
+        with self._fifo_lock:
+            while self._fifo and self._fifo[0].done():
+                f = self._fifo.popleft()
+                try:
+                    out.append(f.result())
+                except Exception as exc:
+                    out.append(TransferOutcome(False, {}, {type(exc).__name__: 1}))
+        return out
+
+    def statistics(self) -> dict[str, int]:
+        return dict(self._portal.call(self.plane.statistics))
+
+    def reset(self) -> None:
+        """Cancel loads that have not started and wait for every transfer in flight."""
+        self._check()
+        self._portal.call(self.plane.reset)
+
+    def close(self) -> None:
+        """Quiesce every transfer, stop the loop thread (and close the store if owned)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._portal.call(self.plane.close)
+        finally:
+            self._stack.close()  # leaves the DataPlane, closes an owned store, stops the thread
+
+
+class _CancelledBeforeSubmit(Exception):
+    pass
+
+
+def _call(fn: Callable[[], Store]) -> Store:
+    return fn()
+
+
+__all__ = ["SyncDataPlane", "SyncLoad"]
