@@ -149,7 +149,7 @@ def _runs(index: torch.Tensor) -> bool:
     """Whether each object's rows are one ascending run (true for pages from ``KVPool``)."""
     if index.shape[1] == 1:
         return True
-    return bool((index[:, 1:] - index[:, :-1] == 1).all())
+    return bool((np.diff(index.numpy(), axis=1) == 1).all())
 
 
 __all__ = ["PoolCodec"]
