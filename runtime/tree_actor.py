@@ -3,7 +3,9 @@
 hylinker runs on one event loop, and every tree operation here is synchronous and never
 awaits, so each call runs to completion before any other task can touch the tree: the loop
 itself serializes match, insert, COMMIT, eviction and locks, with no mailbox hop on the
-scheduler's path. Nothing outside this class mutates the tree or allocates rows or slots.
+scheduler's path. Nothing outside this class mutates the tree or allocates rows or slots, and
+the linker reads the tree only through it (``tree`` stays public for tests and tools that
+inspect it).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from ..components.eviction import EvictionPolicy
 from ..components.layout import ModelLayout, PoolKind
 from ..components.pools import HybridPools, PoolError
-from ..components.radix import InsertResult, MatchResult, Node, RadixTree
+from ..components.radix import InsertResult, MatchResult, Node, RadixTree, TreeStatistics
 
 
 class PoolExhaustedError(RuntimeError):
@@ -39,6 +41,30 @@ class TreeActor:
 
     def unlock(self, node: Node) -> None:
         self.tree.unlock(node)
+
+    # ---- reads and whole-tree operations (the linker never reaches past this class) ------
+    @property
+    def root(self) -> Node:
+        return self.tree.root
+
+    def path_keys(self, node: Node) -> list[bytes]:
+        return self.tree.path_keys(node)
+
+    def path_rows(self, node: Node) -> torch.Tensor:
+        return self.tree.path_rows(node)
+
+    def statistics(self) -> TreeStatistics:
+        return self.tree.statistics()
+
+    def locked_nodes(self) -> list[Node]:
+        return self.tree.locked_nodes()
+
+    def check_consistent(self) -> None:
+        self.tree.check_consistent()
+
+    def reset(self) -> None:
+        """Evict the whole tree (nothing may be locked)."""
+        self.tree.reset()
 
     # ---- allocation (evicting when short) -------------------------------------------
     def try_alloc_rows(self, n_pages: int) -> torch.Tensor | None:
