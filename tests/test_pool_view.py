@@ -11,6 +11,7 @@ from hylinker.components.pool_view import (
     PoolView,
     PoolViewError,
     kv_view,
+    stacked_kv_view,
     state_view,
 )
 from hylinker.components.pools import HybridPools
@@ -183,3 +184,18 @@ def test_layer_groups_split_consecutive_layers() -> None:
     assert [g.layer_ids for g in view.layer_groups(9)] == [[i] for i in range(5)]
     with pytest.raises(PoolViewError):
         view.layer_groups(0)
+
+
+def test_views_that_do_not_match_the_layout_are_refused() -> None:
+    layout = small_hybrid_layout()
+    pools = HybridPools(layout, kv_pages=4, mamba_slots=2)
+    views = dict(pools.views())
+    kv = pools.kv.tensor
+    # the engine's KV in another dtype (and so another byte size per row) than the layout says
+    wrong = torch.zeros(kv.shape, dtype=torch.float64 if kv.element_size() != 8 else torch.float32)
+    views[PoolKind.FULL] = stacked_kv_view(wrong, layer_ids=layout.full_layers, page_size=layout.page_size)
+    with pytest.raises(PoolViewError, match="bytes per object"):
+        PoolSet(views).check_layout(layout)
+    del views[PoolKind.DRAFT]
+    with pytest.raises(PoolViewError, match="views for"):
+        PoolSet(views).check_layout(layout)
