@@ -48,6 +48,8 @@ class SyncLoad:
         self._layers = {layer: concurrent.futures.Future[bool]() for layer in layer_ids}
         self._ticket: LoadTicket | None = None
         self._cancel_requested = False
+        self._run: Callable[[], Any] | None = None  # held until SyncDataPlane.start
+        self._cancelled: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -118,8 +120,12 @@ class SyncDataPlane:
         self._check()
         return self._portal.start_task_soon(self.plane.exists, keys)
 
-    def load(self, transfers: Sequence[Transfer], *, request_id: str = "") -> SyncLoad:
-        """Queue a load; bad input raises here (in the caller's thread)."""
+    def load(self, transfers: Sequence[Transfer], *, request_id: str = "", start: bool = True) -> SyncLoad:
+        """Queue a load; bad input raises here (in the caller's thread).
+
+        ``start=False`` keeps it held until :meth:`start` (SGLang's ``load`` then
+        ``start_layer_wise_loading``); a held load can be cancelled and never touches a row.
+        """
         self._check()
         # validate in the caller's thread: misuse raises where it happened
         self.plane._jobs(transfers, None, request_id)
@@ -127,44 +133,63 @@ class SyncDataPlane:
         result: concurrent.futures.Future[TransferOutcome] = concurrent.futures.Future()
         handle = SyncLoad(layers, result)
 
+        def cancelled() -> None:
+            self.plane._c["loads_cancelled"] += 1
+            handle._settle_all()
+            result.set_result(TransferOutcome(
+                False, {tr.pool: [False] * len(tr.keys) for tr in transfers},
+                {CANCELLED: sum(len(tr.keys) for tr in transfers)}, True))
+
         async def run() -> None:
             try:
-                if handle._cancel_requested:
-                    raise _CancelledBeforeSubmit
-                ticket = await self.plane.load(transfers, request_id=request_id)
-            except _CancelledBeforeSubmit:
-                outcome = TransferOutcome(False, {tr.pool: [False] * len(tr.keys) for tr in transfers},
-                                          {CANCELLED: sum(len(tr.keys) for tr in transfers)}, True)
-                self.plane._c["loads_cancelled"] += 1
-                handle._settle_all()
-                result.set_result(outcome)
-                return
+                # the ticket exists before the first await: a cancel from now on goes to it
+                ticket = self.plane.prepare_load(transfers, request_id=request_id)
             except BaseException as exc:
                 handle._settle_all()
                 result.set_exception(exc)
                 return
             with handle._lock:
-                handle._ticket = ticket
                 if handle._cancel_requested:
-                    ticket.cancel()
+                    cancelled()
+                    return
+                handle._ticket = ticket
             ticket.add_layer_callback(handle._settle)
+
             def finished(outcome: TransferOutcome) -> None:
                 handle._settle_all()
                 result.set_result(outcome)
 
             ticket.add_done_callback(finished)
+            await self.plane.submit(ticket)
 
-        self._portal.start_task_soon(run)
+        handle._cancelled = cancelled
+        if start:
+            self._portal.start_task_soon(run)
+        else:
+            handle._run = run
         return handle
+
+    def start(self, *loads: SyncLoad) -> None:
+        """Queue held loads (``load(..., start=False)``), in the order given."""
+        self._check()
+        for load in loads:
+            with load._lock:
+                run, load._run = load._run, None
+            if run is not None:
+                self._portal.start_task_soon(run)
 
     def cancel(self, load: SyncLoad) -> bool:
         """Cancel a load that has not started: True, and its rows are never written."""
         self._check()
         with load._lock:
             if load._ticket is None:
-                if load.result.done():
+                if load.result.done() or load._cancel_requested:
                     return False
                 load._cancel_requested = True
+                if load._run is not None:  # held, never started: it ends here
+                    load._run = None
+                    assert load._cancelled is not None
+                    load._cancelled()
                 return True
         ticket = load._ticket
         return bool(self._portal.call(ticket.cancel))
@@ -227,10 +252,6 @@ class SyncDataPlane:
             self._portal.call(self.plane.close)
         finally:
             self._stack.close()  # leaves the DataPlane, closes an owned store, stops the thread
-
-
-class _CancelledBeforeSubmit(Exception):
-    pass
 
 
 def _call(fn: Callable[[], Store]) -> Store:

@@ -481,3 +481,22 @@ async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_pl
     if groups > 1:
         assert any("|g1of2" in k for k in store.lru_keys())  # 2 layers per pool: 2 groups
     await store.close()
+
+
+def test_sync_facade_held_loads_start_in_order_or_cancel_untouched() -> None:
+    a = EnginePools(1)
+    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20)) as dp:
+        assert dp.offload([Transfer(PoolKind.FULL, ["h0", "h1"], pages(0, 1))]).result(timeout=10).ok
+        before = a.rows(pages(4))
+        held = dp.load([Transfer(PoolKind.FULL, ["h0"], pages(4))], start=False)
+        kept = dp.load([Transfer(PoolKind.FULL, ["h1"], pages(5))], start=False)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            kept.result.result(timeout=0.05)  # held: nothing moves until start
+        assert dp.cancel(held) and not dp.cancel(held)
+        out = held.result.result(timeout=1)
+        assert out.cancelled and held.layer(0).result(timeout=1) is False
+        dp.start(kept, held)  # starting a cancelled load is a no-op
+        assert kept.result.result(timeout=10).ok
+        assert all(kept.layer(layer).result(timeout=1) for layer in FULL_IDS)
+        assert all(torch.equal(x, y) for x, y in zip(a.rows(pages(4)), before))  # never written
+        assert dp.statistics()["loads_cancelled"] == 1
