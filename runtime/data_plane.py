@@ -63,7 +63,7 @@ from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores.base import Store, StoreError
 from .device import DeviceCopies
-from .events import DeviceEvent
+from .events import DeviceEvent, FenceError
 from .pool_actor import (
     CANCELLED,
     STORED,
@@ -287,7 +287,7 @@ class OffloadTicket(_Ticket):
     def _per_object(self, pool: PoolKind, job: TransferJob) -> tuple[list[bool], dict[str, int]]:
         res = job.completion.value
         if job.completion.error is not None or not isinstance(res, OffloadResult):
-            reason = "fence" if job.completion.error is not None else "error"
+            reason = "fence" if isinstance(job.completion.error, FenceError) else "error"
             return [False] * len(job.keys), {reason: len(job.keys)}
         faults: dict[str, int] = {}
         for o in res.outcomes:
