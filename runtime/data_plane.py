@@ -548,6 +548,11 @@ class DataPlane:
         if not self._open:
             self._idle.set()
 
+    def store_keys(self, pool: PoolKind, key: str) -> list[str]:
+        """The store keys that hold object ``key`` of ``pool`` (one per layer group)."""
+        g = len(self.codecs[pool])
+        return [group_key(key, j, g) for j in range(g)]
+
     # ---- inspection ---------------------------------------------------------------------------
     def pending_objects(self, pool: PoolKind) -> int:
         """Objects of ``pool`` in queued or running offloads (MAMBA: states held for writing)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -48,12 +47,19 @@ from ..stores.base import Store, StoreError
 from ..stores.framing import FrameFault
 from ..stores.resilient import ResilienceStatistics, ResilientStore
 from .config import LinkerConfig
+from .data_plane import (
+    DataPlane,
+    DataPlaneConfig,
+    LoadTicket,
+    OffloadTicket,
+    Transfer,
+    TransferOutcome,
+)
 from .events import DeviceEvent
-from .pool_actor import STORED, LatencyMonitor, LoadResult, OffloadResult, PoolActor, TransferJob
+from .pool_actor import PoolActor
 from .statistics import LinkerStatistics, PoolActorStatistics
 from .touch import TouchBatcher
 from .tracing import trace
-from .transfer import PoolCodec
 from .tree_actor import PoolExhaustedError, TreeActor
 
 
@@ -100,10 +106,11 @@ class Request:
 
 
 class LoadHandle:
-    """A queued restore: await all of it, or each model layer."""
+    """A queued restore: await all of it, or each model layer. The reads, their verification
+    and layer readiness are the data plane's (:class:`~hylinker.runtime.data_plane.LoadTicket`)."""
 
     def __init__(self, linker: Linker, req: Request, pages: int, rows: torch.Tensor,
-                 slot: int | None, layers: Sequence[int]) -> None:
+                 slot: int | None) -> None:
         self.linker = linker
         self.request = req
         self.pages = pages
@@ -111,51 +118,34 @@ class LoadHandle:
         self.slot = slot  # the state at ``pages``
         #: (pages, slot) of every state read, ascending; the last one is ``slot``'s
         self.states: list[tuple[int, int]] = [] if slot is None else [(pages, slot)]
-        self.jobs: dict[PoolKind, TransferJob] = {}
-        self.submitted: list[PoolKind] = []
-        self.results: dict[PoolKind, LoadResult] = {}
-        self._layer_events = {layer: anyio.Event() for layer in layers}
-        self._layer_pending: dict[int, int] = {layer: 0 for layer in layers}
-        self._landed_layers: set[int] = set()
+        self.keys: dict[PoolKind, list[str]] = {}  # object keys read, per pool, in order
+        self.ticket: LoadTicket | None = None
         self.done = anyio.Event()  # every queued read has ended
-        self.error: BaseException | None = None
         self.finished = False  # committed or aborted: rows and slot belong to someone now
         self.claimed_by: str | None = None  # "commit" or "abort" while one of them runs
         self.claim_changed = anyio.Event()  # set (and renewed) when a commit lets go
         self.settled = anyio.Event()  # set once committed or aborted
 
-    def _expect(self, layers: Sequence[int]) -> None:
-        for layer in layers:
-            self._layer_pending[layer] += 1
+    def _attach(self, ticket: LoadTicket) -> None:
+        self.ticket = ticket
+        ticket.add_done_callback(lambda _outcome: self.done.set())
 
-    def _landed(self, layer: int) -> None:
-        self._layer_pending[layer] -= 1
-        if self._layer_pending[layer] <= 0:
-            self._landed_layers.add(layer)
-            self._layer_events[layer].set()
+    @property
+    def outcome(self) -> TransferOutcome | None:
+        """What the reads did, once they ended (``None`` before)."""
+        return None if self.ticket is None else self.ticket.outcome
 
     async def wait(self) -> bool:
         """Wait for every pool's data; True when all of it landed and verified."""
         await self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return all(r.all_ok for r in self.results.values())
+        out = self.outcome
+        return out is not None and out.ok
 
     async def wait_layer(self, layer_id: int) -> bool:
         """Wait until ``layer_id``'s restored data is in the pools, or the load ended without
         it; True in the first case. The load still has to be committed as a whole."""
-        if layer_id not in self._layer_events:
-            raise KeyError(f"layer {layer_id} is not restored by this load")
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
-                async def _on_done() -> None:
-                    await self.done.wait()
-                    scope.cancel()
-
-                tg.start_soon(_on_done)
-                await self._layer_events[layer_id].wait()
-                scope.cancel()
-        return layer_id in self._landed_layers
+        assert self.ticket is not None
+        return await self.ticket.wait_layer(layer_id)
 
     @property
     def tokens(self) -> int:
@@ -189,17 +179,14 @@ class Linker:
         #: where prefills donate states (:meth:`checkpoint_depths`); the device tree's eviction order
         self.checkpoints: CheckpointPolicy = checkpoints if checkpoints is not None else EndOfPrefill()
         self.tree = TreeActor(layout, pools, self._default_seed, eviction)
-        self.latency = LatencyMonitor(self.config.latency_high_ms, self.config.latency_low_ms)
-        self._limiter = anyio.CapacityLimiter(self.config.copy_threads)
-        self.actors: dict[PoolKind, PoolActor] = {}
-        for kind in layout.pools:
-            codec = PoolCodec(kind, layout, pools)
-            frames = max(1, self.config.staging_bytes_per_pool // max(1, codec.payload_bytes + 64))
-            self.actors[kind] = PoolActor(
-                kind, codec, self.store, layout, staging_frames=frames, queue_depth=self.config.queue_depth,
-                latency=self.latency, thread_limiter=self._limiter,
-                inline_bytes=self.config.inline_copy_bytes,
-                fence_timeout_s=self.config.fence_timeout_s)
+        c = self.config
+        # the one data path: the same data plane an engine that owns its tree drives
+        self.data = DataPlane(pools.views(), self.store, DataPlaneConfig(
+            queue_depth=c.queue_depth, staging_bytes_per_pool=c.staging_bytes_per_pool,
+            copy_threads=c.copy_threads, inline_copy_bytes=c.inline_copy_bytes,
+            fence_timeout_s=c.fence_timeout_s, latency_high_ms=c.latency_high_ms,
+            latency_low_ms=c.latency_low_ms, layer_groups=c.layer_groups, in_place=c.in_place),
+            fingerprint=layout.fingerprint)
         self._requests: dict[str, Request] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._offloads_in_flight = 0
@@ -216,16 +203,24 @@ class Linker:
             "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost",
             "offloads_skipped_breaker")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
-        self._layer_of_pool = {k: a.codec.layer_ids for k, a in self.actors.items()}
-        self._restored_layers = sorted({layer for ids in self._layer_of_pool.values() for layer in ids})
+
+    @property
+    def actors(self) -> dict[PoolKind, PoolActor]:
+        return self.data.actors
+
+    @property
+    def latency(self) -> Any:
+        return self.data.latency
+
+    @latency.setter
+    def latency(self, monitor: Any) -> None:
+        self.data.latency = monitor
 
     # ---- lifecycle -----------------------------------------------------------------
     async def __aenter__(self) -> Linker:
+        await self.data.__aenter__()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        for actor in self.actors.values():
-            self._tg.start_soon(actor.run_offloads)
-            self._tg.start_soon(actor.run_loads)
         self._tg.start_soon(self.toucher.run)
         return self
 
@@ -234,7 +229,12 @@ class Linker:
             await self.close()
         assert self._tg is not None
         tg, self._tg = self._tg, None
-        return await tg.__aexit__(*exc)
+        try:
+            suppress = await tg.__aexit__(*exc)
+        except BaseException as err:
+            await self.data.__aexit__(type(err), err, err.__traceback__)
+            raise
+        return bool(await self.data.__aexit__(*exc)) or suppress
 
     async def close(self) -> None:
         """Quiesce: finish queued offloads and loads, then release every open request.
@@ -256,8 +256,7 @@ class Linker:
         if isinstance(self.store, ResilientStore):
             await self.store.shutdown()
         await self.drain()
-        for actor in self.actors.values():
-            actor.close_queues()
+        await self.data.close()  # loads not started are cancelled; the rest end
         for req in list(self._requests.values()):
             try:
                 await self.release(req)
@@ -348,33 +347,28 @@ class Linker:
 
     async def _probe(self, req: Request, keys: list[bytes], first_page: int) -> list[int]:
         """Every restorable page count above the device hit, ascending ([]: none)."""
-        names: list[str] = []
-        spans: dict[PoolKind, tuple[int, list[int]]] = {}
+        names: dict[PoolKind, list[str]] = {}
+        spans: dict[PoolKind, list[int]] = {}
         for kind in self.layout.pools:
             if kind is PoolKind.MAMBA:
                 pos = [i for i in range(len(keys)) if (first_page + i + 1) % self.grid_pages == 0]
             else:
                 pos = list(range(len(keys)))
-            spans[kind] = (len(names), pos)
-            names.extend(object_keys([keys[i] for i in pos], kind, self.layout))
-        if not names:
+            spans[kind] = pos
+            names[kind] = object_keys([keys[i] for i in pos], kind, self.layout)
+        if not any(names.values()):
             return []
-        start = time.perf_counter()
-        try:
-            present = await self.store.exists(names)
-        except StoreError as exc:
-            trace("lookup.store_error", request_id=req.id, error=str(exc))
-            return []
-        self.latency.observe(time.perf_counter() - start)
-        if len(present) != len(names):  # a store that breaks the protocol: fail closed
-            trace("lookup.store_error", request_id=req.id,
-                  error=f"exists answered {len(present)} of {len(names)} keys")
+        errors = self.data.statistics()["exists_errors"]
+        # a store error, or an answer of the wrong length, is a miss for every key (fail closed)
+        present = await self.data.exists(names)
+        if self.data.statistics()["exists_errors"] > errors:
+            trace("lookup.store_error", request_id=req.id)
             return []
         bits: dict[PoolKind, list[bool]] = {}
-        for kind, (off, pos) in spans.items():
+        for kind, pos in spans.items():
             b = [False] * len(keys)
             for j, i in enumerate(pos):
-                b[i] = bool(present[off + j])
+                b[i] = present[kind][j]
             bits[kind] = b
         counts = restorable_page_counts(bits)
         return sorted(n for n in counts if n > 0 and (first_page + n) % self.grid_pages == 0)
@@ -420,7 +414,7 @@ class Linker:
             self._c["load_misses"] += 1
             trace("load.miss", request_id=req.id, reason="allocation", pages=n)
             return None
-        handle = LoadHandle(self, req, n, rows, slot, self._restored_layers)
+        handle = LoadHandle(self, req, n, rows, slot)
         if slot is not None:
             # fallback states at shallower boundaries the probe found: if an object above one
             # of them fails, the load still restores the prefix up to it
@@ -432,6 +426,7 @@ class Linker:
                 handle.states.insert(0, (b, extra))
         req.load = handle
         first = req.prefix_pages
+        transfers: list[Transfer] = []
         for kind in self.layout.pools:
             if kind is PoolKind.MAMBA:
                 assert slot is not None
@@ -440,19 +435,16 @@ class Linker:
             else:
                 names = object_keys(req.store_keys, kind, self.layout)
                 index = rows.view(n, self.page)
-            handle._expect(self._layer_of_pool[kind])
-            job = TransferJob(names, index, on_layer=self._layer_callback(handle), request_id=req.id)
-            handle.jobs[kind] = job
+            handle.keys[kind] = names
+            transfers.append(Transfer(kind, names, index))
+        handle._attach(self.data.prepare_load(transfers, request_id=req.id))
+        assert handle.ticket is not None
         closed = False
         try:
-            for kind, job in handle.jobs.items():
-                await self.actors[kind].submit_load(job)
-                handle.submitted.append(kind)
+            # a cancelled submission still ends the ticket: jobs that were queued run, the rest end
+            await self.data.submit(handle.ticket)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             closed = True  # the linker closed while this load waited for queue space
-        finally:
-            # jobs that were queued still run; the load ends when they do
-            self._spawn(self._finish_load, handle)
         if closed:
             self._c["load_misses"] += 1
             trace("load.miss", request_id=req.id, reason="closing", pages=n)
@@ -460,34 +452,6 @@ class Linker:
             return None
         trace("load.queued", request_id=req.id, pages=n, first_page=first, slot=slot)
         return handle
-
-    def _layer_callback(self, handle: LoadHandle) -> Any:
-        loop_thread = threading.get_ident()
-
-        def landed(layer: int) -> None:
-            if threading.get_ident() == loop_thread:  # a small load scattered on the loop
-                handle._landed(layer)
-            else:
-                anyio.from_thread.run_sync(handle._landed, layer)
-        return landed
-
-    async def _finish_load(self, handle: LoadHandle) -> None:
-        try:
-            for kind, job in handle.jobs.items():
-                if kind in handle.submitted:
-                    res = await job.completion.wait()
-                    assert isinstance(res, LoadResult)
-                else:
-                    res = LoadResult([False] * len(job.keys), {"not_queued": len(job.keys)})
-                handle.results[kind] = res
-        except Exception as exc:
-            handle.error = exc
-        finally:  # cancellation (linker shutdown) still releases every waiter
-            if not handle.done.is_set() and len(handle.results) < len(handle.jobs) and handle.error is None:
-                handle.error = PhaseError("the load was cancelled by the linker's shutdown")
-            for ev in handle._layer_events.values():
-                ev.set()
-            handle.done.set()
 
     # ---- COMMIT / ABORT --------------------------------------------------------------
     async def commit(self, load: LoadHandle) -> int:
@@ -515,12 +479,13 @@ class Linker:
 
     def _kept_pages(self, load: LoadHandle) -> int:
         """How much of a finished load can be restored (all of it when everything verified)."""
-        if load.error is not None or len(load.results) < len(load.jobs):
+        out = load.outcome
+        if out is None or out.cancelled:
             return 0
-        page_ok = [res.ok for kind, res in load.results.items() if kind is not PoolKind.MAMBA]
+        page_ok = [ok for kind, ok in out.objects.items() if kind is not PoolKind.MAMBA]
         states = None
-        if PoolKind.MAMBA in load.results:
-            states = [(b, ok) for (b, _), ok in zip(load.states, load.results[PoolKind.MAMBA].ok)]
+        if PoolKind.MAMBA in out.objects:
+            states = [(b, ok) for (b, _), ok in zip(load.states, out.objects[PoolKind.MAMBA])]
         return kept_pages(page_ok, n_pages=load.pages, first_page=load.request.prefix_pages,
                           grid_pages=self.grid_pages, states=states)
 
@@ -540,27 +505,26 @@ class Linker:
 
     async def _commit(self, load: LoadHandle) -> int:
         req = load.request
-        try:
-            await load.wait()
-        except Exception as exc:
-            trace("commit.error", request_id=req.id, error=str(exc))
-        for res in load.results.values():
-            rejected = sum(v for k, v in res.faults.items() if k in _FRAME_FAULTS)
-            self._c["verifications"] += sum(res.ok) + rejected
+        await load.wait()
+        out = load.outcome
+        faults = {} if out is None else out.faults
+        if out is not None:
+            rejected = sum(v for k, v in out.faults.items() if k in _FRAME_FAULTS)
+            self._c["verifications"] += sum(sum(ok) for ok in out.objects.values()) + rejected
             self._c["verify_failures"] += rejected
         kept = self._kept_pages(load)
         if kept == 0:
             self._c["dropped_loads"] += 1
             self._forget_bad_objects(load)
             self._free_load(load)
-            trace("commit.dropped", request_id=req.id, faults={k.value: r.faults for k, r in load.results.items()})
+            trace("commit.dropped", request_id=req.id, faults=faults)
             return 0
         if kept < load.pages:
             self._c["partial_loads"] += 1
             self._c["partial_pages_lost"] += load.pages - kept
             self._forget_bad_objects(load)
             trace("commit.partial", request_id=req.id, pages=load.pages, kept=kept,
-                  faults={k.value: r.faults for k, r in load.results.items()})
+                  faults=faults)
         self._trim_load(load, kept)
         keys = self.tree.tree.path_keys(req.node) + req.store_keys[:kept]
         rows = torch.cat([req.rows, load.rows])
@@ -625,8 +589,12 @@ class Linker:
         those pages writes a good one."""
         if not self.store.capabilities.remove:
             return
-        bad = [key for kind, job in load.jobs.items() if kind in load.results
-               for key, ok in zip(job.keys, load.results[kind].ok) if not ok]
+        out = load.outcome
+        if out is None or out.cancelled:
+            return
+        bad = [name for kind, keys in load.keys.items()
+               for key, ok in zip(keys, out.objects.get(kind, [])) if not ok
+               for name in self.data.store_keys(kind, key)]
         if bad and self._tg is not None:
             self._c["bad_objects_removed"] += len(bad)
             self._tg.start_soon(self._remove_quietly, bad)
@@ -795,6 +763,7 @@ class Linker:
             return
         job_id = next(self._job_ids)
         jobs: dict[PoolKind, _OffloadPlan] = {}
+        transfers: list[Transfer] = []
         locked: dict[int, Node] = {}  # node id -> node, locked once per offload
         for kind, nodes in plan.items():
             # absolute page -> position of its object in the job (MAMBA: the state's key page)
@@ -817,51 +786,45 @@ class Linker:
                 index = torch.cat([n.rows for n in nodes]).view(-1, self.page)
             if not self.layout.writes(kind):
                 # the owner rank writes a replicated pool: settle by what the store holds
-                jobs[kind] = (None, where, names)
+                jobs[kind] = (False, where, names)
                 continue
-            jobs[kind] = (TransferJob(names, index, fence=fence, request_id=req.id), where, names)
+            jobs[kind] = (True, where, names)
+            transfers.append(Transfer(kind, names, index))
         locked_pages = sum(len(n.keys) for n in locked.values())
         self._offload_locked_pages += locked_pages
         if self._offloads_in_flight == 0:
             self._offloads_idle = anyio.Event()
         self._offloads_in_flight += 1
-        submitted: list[PoolKind] = []
+        ticket: OffloadTicket | None = None
         try:
-            # MAMBA first: its submit counts the states as pending before its first await, so
-            # no other task passes the backpressure check above on a stale count
-            order = sorted(jobs.items(), key=lambda item: item[0] is not PoolKind.MAMBA)
-            for kind, (job, _, _) in order:
-                if job is not None:
-                    await self.actors[kind].submit_offload(job)
-                submitted.append(kind)
+            # MAMBA first: the data plane counts its states as pending before its first await,
+            # so no other task passes the backpressure check above on a stale count
+            transfers.sort(key=lambda t: t.pool is not PoolKind.MAMBA)
+            ticket = self.data.prepare_offload(transfers, fence=fence, request_id=req.id)
+            await self.data.submit(ticket)
         finally:
-            self._spawn(self._finish_offload, job_id, node, jobs, submitted, list(locked.values()),
+            self._spawn(self._finish_offload, job_id, node, jobs, ticket, list(locked.values()),
                         locked_pages)
 
     async def _finish_offload(self, job_id: int, end: Node, jobs: dict[PoolKind, _OffloadPlan],
-                              submitted: list[PoolKind], locked: list[Node], locked_pages: int) -> None:
+                              ticket: OffloadTicket | None, locked: list[Node], locked_pages: int) -> None:
         """Exactly one settlement per offload: mark what reached the store, then unlock."""
-        from ..stores.base import Outcome
-
         failed = False
         try:
-            for kind, (job, where, names) in jobs.items():
-                outcomes: list[Outcome] | None
-                if job is None:
-                    outcomes = await self._replica_outcomes(names)
-                elif kind not in submitted:
-                    outcomes = None
+            outcome = None if ticket is None else await ticket.wait()
+            for kind, (written, where, names) in jobs.items():
+                stored: list[bool] | None
+                if not written:
+                    stored = await self._replica_outcomes(names)
+                elif outcome is None:
+                    stored = None
                 else:
-                    try:
-                        res = await job.completion.wait()
-                        assert isinstance(res, OffloadResult)
-                        outcomes = res.outcomes
-                    except Exception as exc:
-                        trace("offload.error", pool=kind.value, error=str(exc))
-                        outcomes = None
-                if outcomes is None or not OffloadResult(outcomes).ok:
+                    stored = outcome.objects.get(kind, [False] * len(where))
+                if stored is None or not all(stored):
                     failed = True
-                self._settle(kind, job_id, end, where, outcomes)
+                self._settle(kind, job_id, end, where, stored)
+            if outcome is not None and outcome.faults:
+                trace("offload.error", request_id=ticket.request_id if ticket else "", faults=outcome.faults)
         finally:
             if failed:
                 self._c["offload_failures"] += 1  # one result per offload, not one per pool
@@ -872,23 +835,21 @@ class Linker:
             if self._offloads_in_flight == 0:
                 self._offloads_idle.set()
 
-    async def _replica_outcomes(self, names: list[str]) -> list[Any]:
+    async def _replica_outcomes(self, names: list[str]) -> list[bool]:
         """A replicated pool another rank writes: stored only where the store holds it now (a
         node found missing stays unstored and is planned again by a later insert)."""
-        from ..stores.base import Outcome
-
         self._c["offloads_verified_replicas"] += 1
         try:
             present = await self.store.exists(names)
         except StoreError as exc:
             trace("offload.replica_check_error", error=str(exc), keys=len(names))
-            return [Outcome.UNREACHABLE] * len(names)
+            return [False] * len(names)
         if len(present) != len(names):
-            return [Outcome.FAILED] * len(names)
-        return [Outcome.OK if here else Outcome.MISSING for here in present]
+            return [False] * len(names)
+        return [bool(here) for here in present]
 
     def _settle(self, kind: PoolKind, job_id: int, end: Node, where: dict[int, int],
-                outcomes: list[Any] | None) -> None:
+                stored: list[bool] | None) -> None:
         """Clear this job's pending marks along ``end``'s path (split fragments included);
         mark ``stored`` where every object of the node reached the store. A failure never
         clears a ``stored`` flag an earlier success set."""
@@ -897,10 +858,10 @@ class Linker:
             if n.pending.get(kind) != job_id:
                 continue
             del n.pending[kind]
-            if outcomes is None:
+            if stored is None:
                 continue
             pages = [n.end_page - 1] if kind is PoolKind.MAMBA else range(n.start_page, n.end_page)
-            if all(j in where and outcomes[where[j]] in STORED for j in pages):
+            if all(j in where and stored[where[j]] for j in pages):
                 n.stored.add(kind)
 
     # ---- RELEASE -------------------------------------------------------------------
@@ -984,6 +945,6 @@ class Linker:
 _FRAME_FAULTS = frozenset(f.value for f in FrameFault)
 #: one pool's part of an offload: the job (None: another rank writes this replicated pool),
 #: absolute page -> position of its object, and the object keys
-_OffloadPlan = tuple[TransferJob | None, dict[int, int], list[str]]
+_OffloadPlan = tuple[bool, dict[int, int], list[str]]  # (written by this rank, page -> object, keys)
 
 __all__ = ["Linker", "LoadHandle", "LookupResult", "PhaseError", "PoolExhaustedError", "Request"]

@@ -53,6 +53,7 @@ from .base import (
     StoreError,
     StoreStatistics,
     StoreUnavailableError,
+    supports_scatter,
 )
 
 T = TypeVar("T")
@@ -204,7 +205,9 @@ class ResilientStore:
         self._rng = random.Random(seed)
         self.breaker = CircuitBreaker(self.policy.failure_threshold, self.policy.probe_interval_s, clock)
         caps = inner.capabilities
-        self._capabilities = attrs.evolve(caps, name=f"resilient({caps.name})")
+        # scatter-gather only when the inner store really has it (a wrapper may forward the flag)
+        self._capabilities = attrs.evolve(caps, name=f"resilient({caps.name})",
+                                          scatter=supports_scatter(inner))
         self._c = dict.fromkeys(("calls", "attempts", "retries", "retried_keys", "recovered_keys",
                                  "exhausted_keys", "timeouts", "unavailable",
                                  "cancelled_on_shutdown"), 0)
@@ -269,6 +272,35 @@ class ResilientStore:
             res = await self._inner.get([keys[i] for i in idx], [buffers[i] for i in idx])
             if len(res) != len(idx):
                 raise StoreError(f"get answered {len(res)} of {len(idx)} keys")
+            for i, r in zip(idx, res):
+                sizes[i] = r.nbytes
+            return [r.outcome for r in res]
+
+        outcomes = await self._transfer(len(keys), Outcome.UNREACHABLE, one)
+        return [GetResult(o, sizes.get(i, 0) if o is Outcome.OK else 0) for i, o in enumerate(outcomes)]
+
+    # scatter-gather (in place): the same retries and breaker, when the inner store has it
+    async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        keys, parts = list(keys), list(parts)
+        if len(keys) != len(parts):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
+        self._check_open()
+        inner = self._inner
+        return await self._transfer(
+            len(keys), Outcome.UNREACHABLE,
+            lambda idx: inner.put_parts([keys[i] for i in idx], [parts[i] for i in idx]))  # type: ignore[attr-defined]
+
+    async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        keys, parts = list(keys), list(parts)
+        if len(keys) != len(parts):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
+        self._check_open()
+        sizes: dict[int, int] = {}
+
+        async def one(idx: list[int]) -> list[Outcome]:
+            res = await self._inner.get_parts([keys[i] for i in idx], [parts[i] for i in idx])  # type: ignore[attr-defined]
+            if len(res) != len(idx):
+                raise StoreError(f"get_parts answered {len(res)} of {len(idx)} keys")
             for i, r in zip(idx, res):
                 sizes[i] = r.nbytes
             return [r.outcome for r in res]

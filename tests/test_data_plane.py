@@ -472,6 +472,7 @@ async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_pl
         assert hit.store_tokens == 40
         load = await lk.load(req)
         assert load is not None
+        assert load.ticket is not None
         assert all([await load.wait_layer(layer) for layer in load.ticket.layer_ids])
         assert await lk.commit(load) == 40
         assert content.prefix_problems(lk, req) == []
