@@ -50,9 +50,10 @@ class PoolRule:
         """Object keys and indices (rows or slots) of ``nodes``' data, in order."""
         raise NotImplementedError
 
-    def load_objects(self, keys: Sequence[bytes], rows: torch.Tensor, slot: int | None
+    def load_objects(self, keys: Sequence[bytes], rows: torch.Tensor, states: Sequence[tuple[int, int]]
                      ) -> tuple[list[str], torch.Tensor]:
-        """Object keys and indices for restoring the pages ``keys`` into ``rows`` / ``slot``."""
+        """Object keys and indices for restoring the pages ``keys`` into ``rows``, and the
+        states ``(pages, slot)`` a load reads (the deepest last; shallower ones are fallbacks)."""
         raise NotImplementedError
 
     def touch_names(self, path_keys: Sequence[bytes], node: Node) -> list[str]:
@@ -80,7 +81,7 @@ class AllPages(PoolRule):
         names = object_keys([k for n in nodes for k in n.keys], self.kind, self.layout)
         return names, torch.cat([n.rows for n in nodes]).view(-1, self.layout.page_size)
 
-    def load_objects(self, keys: Sequence[bytes], rows: torch.Tensor, slot: int | None
+    def load_objects(self, keys: Sequence[bytes], rows: torch.Tensor, states: Sequence[tuple[int, int]]
                      ) -> tuple[list[str], torch.Tensor]:
         return object_keys(list(keys), self.kind, self.layout), rows.view(len(keys), self.layout.page_size)
 
@@ -107,11 +108,12 @@ class TrailingState(PoolRule):
         names = [object_key(n.keys[-1], self.kind, self.layout) for n in nodes]
         return names, torch.tensor([[n.mamba_slot] for n in nodes], dtype=torch.int64)
 
-    def load_objects(self, keys: Sequence[bytes], rows: torch.Tensor, slot: int | None
+    def load_objects(self, keys: Sequence[bytes], rows: torch.Tensor, states: Sequence[tuple[int, int]]
                      ) -> tuple[list[str], torch.Tensor]:
-        if slot is None:
+        if not states:
             raise ValueError("restoring a state needs a slot")
-        return [object_key(keys[-1], self.kind, self.layout)], torch.tensor([[slot]], dtype=torch.int64)
+        names = [object_key(keys[b - 1], self.kind, self.layout) for b, _ in states]
+        return names, torch.tensor([[s] for _, s in states], dtype=torch.int64)
 
     def touch_names(self, path_keys: Sequence[bytes], node: Node) -> list[str]:
         if node.mamba_slot is None or not path_keys:

@@ -36,11 +36,12 @@ import torch
 
 from ..components.admission import CheckpointPolicy, EndOfPrefill, Prefill
 from ..components.eviction import EvictionPolicy
-from ..components.keys import as_tokens, namespace_seed, object_key, object_keys, page_keys
+from ..components.keys import as_tokens, namespace_seed, object_keys, page_keys
 from ..components.layout import ModelLayout, PoolKind
 from ..components.lookup import restorable_page_counts
 from ..components.mamba import checkpoint_depth, restorable_ceiling
 from ..components.partial import kept_pages
+from ..components.pool_rules import pool_rules
 from ..components.pools import HybridPools
 from ..components.radix import Node
 from ..stores.base import Store, StoreError
@@ -179,6 +180,7 @@ class Linker:
         #: where prefills donate states (:meth:`checkpoint_depths`); the device tree's eviction order
         self.checkpoints: CheckpointPolicy = checkpoints if checkpoints is not None else EndOfPrefill()
         self.tree = TreeActor(layout, pools, self._default_seed, eviction)
+        self.rules = pool_rules(layout)  # per-pool rules: which pages, which keys, which indices
         c = self.config
         # the one data path: the same data plane an engine that owns its tree drives
         self.data = DataPlane(pools.views(), self.store, DataPlaneConfig(
@@ -288,7 +290,7 @@ class Linker:
             raise PhaseError(f"request {request_id!r} is already open")
         toks = as_tokens(tokens)
         seed = self._default_seed if salt is None else namespace_seed(self.layout, salt)
-        req = Request(id=request_id, tokens=toks, seed=seed, node=self.tree.tree.root,
+        req = Request(id=request_id, tokens=toks, seed=seed, node=self.tree.root,
                       page_size=self.page)
         self._requests[request_id] = req
         self._c["requests"] += 1
@@ -349,11 +351,8 @@ class Linker:
         """Every restorable page count above the device hit, ascending ([]: none)."""
         names: dict[PoolKind, list[str]] = {}
         spans: dict[PoolKind, list[int]] = {}
-        for kind in self.layout.pools:
-            if kind is PoolKind.MAMBA:
-                pos = [i for i in range(len(keys)) if (first_page + i + 1) % self.grid_pages == 0]
-            else:
-                pos = list(range(len(keys)))
+        for kind, rule in self.rules.items():
+            pos = rule.probe_positions(first_page, len(keys), self.grid_pages)
             spans[kind] = pos
             names[kind] = object_keys([keys[i] for i in pos], kind, self.layout)
         if not any(names.values()):
@@ -378,11 +377,8 @@ class Linker:
         if now - node.last_touch < self.config.touch_interval_s:
             return
         node.last_touch = now
-        keys = self.tree.tree.path_keys(node)
-        names = [name for kind in self.layout.pools if kind is not PoolKind.MAMBA
-                 for name in object_keys(keys, kind, self.layout)]
-        if PoolKind.MAMBA in self.layout.pools and node.mamba_slot is not None and keys:
-            names.append(object_key(keys[-1], PoolKind.MAMBA, self.layout))
+        keys = self.tree.path_keys(node)
+        names = [name for rule in self.rules.values() for name in rule.touch_names(keys, node)]
         self._c["touches"] += 1
         self._c["touch_keys"] += len(names)
         self.toucher.add(names)
@@ -427,14 +423,8 @@ class Linker:
         req.load = handle
         first = req.prefix_pages
         transfers: list[Transfer] = []
-        for kind in self.layout.pools:
-            if kind is PoolKind.MAMBA:
-                assert slot is not None
-                names = [object_key(req.store_keys[b - 1], kind, self.layout) for b, _ in handle.states]
-                index = torch.tensor([[s] for _, s in handle.states], dtype=torch.int64)
-            else:
-                names = object_keys(req.store_keys, kind, self.layout)
-                index = rows.view(n, self.page)
+        for kind, rule in self.rules.items():
+            names, index = rule.load_objects(req.store_keys, rows, handle.states)
             handle.keys[kind] = names
             transfers.append(Transfer(kind, names, index))
         handle._attach(self.data.prepare_load(transfers, request_id=req.id))
@@ -526,14 +516,14 @@ class Linker:
             trace("commit.partial", request_id=req.id, pages=load.pages, kept=kept,
                   faults=faults)
         self._trim_load(load, kept)
-        keys = self.tree.tree.path_keys(req.node) + req.store_keys[:kept]
+        keys = self.tree.path_keys(req.node) + req.store_keys[:kept]
         rows = torch.cat([req.rows, load.rows])
         ins = self.tree.insert(keys, rows, load.slot, owned_from=req.prefix_pages)
         # what the tree adopted came from the store: never write it back
-        if ins.existing_pages < len(keys):
-            ins.node.stored.update(k for k in self.layout.pools if k is not PoolKind.MAMBA)
-        if load.slot is not None and not ins.mamba_exist:
-            ins.node.stored.add(PoolKind.MAMBA)
+        adopted_pages = ins.existing_pages < len(keys)
+        adopted_state = load.slot is not None and not ins.mamba_exist
+        ins.node.stored.update(k for k, rule in self.rules.items()
+                               if rule.stored_by_commit(adopted_pages, adopted_state))
         load.finished = True
         load.settled.set()
         req.load = None
@@ -612,7 +602,7 @@ class Linker:
         self.tree.unlock(req.node)
         req.node = node
         req.prefix_pages = node.end_page
-        req.rows = torch.cat([self.tree.tree.path_rows(node), own])
+        req.rows = torch.cat([self.tree.path_rows(node), own])
         req.state_source = node.mamba_slot
         # the store probe was relative to the old prefix: a later load must not chain its
         # keys onto the new one (that would insert a path of keys no prompt has)
@@ -723,12 +713,8 @@ class Linker:
     async def _offload(self, req: Request, node: Node, fence: DeviceEvent | None) -> None:
         path = node.path()
         plan: dict[PoolKind, list[Node]] = {}
-        for kind in self.layout.pools:
-            if kind is PoolKind.MAMBA:
-                todo = [n for n in path if n.mamba_slot is not None
-                        and kind not in n.stored and kind not in n.pending]
-            else:
-                todo = [n for n in path if kind not in n.stored and kind not in n.pending]
+        for kind, rule in self.rules.items():
+            todo = [n for n in path if rule.holds(n) and kind not in n.stored and kind not in n.pending]
             if todo:
                 plan[kind] = todo
         if not plan:
@@ -773,18 +759,10 @@ class Linker:
                 if n.id not in locked:
                     self.tree.lock(n)
                     locked[n.id] = n
-                if kind is PoolKind.MAMBA:
-                    where[n.end_page - 1] = len(where)
-                else:
-                    for j in range(n.start_page, n.end_page):
-                        where[j] = len(where)
-            if kind is PoolKind.MAMBA:
-                names = [object_key(n.keys[-1], kind, self.layout) for n in nodes]
-                index = torch.tensor([[n.mamba_slot] for n in nodes], dtype=torch.int64)
-            else:
-                names = object_keys([k for n in nodes for k in n.keys], kind, self.layout)
-                index = torch.cat([n.rows for n in nodes]).view(-1, self.page)
-            if not self.layout.writes(kind):
+                for j in self.rules[kind].pages(n):
+                    where[j] = len(where)
+            names, index = self.rules[kind].node_objects(nodes)
+            if not self.rules[kind].writes:
                 # the owner rank writes a replicated pool: settle by what the store holds
                 jobs[kind] = (False, where, names)
                 continue
@@ -860,8 +838,7 @@ class Linker:
             del n.pending[kind]
             if stored is None:
                 continue
-            pages = [n.end_page - 1] if kind is PoolKind.MAMBA else range(n.start_page, n.end_page)
-            if all(j in where and stored[where[j]] for j in pages):
+            if all(j in where and stored[where[j]] for j in self.rules[kind].pages(n)):
                 n.stored.add(kind)
 
     # ---- RELEASE -------------------------------------------------------------------
@@ -910,7 +887,7 @@ class Linker:
     def leaked(self) -> tuple[int, int]:
         """``(KV pages, state slots)`` allocated but held by neither the tree nor an open
         request; both zero when nothing leaked."""
-        stats = self.tree.tree.statistics()
+        stats = self.tree.statistics()
         owned_pages = sum(req.rows.numel() // self.page - req.prefix_pages for req in self._requests.values())
         owned_slots = sum(len(req.checkpoints) + (req.working is not None) for req in self._requests.values())
         for req in self._requests.values():
@@ -927,10 +904,10 @@ class Linker:
 
         if self._requests:
             raise PoolError(f"{len(self._requests)} requests are still open")
-        locked = self.tree.tree.locked_nodes()
+        locked = self.tree.locked_nodes()
         if locked:
             raise PoolError(f"{len(locked)} nodes are still locked: {locked[:3]}")
-        self.tree.tree.check_consistent()
+        self.tree.check_consistent()
         pages, slots = self.leaked()
         if pages:
             raise PoolError(f"{pages} KV pages leaked (allocated but not in the tree)")
@@ -939,7 +916,7 @@ class Linker:
 
     def flush_device(self) -> None:
         """Evict the whole device tree (nothing may be locked)."""
-        self.tree.tree.reset()
+        self.tree.reset()
 
 
 _FRAME_FAULTS = frozenset(f.value for f in FrameFault)

@@ -42,6 +42,12 @@ def test_node_objects_and_pages() -> None:
     names, index = rules[PoolKind.FULL].node_objects([node])
     assert len(names) == len(keys) and torch.equal(index.reshape(-1), rows)
     assert rules[PoolKind.MAMBA].touch_names(keys, node) == [object_key(keys[-1], PoolKind.MAMBA, layout)]
+    # a load with a fallback state at page 2 and the deepest at page 4
+    names, index = rules[PoolKind.MAMBA].load_objects(keys, rows, [(2, 0), (4, 1)])
+    assert names == [object_key(keys[1], PoolKind.MAMBA, layout), object_key(keys[3], PoolKind.MAMBA, layout)]
+    assert index.tolist() == [[0], [1]]
+    names, index = rules[PoolKind.FULL].load_objects(keys, rows, [(4, 1)])
+    assert len(names) == len(keys) and index.shape == (len(keys), layout.page_size)
     assert rules[PoolKind.MAMBA].stored_by_commit(True, False) is False
     assert rules[PoolKind.FULL].stored_by_commit(True, False) is True
     tree.reset()
