@@ -260,13 +260,9 @@ class RadixTree:
             n = n.parent
 
     # ---- eviction ------------------------------------------------------------------
-    def evict_pages(self, n_pages: int, *, all_or_nothing: bool = False) -> int:
-        """Evict unlocked leaves, lowest eviction score first, until ``n_pages`` are freed.
-
-        With ``all_or_nothing``, evict nothing unless ``n_pages`` can be freed. One walk of
-        the tree finds both the leaves and how much is evictable: an unlocked node has no
-        locked descendant, so every unlocked page can go, leaves first.
-        """
+    def _unlocked(self) -> tuple[list[Node], int]:
+        """Unlocked leaves, and how many pages eviction could free (an unlocked node has no
+        locked descendant, so every unlocked page can go, leaves first)."""
         leaves: list[Node] = []
         evictable = 0
         for n in self.nodes():
@@ -274,6 +270,19 @@ class RadixTree:
                 evictable += len(n.keys)
                 if not n.children:
                     leaves.append(n)
+        return leaves, evictable
+
+    def evictable_pages(self) -> int:
+        """Pages that eviction could free now (one walk of the tree)."""
+        return self._unlocked()[1]
+
+    def evict_pages(self, n_pages: int, *, all_or_nothing: bool = False) -> int:
+        """Evict unlocked leaves, lowest eviction score first, until ``n_pages`` are freed.
+
+        With ``all_or_nothing``, evict nothing unless ``n_pages`` can be freed; one walk of
+        the tree finds both the leaves and how much is evictable.
+        """
+        leaves, evictable = self._unlocked()
         if all_or_nothing and evictable < n_pages:
             return 0
         score = self.eviction.scorer(leaves, next(self._clock), self.layout)

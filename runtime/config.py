@@ -49,7 +49,8 @@ class LinkerConfig:
     #: retries, timeouts and the circuit breaker every store call goes through
     #: (``stores.resilient``); None talks to the store directly
     resilience: ResiliencePolicy | None = attrs.field(factory=ResiliencePolicy)
-    #: skip an offload while pages locked by queued offloads would reach this share of the KV pool
+    #: skip an offload while pages locked by queued offloads would pass this share of the KV pool
+    #: *and* the pages free or evictable have fallen below that share (KV backpressure)
     kv_backpressure_share: float = attrs.field(default=0.25, validator=_positive)
     #: ``close()`` waits this long for queued offloads before it stops the store's retries and
     #: cancels calls still in flight (after ``resilience.close_grace_s``)

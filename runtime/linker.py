@@ -735,10 +735,13 @@ class Linker:
                       pending=self.actors[PoolKind.MAMBA].pending_states)
                 return
         # KV backpressure: nodes stay locked until their offload settles, so a slow store and
-        # long prompts could otherwise lock the whole KV pool and make `extend` fail
+        # long prompts could otherwise lock the whole KV pool and make `extend` fail. Skip only
+        # while the backlog is large *and* the pool is short of headroom (pages free or
+        # evictable); a large backlog in a roomy pool threatens no allocation.
         new_pages = sum(len(n.keys) for n in {n.id: n for ns in plan.values() for n in ns}.values())
         kv_limit = self.config.kv_backpressure_share * self.pools.kv.pages.capacity
-        if self._offload_locked_pages and self._offload_locked_pages + new_pages > kv_limit:
+        if (self._offload_locked_pages and self._offload_locked_pages + new_pages > kv_limit
+                and self.tree.kv_headroom_pages() < kv_limit):
             self._c["offloads_skipped_kv"] += 1
             trace("offload.skipped", request_id=req.id, reason="kv_backpressure",
                   locked_pages=self._offload_locked_pages, pages=new_pages)

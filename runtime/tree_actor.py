@@ -67,6 +67,10 @@ class TreeActor:
         self.tree.reset()
 
     # ---- allocation (evicting when short) -------------------------------------------
+    def kv_headroom_pages(self) -> int:
+        """KV pages an allocation could get now: free, or evictable (unlocked) in the tree."""
+        return self.pools.kv.num_free_pages + self.tree.evictable_pages()
+
     def try_alloc_rows(self, n_pages: int) -> torch.Tensor | None:
         if n_pages == 0:
             return torch.zeros(0, dtype=torch.int64)
