@@ -1,0 +1,156 @@
+"""The ``extra_config`` every engine plugin takes, and the store it opens.
+
+vLLM passes ``kv_connector_extra_config`` (a JSON object in ``--kv-transfer-config``); SGLang's
+external linker passes ``linker_extra_config``. Both take the same keys, checked here at startup:
+an unknown key, a wrong type or an impossible value is a :class:`PluginConfigError` naming the
+key, raised from the plugin's constructor (the engine does not start with a typo ignored).
+
+This module imports no engine and no store client, so it can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ..stores.base import Store
+from ..stores.faulty import FaultPlan
+
+STORES = ("embedded", "mooncake")
+MIB = 1 << 20
+
+
+class PluginConfigError(ValueError):
+    """An ``extra_config`` key is unknown or has a bad value."""
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value <= 0:
+        raise PluginConfigError(f"[{attribute.name!r}] must be > 0, got {value!r}")
+
+
+def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise PluginConfigError(f"[{attribute.name!r}] must be >= 0, got {value!r}")
+
+
+@attrs.frozen
+class PluginConfig:
+    """A plugin's settings; build with :meth:`from_extra_config`."""
+
+    store: str = "embedded"  # "embedded" (in this process) | "mooncake"
+    master: str | None = None  # Mooncake master "HOST:PORT" (store="mooncake")
+    segment_mb: int = attrs.field(default=256, validator=_non_negative)  # Mooncake memory this engine contributes; 0 = none
+    capacity_mb: int = attrs.field(default=1024, validator=_positive)  # embedded store capacity
+    salt: str = ""  # tenant salt: objects of different salts never match
+    faults: str = ""  # a fault plan (the `stress --faults` syntax) wrapped around the store
+    fault_seed: int = 0
+    protocol: str = "tcp"  # Mooncake transfer protocol: "tcp" | "rdma"
+    rdma_devices: str = ""
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    staging_mb: int = attrs.field(default=64, validator=_positive)  # host copies of pages waiting for the store
+    lookup_timeout_s: float = attrs.field(default=1.0, validator=_positive)  # longest store probe at admission
+    drain_timeout_s: float = attrs.field(default=10.0, validator=_non_negative)  # shutdown: longest wait for writes
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *,
+                          where: str = "extra_config") -> PluginConfig:
+        """Check every key of ``extra`` (``where`` names it in errors) and build the config."""
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise PluginConfigError(f"{where} must be a JSON object, got {type(extra).__name__}")
+        fields = {f.name: f for f in attrs.fields(cls)}
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise PluginConfigError(f"unknown {where} keys {unknown}; known: {sorted(fields)}")
+        values = {name: _coerce(where, name, raw, fields[name].default) for name, raw in extra.items()}
+        try:
+            config = cls(**values)
+        except PluginConfigError as exc:
+            raise PluginConfigError(f"{where}{exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise PluginConfigError(f"{where}: {exc}") from None
+        config._check(where)
+        return config
+
+    def _check(self, where: str) -> None:
+        if self.store not in STORES:
+            raise PluginConfigError(f"{where}['store'] must be one of {list(STORES)}, got {self.store!r}")
+        if self.store == "mooncake":
+            if not self.master:
+                raise PluginConfigError(f'store "mooncake" needs {where}["master"] = "HOST:PORT"')
+            host, sep, port = self.master.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise PluginConfigError(f'{where}["master"] must be "HOST:PORT", got {self.master!r}')
+        elif self.master is not None:
+            raise PluginConfigError(f'{where}["master"] only applies to store "mooncake", not {self.store!r}')
+        if self.protocol not in ("tcp", "rdma"):
+            raise PluginConfigError(f'{where}["protocol"] must be "tcp" or "rdma", got {self.protocol!r}')
+        try:
+            FaultPlan.parse(self.faults)
+        except ValueError as exc:
+            raise PluginConfigError(f'{where}["faults"]: {exc}') from None
+
+    @property
+    def fault_plan(self) -> FaultPlan | None:
+        plan = FaultPlan.parse(self.faults)
+        return None if plan.is_empty else plan
+
+    async def open_store(self) -> Store:
+        """The store these settings name (on the calling event loop), fault plan wrapped around."""
+        store: Store
+        if self.store == "embedded":
+            from ..stores.embedded import EmbeddedStore
+
+            store = EmbeddedStore(self.capacity_mb * MIB)
+        else:
+            from ..stores.mooncake import MooncakeConfig, MooncakeStore
+
+            assert self.master is not None
+            store = await MooncakeStore.open(MooncakeConfig(
+                master_address=self.master, local_hostname=self.local_hostname,
+                metadata_server=self.metadata_server, protocol=self.protocol,
+                rdma_devices=self.rdma_devices, segment_bytes=self.segment_mb * MIB))
+        plan = self.fault_plan
+        if plan is not None:
+            from ..stores.faulty import FaultyStore
+
+            store = FaultyStore(store, plan, seed=self.fault_seed)
+        return store
+
+
+def _coerce(where: str, name: str, raw: Any, default: Any) -> Any:
+    """JSON value -> the field's type; a clear error otherwise (bools are not numbers)."""
+    bad = PluginConfigError(f"{where}[{name!r}] must be {_kind(default)}, got {raw!r}")
+    if isinstance(default, bool):
+        if not isinstance(raw, bool):
+            raise bad
+        return raw
+    if isinstance(default, int):
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise bad
+        return raw
+    if isinstance(default, float):
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise bad
+        return float(raw)
+    if not isinstance(raw, str) and not (default is None and raw is None):
+        raise bad
+    return raw
+
+
+def _kind(default: Any) -> str:
+    if isinstance(default, bool):
+        return "true or false"
+    if isinstance(default, int):
+        return "an integer"
+    if isinstance(default, float):
+        return "a number"
+    return "a string"
+
+
+__all__ = ["STORES", "PluginConfig", "PluginConfigError"]

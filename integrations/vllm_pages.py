@@ -1,0 +1,252 @@
+"""The vLLM connector's worker side: vLLM's KV cache as raw pages, moved by the data plane.
+
+vLLM allocates its KV cache as a few raw tensors, each shared by one layer of every KV cache
+group (a hybrid model's Mamba pages are padded to the attention page size), and hands out block
+ids from one pool across groups: page ``b`` of every raw tensor belongs to whichever group owns
+block ``b``. So one *object* is "page ``b`` of every raw tensor": for an attention block that is
+every attention layer's K and V of those tokens, for a state block every recurrent layer's state
+of its group. :class:`RawPages` finds those raw tensors behind the per-layer tensors vLLM
+registers (checking that blocks are the outer dimension) and views each as
+``[num_blocks, page_bytes]`` bytes; the data plane's FULL and MAMBA views both lie on them.
+
+:class:`PageTransfers` runs two data planes on the store host's loop:
+
+* loads go straight into the engine's blocks (vLLM keeps them reserved until the connector
+  reports the load finished; a failed or damaged object fails the whole load, and its blocks
+  are reported so vLLM recomputes them);
+* saves copy the offered pages into a private staging area before the step returns (vLLM may
+  reuse a block in the next step) and then write them to the store from there, off the
+  forward's path. Without a free staging slot a save is skipped and counted, never blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..components.layout import PoolKind
+from ..components.pool_view import LayerParts, PoolSet, PoolView, PoolViewError
+from ..runtime.data_plane import DataPlane, DataPlaneConfig, Transfer, TransferOutcome
+from .store_host import StoreHost
+from .vllm_plan import TransferPlan
+
+log = logging.getLogger("hylinker.vllm")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    raise PoolViewError(f"a KV cache entry must be a tensor or a list of tensors, got {type(value).__name__}")
+
+
+class RawPages:
+    """Per raw storage a ``[num_blocks, page_bytes]`` uint8 view (see the module docstring)."""
+
+    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise PoolViewError(f"num_blocks must be positive, got {num_blocks}")
+        by_storage: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for name, value in kv_caches.items():
+            for t in _tensors(value):
+                if t.shape[0] != num_blocks:
+                    raise PoolViewError(f"{name}: {t.shape[0]} blocks on dim 0, the cache has {num_blocks}")
+                storage = t.untyped_storage()
+                page = t.stride(0) * t.element_size()
+                offset = t.data_ptr() - storage.data_ptr()
+                span = (1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:]))) * t.element_size()
+                if page <= 0 or min(t.stride(), default=0) < 0 or offset < 0 or offset + span > page:
+                    raise PoolViewError(f"{name}: blocks are not the outer dimension of its storage "
+                                        f"(block stride {page} B, offset {offset} B)")
+                key = storage.data_ptr()
+                seen = by_storage.get(key)
+                if seen is not None and seen[1] != page:
+                    raise PoolViewError(f"{name}: page of {page} B, another layer on its storage has {seen[1]} B")
+                if storage.nbytes() < num_blocks * page:
+                    raise PoolViewError(f"{name}: storage of {storage.nbytes()} B < {num_blocks} pages of {page} B")
+                by_storage[key] = (storage, page)
+        if not by_storage:
+            raise PoolViewError("no KV cache tensors registered")
+        self.num_blocks = num_blocks
+        self.raws: list[torch.Tensor] = []
+        for key in sorted(by_storage):
+            storage, page = by_storage[key]
+            flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
+            flat.set_(storage, 0, (num_blocks * page,), (1,))
+            self.raws.append(flat.view(num_blocks, page))
+        self.page_bytes = tuple(r.shape[1] for r in self.raws)
+
+    def geometry(self) -> str:
+        return f"pages={list(self.page_bytes)}"
+
+
+def _views(raws: Sequence[torch.Tensor], with_state: bool) -> PoolSet:
+    layers = [LayerParts(i, (r,)) for i, r in enumerate(raws)]
+    views = [PoolView(PoolKind.FULL, 1, layers)]
+    if with_state:
+        views.append(PoolView(PoolKind.MAMBA, 1, layers))
+    return PoolSet(views)
+
+
+def _transfers(plan: TransferPlan, kv_index: Sequence[int], state_index: Sequence[int]) -> list[Transfer]:
+    out = []
+    if plan.kv_keys:
+        out.append(Transfer(PoolKind.FULL, list(plan.kv_keys), list(kv_index)))
+    if plan.state_keys:
+        out.append(Transfer(PoolKind.MAMBA, list(plan.state_keys), list(state_index)))
+    return out
+
+
+class PageTransfers:
+    """Loads into and saves from vLLM's pages; see the module docstring. Thread-safe."""
+
+    def __init__(self, host: StoreHost, pages: RawPages, *, fingerprint: bytes, with_state: bool,
+                 staging_bytes: int) -> None:
+        self.host = host
+        self.pages = pages
+        per_object = sum(pages.page_bytes)
+        slots = max(1, staging_bytes // per_object)
+        self.staging = [torch.empty((slots, p), dtype=torch.uint8) for p in pages.page_bytes]
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._loads: dict[str, tuple[TransferPlan, concurrent.futures.Future[TransferOutcome]]] = {}
+        self._saves: set[concurrent.futures.Future[TransferOutcome]] = set()
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("loads", "loads_ok", "loads_failed", "saves", "saves_ok", "saves_failed", "saves_skipped",
+             "objects_saved", "objects_loaded"), 0)
+        cfg = DataPlaneConfig(staging_bytes_per_pool=max(16 << 20, 4 * per_object))
+        self._stack = contextlib.ExitStack()
+        try:
+            self.engine_plane = DataPlane(_views(pages.raws, with_state), host.store, cfg, fingerprint=fingerprint)
+            self._stack.enter_context(host.portal.wrap_async_context_manager(self.engine_plane))
+            self.staging_plane = DataPlane(_views(self.staging, with_state), host.store, cfg, fingerprint=fingerprint)
+            self._stack.enter_context(host.portal.wrap_async_context_manager(self.staging_plane))
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # ---- loads ------------------------------------------------------------------------------------
+    def load(self, plan: TransferPlan) -> None:
+        """Start restoring ``plan`` into the engine's blocks (asynchronously)."""
+        transfers = _transfers(plan, plan.kv_blocks, plan.state_blocks)
+
+        async def run() -> TransferOutcome:
+            ticket = await self.engine_plane.load(transfers, request_id=plan.request_id)
+            return await ticket.wait()
+
+        future = self.host.portal.start_task_soon(run)
+        with self._lock:
+            self.counters["loads"] += 1
+            self._loads[plan.request_id] = (plan, future)
+
+    def finished_loads(self) -> tuple[set[str], set[int]]:
+        """Requests whose loads ended since the last call, and the blocks of those that failed
+        (their rows may hold partial bytes: vLLM must recompute them)."""
+        done: set[str] = set()
+        bad: set[int] = set()
+        with self._lock:
+            for rid, (plan, future) in list(self._loads.items()):
+                if not future.done():
+                    continue
+                del self._loads[rid]
+                done.add(rid)
+                try:
+                    outcome = future.result()
+                    ok = outcome.ok
+                except Exception as exc:
+                    log.warning("hylinker: load of %s raised %r; recomputing", rid, exc)
+                    ok = False
+                if ok:
+                    self.counters["loads_ok"] += 1
+                    self.counters["objects_loaded"] += len(plan.kv_keys) + len(plan.state_keys)
+                else:
+                    self.counters["loads_failed"] += 1
+                    bad.update(plan.blocks)
+                    log.warning("hylinker: load of %s failed (%s); its %d blocks recompute", rid,
+                                getattr(outcome, "faults", "error") if ok is False else "", len(plan.blocks))
+        return done, bad
+
+    def loads_in_flight(self) -> int:
+        with self._lock:
+            return len(self._loads)
+
+    # ---- saves ------------------------------------------------------------------------------------
+    def save(self, plans: Iterable[TransferPlan]) -> None:
+        """Copy every plan's pages into staging now, then write them to the store off the
+        step. A plan without enough free staging slots is skipped (counted)."""
+        for plan in plans:
+            n = len(plan.kv_blocks) + len(plan.state_blocks)
+            if n == 0:
+                continue
+            with self._lock:
+                if len(self._free) < n:
+                    self.counters["saves_skipped"] += 1
+                    continue
+                slots = [self._free.pop() for _ in range(n)]
+            src = torch.tensor(list(plan.blocks), dtype=torch.long)
+            dst = torch.tensor(slots, dtype=torch.long)
+            for raw, st in zip(self.pages.raws, self.staging):
+                st.index_copy_(0, dst, raw.index_select(0, src))
+            transfers = _transfers(plan, slots[: len(plan.kv_blocks)], slots[len(plan.kv_blocks):])
+
+            async def run(transfers: list[Transfer] = transfers, rid: str = plan.request_id) -> TransferOutcome:
+                ticket = await self.staging_plane.offload(transfers, request_id=rid)
+                return await ticket.wait()
+
+            future = self.host.portal.start_task_soon(run)
+            with self._lock:
+                self.counters["saves"] += 1
+                self._saves.add(future)
+            future.add_done_callback(lambda f, slots=slots, n=n: self._saved(f, slots, n))
+
+    def _saved(self, future: concurrent.futures.Future[TransferOutcome], slots: list[int], n: int) -> None:
+        try:
+            ok = future.result().ok
+        except BaseException:
+            ok = False
+        with self._lock:
+            self._saves.discard(future)
+            self._free.extend(slots)
+            self.counters["saves_ok" if ok else "saves_failed"] += 1
+            if ok:
+                self.counters["objects_saved"] += n
+
+    def saves_in_flight(self) -> int:
+        with self._lock:
+            return len(self._saves)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for writes in flight; True if none is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pending = list(self._saves)
+            if not pending:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            concurrent.futures.wait(pending, timeout=left)
+
+    def close(self, timeout_s: float) -> None:
+        """Drain writes (bounded), then stop both data planes (loads in flight are waited for:
+        their rows must not be written after vLLM frees them)."""
+        if not self.drain(timeout_s):
+            log.warning("hylinker: %d saves still in flight after %.1f s; cancelling them",
+                        self.saves_in_flight(), timeout_s)
+        self._stack.close()
+
+    def statistics(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+
+__all__ = ["PageTransfers", "RawPages"]
