@@ -119,6 +119,7 @@ class PageTransfers:
         self._lock = threading.Lock()
         self._loads: dict[str, tuple[TransferPlan, concurrent.futures.Future[TransferOutcome]]] = {}
         self._saves: set[concurrent.futures.Future[TransferOutcome]] = set()
+        self._failed_now: set[str] = set()
         self.counters: dict[str, int] = dict.fromkeys(
             ("loads", "loads_ok", "loads_failed", "saves", "saves_ok", "saves_failed", "saves_skipped",
              "objects_saved", "objects_loaded"), 0)
@@ -147,32 +148,40 @@ class PageTransfers:
             self.counters["loads"] += 1
             self._loads[plan.request_id] = (plan, future)
 
-    def finished_loads(self) -> tuple[set[str], set[int]]:
-        """Requests whose loads ended since the last call, and the blocks of those that failed
-        (their rows may hold partial bytes: vLLM must recompute them)."""
-        done: set[str] = set()
-        bad: set[int] = set()
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose loads ended since the last call: (landed and verified, failed). A failed
+        load's blocks may hold partial bytes: vLLM must recompute its request."""
+        ok_ids: set[str] = set()
+        failed_ids: set[str] = set()
         with self._lock:
+            failed_ids.update(self._failed_now)
+            self._failed_now.clear()
             for rid, (plan, future) in list(self._loads.items()):
                 if not future.done():
                     continue
                 del self._loads[rid]
-                done.add(rid)
                 try:
-                    outcome = future.result()
-                    ok = outcome.ok
+                    outcome: TransferOutcome | None = future.result()
                 except Exception as exc:
-                    log.warning("hylinker: load of %s raised %r; recomputing", rid, exc)
-                    ok = False
-                if ok:
+                    log.warning("hylinker: load of %s raised %r", rid, exc)
+                    outcome = None
+                if outcome is not None and outcome.ok:
+                    ok_ids.add(rid)
                     self.counters["loads_ok"] += 1
                     self.counters["objects_loaded"] += len(plan.kv_keys) + len(plan.state_keys)
                 else:
+                    failed_ids.add(rid)
                     self.counters["loads_failed"] += 1
-                    bad.update(plan.blocks)
-                    log.warning("hylinker: load of %s failed (%s); its %d blocks recompute", rid,
-                                getattr(outcome, "faults", "error") if ok is False else "", len(plan.blocks))
-        return done, bad
+                    log.warning("hylinker: load of %s failed (%s); it recomputes", rid,
+                                outcome.faults if outcome is not None else "error")
+        return ok_ids, failed_ids
+
+    def fail_now(self, request_ids: Iterable[str]) -> None:
+        """Report loads the scheduler promised but could not plan as failed at the next poll."""
+        with self._lock:
+            for rid in request_ids:
+                self._failed_now.add(rid)
+                self.counters["loads_failed"] += 1
 
     def loads_in_flight(self) -> int:
         with self._lock:

@@ -139,24 +139,23 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
         assert pt.drain(10.0) and pt.statistics()["saves_ok"] == 1
         assert pt._free and len(pt._free) == 4  # staging slots returned
         pt.load(TransferPlan("b", ("k1", "k2"), (5, 6), ("s2",), (7,)))
-        while pt.loads_in_flight():
-            done, bad = pt.finished_loads()
-            if done:
-                break
-        else:
+        done, bad = set(), set()
+        while not (done or bad):
             done, bad = pt.finished_loads()
         assert done == {"b"} and not bad
         assert torch.equal(pages.raws[0][5], before[1]) and torch.equal(pages.raws[0][6], before[2])
         assert torch.equal(pages.raws[0][7], before[3])
         pt.load(TransferPlan("c", ("k1", "missing"), (5, 6)))
-        done: set[str] = set()
-        while not done:
+        done, bad = set(), set()
+        while not bad:
             done, bad = pt.finished_loads()
-        assert done == {"c"} and bad == {5, 6}
+        assert bad == {"c"} and not done
         assert pt.statistics()["loads_failed"] == 1
         # more pages than staging slots: skipped and counted, never blocking
         pt.save([TransferPlan("d", tuple(f"x{i}" for i in range(5)), (1, 2, 3, 4, 5))])
         assert pt.statistics()["saves_skipped"] == 1
+        pt.fail_now(["e"])
+        assert pt.finished_loads() == (set(), {"e"})
     finally:
         pt.close(5.0)
         store_host.release(host)

@@ -1,0 +1,350 @@
+"""``HylinkerConnector``: hylinker as vLLM 0.32's KV connector, for hybrid and attention models.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "HylinkerConnector",
+        "kv_connector_module_path": "hylinker.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": "mooncake", "master": "127.0.0.1:50051", "segment_mb": 0}}'
+
+(``extra_config`` keys: :class:`~hylinker.integrations.config.PluginConfig`.) vLLM builds one
+instance per role: the *scheduler* side decides hits, loads and saves
+(:mod:`~hylinker.integrations.vllm_plan` holds its rules); the *worker* side moves pages
+(:mod:`~hylinker.integrations.vllm_pages`). Both sides of one process share one store
+(:mod:`~hylinker.integrations.store_host`).
+
+What it guarantees:
+
+* a hit of ``T`` tokens is offered only when every attention block from the engine's own hit up
+  to ``T`` and every recurrent state group's state at exactly ``T`` are in the store, and
+  ``T < prompt length``;
+* loads are asynchronous (vLLM copies a checkpoint state into the running block *before*
+  ``start_load_kv``, so a synchronous state load would land too late, silently);
+* boundary states are saved from the blocks vLLM offers in ``boundary_state_offloads``, in the
+  step that offers them; attention blocks when they fill; both are copied before
+  ``wait_for_save`` returns and written to the store off the step; restored blocks and blocks the
+  store already held are not written again; the null block is never read or written;
+* a failed or damaged load is reported in ``failed_recving``: with
+  ``kv_load_failure_policy: "recompute"`` vLLM recomputes the request, and the connector does not
+  offer that request a store hit again;
+* ``shutdown`` waits for writes in flight, at most ``drain_timeout_s``.
+
+Limits: tensor parallel size 1; attention groups must be full attention (MHA or MLA); states
+exist only where vLLM takes them (``mamba_cache_mode: "align"``, at block boundaries where a
+prefill chunk ends).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+from . import store_host
+from .config import PluginConfig
+from .vllm_pages import PageTransfers, RawPages
+from .vllm_plan import (
+    BlockKeys,
+    Groups,
+    LoadSpec,
+    TransferPlan,
+    attention_key,
+    load_plan,
+    namespace_seed,
+    restorable_blocks,
+    state_key,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hylinker.vllm")
+MIB = 1 << 20
+
+
+@dataclass
+class HylinkerConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the worker side."""
+
+    loads: list[TransferPlan] = field(default_factory=list)
+    failed_loads: list[str] = field(default_factory=list)  # promised loads that cannot run
+    saves: list[TransferPlan] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one request."""
+
+    request: Request
+    keys: BlockKeys
+    saved_blocks: int = 0  # attention blocks below this are stored, restored or the engine's own hit
+    stored_states: set[int] = field(default_factory=set)  # boundaries (in blocks) stored or restored
+
+
+def _groups(kv_cache_config: KVCacheConfig) -> Groups:
+    attention: list[int] = []
+    state: list[int] = []
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            state.append(gid)
+        elif type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") and isinstance(spec, FullAttentionSpec):
+            attention.append(gid)
+        else:
+            raise ValueError(f"HylinkerConnector: KV cache group {gid} is {type(spec).__name__}; "
+                             "only full attention (MHA, MLA) and Mamba/linear-attention groups are supported")
+    if not attention:
+        raise ValueError("HylinkerConnector: the model has no full-attention KV cache group")
+    return Groups(tuple(attention), tuple(state))
+
+
+def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    specs = [f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec.page_size_bytes}:{len(g.layer_names)}"
+             for g in kv_cache_config.kv_cache_groups]
+    return (f"block={vllm_config.cache_config.block_size};dtype={vllm_config.model_config.dtype};"
+            f"groups={','.join(specs)}")
+
+
+class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector over hylinker's data plane; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ValueError("HylinkerConnector needs vLLM's KV cache config (vLLM >= 0.32)")
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.config = PluginConfig.from_extra_config(ktc.kv_connector_extra_config,
+                                                     where="kv_connector_extra_config")
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("HylinkerConnector supports tensor_parallel_size 1 only")
+        if ktc.kv_load_failure_policy != "recompute":
+            log.warning("hylinker: kv_load_failure_policy is %r; a failed load then fails its request. "
+                        "Set it to \"recompute\" to recompute instead.", ktc.kv_load_failure_policy)
+        self.block_size = vllm_config.cache_config.block_size
+        self.groups = _groups(kv_cache_config)
+        geometry = _geometry(vllm_config, kv_cache_config)
+        self.seed = namespace_seed(str(vllm_config.model_config.model), geometry, self.config.salt)
+        self.host = store_host.acquire(self.config)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("lookups", "lookup_errors", "hit_tokens", "loads_planned", "loads_refused",
+             "kv_saves_planned", "state_saves_planned"), 0)
+        # scheduler side
+        self._requests: dict[str, _Tracked] = {}
+        self._pending: dict[str, LoadSpec] = {}
+        self._no_store_hit: set[str] = set()
+        self._step = HylinkerConnectorMetadata()
+        # worker side
+        self._transfers: PageTransfers | None = None
+        self._closed = False
+        log.info("hylinker: %s connector, groups attention=%s state=%s, block %d, store %s",
+                 role.name.lower(), self.groups.attention, self.groups.state, self.block_size, self.config.store)
+
+    # ================================ scheduler side ================================
+    def _tracked(self, request: Request) -> _Tracked:
+        t = self._requests.get(request.request_id)
+        if t is None or t.request is not request:
+            t = _Tracked(request, BlockKeys(self.seed, self.block_size))
+            self._requests[request.request_id] = t
+        return t
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        bs = self.block_size
+        tracked = self._tracked(request)
+        local = num_computed_tokens // bs
+        tracked.saved_blocks = max(tracked.saved_blocks, local)
+        last = (request.num_tokens - 1) // bs  # one token must run
+        self._pending.pop(request.request_id, None)
+        if last <= local or request.request_id in self._no_store_hit:
+            return 0, False
+        tokens = request.all_token_ids
+        keys = tracked.keys.extend(tokens, last)
+        names = self.groups.probe_keys(keys, local)
+        self.counters["lookups"] += 1
+        present = self.host.exists(names, self.config.lookup_timeout_s)
+        if present is None:
+            self.counters["lookup_errors"] += 1
+            return 0, False
+        per_block = len(self.groups.attention) + len(self.groups.state)
+        n_attn = len(self.groups.attention)
+        # blocks the store already holds are not written again
+        stored = local
+        while stored < last and all(present[(stored - local) * per_block:(stored - local) * per_block + n_attn]):
+            stored += 1
+        tracked.saved_blocks = max(tracked.saved_blocks, stored)
+        n = restorable_blocks(self.groups, local, last, present)
+        if n <= local:
+            return 0, False
+        self._pending[request.request_id] = LoadSpec(request.request_id, local, n, tuple(keys[:n]))
+        self.counters["hit_tokens"] += (n - local) * bs
+        return (n - local) * bs, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._tracked(request)
+        spec = self._pending.pop(request.request_id, None)
+        if num_external_tokens == 0 or spec is None:
+            return
+        try:
+            plan = load_plan(spec, self.groups, blocks.get_block_ids())
+        except ValueError as exc:
+            log.warning("hylinker: cannot load %s: %s; it recomputes", request.request_id, exc)
+            self.counters["loads_refused"] += 1
+            self._step.failed_loads.append(request.request_id)
+            return
+        tracked.saved_blocks = max(tracked.saved_blocks, spec.last)
+        tracked.stored_states.add(spec.last)
+        self.counters["loads_planned"] += 1
+        self._step.loads.append(plan)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        step, self._step = self._step, HylinkerConnectorMetadata()
+        block_state = scheduler_output.kv_connector_block_state
+        if block_state is None:
+            return step
+        bs = self.block_size
+        kv: dict[str, tuple[list[str], list[int]]] = {}
+        for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._requests.get(rid)
+            if tracked is None:
+                continue
+            tokens = tracked.request.all_token_ids
+            n_full = min(tracked.request.num_computed_tokens + n_sched, len(tokens)) // bs
+            if n_full <= tracked.saved_blocks:
+                continue
+            block_ids = block_state.get_block_ids(rid)
+            if block_ids is None:
+                continue
+            keys = tracked.keys.extend(tokens, n_full)
+            names: list[str] = []
+            ids: list[int] = []
+            for g in self.groups.attention:
+                for i in range(tracked.saved_blocks, min(n_full, len(block_ids[g]), len(keys))):
+                    if block_ids[g][i] != 0:  # never the null block
+                        names.append(attention_key(keys[i], g))
+                        ids.append(block_ids[g][i])
+            tracked.saved_blocks = n_full
+            if names:
+                kv[rid] = (names, ids)
+        states: dict[str, tuple[list[str], list[int]]] = {}
+        for rid, offers in block_state.boundary_state_offloads.items():
+            tracked = self._requests.get(rid)
+            if tracked is None:
+                continue
+            for group, block, n_tokens in offers:
+                boundary = n_tokens // bs
+                if (group not in self.groups.state or block == 0 or n_tokens % bs or boundary == 0
+                        or boundary in tracked.stored_states):
+                    continue
+                keys = tracked.keys.extend(tracked.request.all_token_ids, boundary)
+                if len(keys) < boundary:
+                    continue
+                names, ids = states.setdefault(rid, ([], []))
+                names.append(state_key(keys[boundary - 1], group))
+                ids.append(block)
+            for group, _block, n_tokens in offers:
+                if group in self.groups.state and n_tokens % bs == 0 and rid in states:
+                    tracked.stored_states.add(n_tokens // bs)
+        for rid in sorted(kv.keys() | states.keys()):
+            kn, kb = kv.get(rid, ([], []))
+            sn, sb = states.get(rid, ([], []))
+            self.counters["kv_saves_planned"] += len(kn)
+            self.counters["state_saves_planned"] += len(sn)
+            step.saves.append(TransferPlan(rid, tuple(kn), tuple(kb), tuple(sn), tuple(sb)))
+        return step
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = getattr(connector_output, "failed_recving", None) or ()
+        self._no_store_hit.update(failed)  # a damaged prefix is not offered to that request again
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None  # saves copied their pages before the step ended
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._pending.pop(rid, None)
+        self._no_store_hit.discard(rid)
+
+    # ================================ worker side ================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._kv_cache_config is not None
+        pages = RawPages(kv_caches, self._kv_cache_config.num_blocks)
+        fingerprint = hashlib.sha256(self.seed + pages.geometry().encode()).digest()
+        self._transfers = PageTransfers(self.host, pages, fingerprint=fingerprint,
+                                        with_state=bool(self.groups.state),
+                                        staging_bytes=self.config.staging_mb * MIB)
+        log.info("hylinker: registered %d raw KV tensors, pages of %s bytes", len(pages.raws), pages.page_bytes)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HylinkerConnectorMetadata)
+        if self._transfers is None:
+            return
+        for plan in meta.loads:
+            self._transfers.load(plan)
+        self._transfers.fail_now(meta.failed_loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: the request runs only after get_finished reported it
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pages are copied once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HylinkerConnectorMetadata)
+        if self._transfers is not None and meta.saves:
+            self._transfers.save(meta.saves)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._transfers is None:
+            return KVConnectorTransferResults()
+        ok, failed = self._transfers.finished_loads()
+        return KVConnectorTransferResults(finished_recving=ok | failed, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving
+
+    def statistics(self) -> dict[str, int]:
+        out = dict(self.counters)
+        if self._transfers is not None:
+            out.update(self._transfers.statistics())
+        return out
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._transfers is not None:
+                self._transfers.close(self.config.drain_timeout_s)
+                log.info("hylinker: worker statistics %s", self.statistics())
+        finally:
+            store_host.release(self.host)
+
+
+__all__ = ["HylinkerConnector", "HylinkerConnectorMetadata"]
