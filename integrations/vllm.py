@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("hylinker.vllm")
+log = logging.getLogger("vllm.hylinker")  # under vLLM's logger: its format and level
 MIB = 1 << 20
 
 
@@ -127,7 +127,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("HylinkerConnector needs vLLM's KV cache config (vLLM >= 0.32)")
         ktc = vllm_config.kv_transfer_config
@@ -297,6 +297,10 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
                                         with_state=bool(self.groups.state),
                                         staging_bytes=self.config.staging_mb * MIB)
         log.info("hylinker: registered %d raw KV tensors, pages of %s bytes", len(pages.raws), pages.page_bytes)
+        if self.config.store == "embedded" and self.host.users == 1:
+            log.warning("hylinker: the embedded store lives in this worker process, apart from vLLM's "
+                        "scheduler, which then never sees its objects (no hits). Use store \"mooncake\", "
+                        "or run the worker inside the engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0).")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ from ..runtime.data_plane import DataPlane, DataPlaneConfig, Transfer, TransferO
 from .store_host import StoreHost
 from .vllm_plan import TransferPlan
 
-log = logging.getLogger("hylinker.vllm")
+log = logging.getLogger("vllm.hylinker")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -214,9 +215,9 @@ class PageTransfers:
             with self._lock:
                 self.counters["saves"] += 1
                 self._saves.add(future)
-            future.add_done_callback(lambda f, slots=slots, n=n: self._saved(f, slots, n))
+            future.add_done_callback(functools.partial(self._saved, slots=slots, n=n))
 
-    def _saved(self, future: concurrent.futures.Future[TransferOutcome], slots: list[int], n: int) -> None:
+    def _saved(self, future: concurrent.futures.Future[TransferOutcome], *, slots: list[int], n: int) -> None:
         try:
             ok = future.result().ok
         except BaseException:

@@ -27,14 +27,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 
-_WORDS = ("the a an of to in on for with from by about cache state page block token model layer "
-          "store load save restore recurrent attention linear hybrid prefix boundary checkpoint "
-          "transfer commit engine server request reply user assistant system question answer "
-          "river mountain forest ocean city garden winter summer morning evening story letter "
-          "number seven eleven red blue green quick slow bright dark open close begin end").split()
+_WORDS = ["the", "a", "an", "of", "to", "in", "on", "for", "with", "from", "by", "about", "cache", "state", "page", "block", "token", "model", "layer", "store", "load", "save", "restore", "recurrent", "attention", "linear", "hybrid", "prefix", "boundary", "checkpoint", "transfer", "commit", "engine", "server", "request", "reply", "user", "assistant", "system", "question", "answer", "river", "mountain", "forest", "ocean", "city", "garden", "winter", "summer", "morning", "evening", "story", "letter", "number", "seven", "eleven", "red", "blue", "green", "quick", "slow", "bright", "dark", "open", "close", "begin", "end"]
 
 
-def _corpus(n_lines: int, seed: int) -> list[str]:
+def corpus(n_lines: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16))) for _ in range(n_lines)]
 
@@ -49,7 +45,7 @@ def build_tokenizer(path: Path, *, seed: int = 0) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 64, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(2000, seed), trainer=trainer)
+    tok.train_from_iterator(corpus(2000, seed), trainer=trainer)
     from tokenizers import decoders
 
     tok.decoder = decoders.ByteLevel()
@@ -83,7 +79,8 @@ def build_tiny_qwen3_next(path: Path | str, *, seed: int = 0, layers: int = 4) -
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
     )
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3NextForCausalLM(config)
+    model.to(dtype=torch.bfloat16)  # type: ignore[call-arg]
     model.config.architectures = ["Qwen3NextForCausalLM"]
     model.save_pretrained(str(path))
     return path

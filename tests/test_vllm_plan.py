@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hylinker.components.pool_view import PoolViewError
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig, PluginConfigError
 from hylinker.integrations.vllm_pages import PageTransfers, RawPages
@@ -20,7 +21,6 @@ from hylinker.integrations.vllm_plan import (
     restorable_blocks,
     state_key,
 )
-from hylinker.components.pool_view import PoolViewError
 
 W = "kv_connector_extra_config"
 
@@ -139,7 +139,8 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
         assert pt.drain(10.0) and pt.statistics()["saves_ok"] == 1
         assert pt._free and len(pt._free) == 4  # staging slots returned
         pt.load(TransferPlan("b", ("k1", "k2"), (5, 6), ("s2",), (7,)))
-        done, bad = set(), set()
+        done: set[str] = set()
+        bad: set[str] = set()
         while not (done or bad):
             done, bad = pt.finished_loads()
         assert done == {"b"} and not bad

@@ -1,0 +1,114 @@
+"""Run one vLLM engine (CPU build) through a list of steps and print the results as JSON.
+
+The vLLM connector's tests and benchmarks start every engine in its own process with this
+script, so engines never share a process (vLLM keeps global state) and a test can kill a store
+between steps. Steps (a JSON list, ``--steps``):
+
+* ``{"op": "generate", "prompt": [ids...], "max_tokens": 8}`` → tokens, top-3 logprobs per
+  token, ``cached`` (prompt tokens vLLM did not compute: its prefix cache plus the connector),
+  ``seconds`` and ``ttft_s`` (time to the first token, from a separate 1-token request);
+* ``{"op": "reset"}`` → vLLM's prefix cache reset (the connector's store is kept);
+* ``{"op": "kill", "pid": N}`` → SIGKILL that process (a Mooncake master, say);
+* ``{"op": "stats"}`` → the connector's counters (scheduler and worker side).
+
+    python -m hylinker.testing.vllm_runner --model DIR --extra '{"store": "embedded"}' --steps '[...]'
+
+``--extra none`` runs without the connector and without vLLM's prefix cache: the reference.
+Results: one JSON object per step, each on a line of its own after ``RESULT ``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+
+BLOCK_SIZE = 384
+
+
+def _connectors(llm: Any) -> list[Any]:
+    """The connector instances of an in-process engine (scheduler side, worker side)."""
+    found = []
+    with contextlib.suppress(AttributeError):
+        found.append(llm.llm_engine.engine_core.engine_core.scheduler.connector)
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        found.append(get_kv_transfer_group())
+    except Exception:
+        pass
+    return [c for c in found if c is not None and hasattr(c, "statistics")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON, or 'none'")
+    ap.add_argument("--steps", required=True, help="JSON list of steps (see the module docstring)")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    args = ap.parse_args(argv)
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if args.extra != "none":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="HylinkerConnector", kv_connector_module_path="hylinker.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config=json.loads(args.extra))
+    llm = LLM(model=args.model, dtype="bfloat16", block_size=args.block_size,
+              enable_prefix_caching=args.extra != "none", max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_model_len, enforce_eager=True, seed=0, **kwargs)
+    results: list[dict[str, Any]] = []
+    for step in json.loads(args.steps):
+        op = step["op"]
+        if op == "generate":
+            prompt = {"prompt_token_ids": list(step["prompt"])}
+            sp = SamplingParams(max_tokens=int(step.get("max_tokens", 8)), temperature=0.0, logprobs=3)
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], sp, use_tqdm=False)[0]
+            seconds = time.perf_counter() - t0
+            o = out.outputs[0]
+            lps = [sorted(([int(k), float(v.logprob)] for k, v in lp.items()), key=lambda kv: -kv[1])
+                   for lp in (o.logprobs or [])]
+            results.append({"op": op, "tokens": list(o.token_ids), "logprobs": lps,
+                            "cached": int(out.num_cached_tokens or 0), "seconds": seconds})
+        elif op == "ttft":  # a 1-token request: its latency is the time to first token
+            prompt = {"prompt_token_ids": list(step["prompt"])}
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+            results.append({"op": op, "ttft_s": time.perf_counter() - t0, "cached": int(out.num_cached_tokens or 0)})
+        elif op == "reset":
+            results.append({"op": op, "ok": bool(llm.reset_prefix_cache())})
+        elif op == "kill":
+            os.kill(int(step["pid"]), signal.SIGKILL)
+            time.sleep(float(step.get("settle_s", 1.0)))
+            results.append({"op": op})
+        elif op == "stats":
+            stats: dict[str, int] = {}
+            for c in _connectors(llm):
+                for k, v in c.statistics().items():
+                    stats[k] = stats.get(k, 0) + v  # each counter lives on one side
+            results.append({"op": op, "stats": stats})
+        else:
+            raise SystemExit(f"unknown step {op!r}")
+    for r in results:
+        print("RESULT " + json.dumps(r))
+    sys.stdout.flush()
+    llm.llm_engine.engine_core.shutdown()  # the connector drains its writes here (bounded)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

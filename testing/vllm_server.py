@@ -1,0 +1,134 @@
+"""vLLM's OpenAI server as a child process, and a small client for it (standard library only).
+
+Used by the connector's server test and by the serve demo (``python -m hylinker.tools.serve_demo``).
+The server runs the CPU build's defaults otherwise: its engine core in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .tiny_qwen3_next import BLOCK_SIZE, corpus
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def post(url: str, body: dict[str, Any] | None = None, timeout_s: float = 600) -> dict[str, Any]:
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
+    return {"kv_connector": "HylinkerConnector", "kv_connector_module_path": "hylinker.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def start_server(model: Path, port: int, log: Path, *, extra: dict[str, Any] | None,
+                 timeout_s: float = 900) -> subprocess.Popen[bytes]:
+    """Start the server on ``model`` with the connector (``extra``: its extra config), or without
+    it and without vLLM's prefix cache (``extra=None``); wait until ``/health`` answers."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE), "--max-model-len", "20480",
+           "--max-num-batched-tokens", "20480", "--enforce-eager", "--enable-prompt-tokens-details",
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    if extra is not None:
+        cmd += ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(connector_config(extra))]
+    else:
+        cmd += ["--no-enable-prefix-caching"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(2)
+    stop_server(proc)
+    raise RuntimeError("the server did not become healthy in time")
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> int:
+    """SIGINT (vLLM's graceful shutdown: the connector drains its writes), SIGKILL after
+    ``timeout_s``; returns the exit code."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return int(proc.returncode)
+
+
+def conversation(words: int, seed: int = 7) -> list[dict[str, str]]:
+    """A multi-turn chat of about ``words`` tokens (one word of the tiny tokenizer ~ one token)."""
+    text = " ".join(corpus(max(1, words // 10), seed=seed))
+    return [{"role": "system", "content": "you answer with the state of the cache"},
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "the cache holds the prefix"},
+            {"role": "user", "content": "restore the boundary and answer the question again"}]
+
+
+def chat(port: int, messages: list[dict[str, str]], max_tokens: int = 6) -> dict[str, Any]:
+    return post(f"http://127.0.0.1:{port}/v1/chat/completions", {
+        "model": "", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+        "logprobs": True, "top_logprobs": 3})
+
+
+def time_to_first_token(port: int, messages: list[dict[str, str]]) -> tuple[float, int]:
+    """Stream a chat completion: seconds until the first content token, and the prompt tokens
+    served from a cache (vLLM's own or the connector's)."""
+    body = json.dumps({"model": "", "messages": messages, "max_tokens": 4, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    cached = 0
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if ttft is None and event.get("choices") and event["choices"][0].get("delta", {}).get("content") is not None:
+                ttft = time.perf_counter() - t0
+            usage = event.get("usage")
+            if usage:
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return (ttft if ttft is not None else time.perf_counter() - t0), cached
+
+
+def top_logprobs(resp: dict[str, Any]) -> list[list[tuple[str, float]]]:
+    content = resp["choices"][0]["logprobs"]["content"]
+    return [[(t["token"], t["logprob"]) for t in c["top_logprobs"]] for c in content]
+
+
+def cached_tokens(resp: dict[str, Any]) -> int:
+    details = resp["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+__all__ = ["cached_tokens", "chat", "connector_config", "conversation", "free_port", "post", "start_server",
+           "stop_server", "time_to_first_token", "top_logprobs"]

@@ -1,0 +1,88 @@
+"""Fixtures for the vLLM connector's suite: the tiny model, engines in their own processes, and
+the reference outputs of an engine without any cache.
+
+Every engine runs in a child process (``hylinker.testing.vllm_runner``) so that tests can kill a
+store between steps and engines never share vLLM's global state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hylinker.stores.mooncake_master import MooncakeMaster
+
+ENGINE_TIMEOUT_S = 900
+
+
+def run_engine(model: Path, extra: dict[str, Any] | None, steps: list[dict[str, Any]],
+               log: Path) -> list[dict[str, Any]]:
+    """Run one engine through ``steps``; ``extra=None``: no connector, no prefix cache."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    cmd = [sys.executable, "-m", "hylinker.testing.vllm_runner", "--model", str(model),
+           "--extra", "none" if extra is None else json.dumps(extra), "--steps", json.dumps(steps)]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, timeout=ENGINE_TIMEOUT_S, text=True)
+    out = proc.stdout
+    if proc.returncode != 0 or "RESULT" not in out:
+        tail = log.read_text()[-4000:]
+        raise AssertionError(f"engine failed (rc {proc.returncode}):\n{out[-2000:]}\n--- stderr ---\n{tail}")
+    return [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hylinker.testing.tiny_qwen3_next import build_tiny_qwen3_next
+
+    return build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
+
+
+@pytest.fixture(scope="session")
+def prompts() -> dict[str, list[int]]:
+    """``short``: 1,306 tokens (vLLM checkpoints its state at 1,152); ``long``: ``short`` plus
+    700 tokens (it restores from ``short``'s state)."""
+    rng = random.Random(15)
+    short = [rng.randrange(10, 300) for _ in range(1306)]
+    return {"short": short, "long": short + [rng.randrange(10, 300) for _ in range(700)]}
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path, prompts: dict[str, list[int]],
+              tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Greedy tokens and logprobs of an engine with no connector and no prefix cache."""
+    log = tmp_path_factory.mktemp("logs") / "reference.log"
+    res = run_engine(model_dir, None, [{"op": "generate", "prompt": prompts[k]} for k in ("short", "long")], log)
+    return {"short": res[0], "long": res[1]}
+
+
+@pytest.fixture
+def engine_log(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "engine.log"
+
+
+@pytest.fixture
+def mooncake(tmp_path: Path) -> Iterator[tuple[MooncakeMaster, subprocess.Popen[str]]]:
+    """A master and a separate storage process (256 MiB segment) on loopback."""
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(MooncakeMaster().start())
+        seg = subprocess.Popen(
+            [sys.executable, "-m", "hylinker", "mooncake", "segment", "--master", master.address,
+             "--segment-mib", "256"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stack.callback(seg.kill)
+        assert seg.stderr is not None
+        for _ in range(200):
+            line = seg.stderr.readline()
+            if "mounted" in line or seg.poll() is not None:
+                break
+        assert seg.poll() is None, "the storage process exited"
+        yield master, seg

@@ -1,0 +1,49 @@
+"""vLLM's OpenAI server with HylinkerConnector: a repeated conversation after
+``/reset_prefix_cache`` is served from the store with identical ``top_logprobs``."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hylinker.stores.mooncake_master import MooncakeMaster
+from hylinker.testing.vllm_server import (
+    cached_tokens,
+    chat,
+    conversation,
+    free_port,
+    post,
+    start_server,
+    stop_server,
+    top_logprobs,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_openai_server_serves_a_repeated_conversation_from_the_store(
+        model_dir: Path, mooncake: tuple[MooncakeMaster, subprocess.Popen[str]], tmp_path: Path) -> None:
+    master, _seg = mooncake
+    port = free_port()
+    log = tmp_path / "server.log"
+    proc = start_server(model_dir, port, log, extra={"store": "mooncake", "master": master.address, "segment_mb": 0})
+    try:
+        messages = conversation(1200)
+        first = chat(port, messages)
+        assert first["usage"]["prompt_tokens"] > 2 * 384
+        assert cached_tokens(first) == 0
+        time.sleep(1.0)  # the store writes run off the step
+        assert post(f"http://127.0.0.1:{port}/reset_prefix_cache")["success"] is True
+        again = chat(port, messages)
+        assert top_logprobs(again) == top_logprobs(first)
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        assert cached_tokens(again) >= 384  # restored by the connector: vLLM's own cache was empty
+    finally:
+        rc = stop_server(proc)
+    text = log.read_text()
+    assert "Traceback" not in text, text[-4000:]
+    assert rc in (0, -signal.SIGINT, 130), f"server exit code {rc}"
