@@ -1,0 +1,103 @@
+"""Time to first token in vLLM's CPU build with HylinkerConnector: restore vs recompute, and the
+connector's cost per decode step when nothing hits.
+
+Run in the vLLM environment::
+
+    OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker.tools.bench_vllm --json bench-results/vllm.json
+
+Two engines run one after the other on the same tiny qwen3_next (block 384), each in its own
+process (``hylinker.testing.vllm_runner``): one with the connector (embedded store, in-process
+engine core), one without the connector and without vLLM's prefix cache. For each prompt length
+the connector engine measures a 1-token request on a new prompt (a miss: it computes and stores),
+resets vLLM's prefix cache, then repeats it (a restore); the plain engine measures the same
+prompt (a recompute). Decode: 64 tokens on a fresh 200-token prompt, in both engines (no hit, so
+the connector only plans and copies the pages that fill). Timings on a shared machine are noisy:
+compare the ratios, measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..testing.tiny_qwen3_next import build_tiny_qwen3_next
+
+
+def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log: Path) -> list[dict[str, Any]]:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    cmd = [sys.executable, "-m", "hylinker.testing.vllm_runner", "--model", str(model), "--extra", extra,
+           "--steps", json.dumps(steps), "--max-model-len", str(max_len)]
+    with open(log, "w") as f:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, text=True, check=False).stdout
+    rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    if len(rows) != len(steps):
+        raise RuntimeError(f"engine failed, see {log}:\n{log.read_text()[-3000:]}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1024,4096,16384", help="prompt lengths in tokens")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rng = random.Random(0)
+    prompts = {n: [rng.randrange(10, 300) for _ in range(n)] for n in sizes}
+    decode_prompt = [rng.randrange(10, 300) for _ in range(200)]
+    max_len = max(sizes) + 1024
+    warm = [{"op": "ttft", "prompt": [rng.randrange(10, 300) for _ in range(500)]}]  # first-call costs
+    with_steps: list[dict[str, Any]] = list(warm)
+    plain_steps: list[dict[str, Any]] = list(warm)
+    for n in sizes:
+        with_steps += [{"op": "ttft", "prompt": prompts[n]}, {"op": "reset"}, {"op": "ttft", "prompt": prompts[n]}]
+        plain_steps += [{"op": "ttft", "prompt": prompts[n]}]
+    decode = {"op": "generate", "prompt": decode_prompt, "max_tokens": args.decode_tokens}
+    with_steps += [decode, {"op": "stats"}]
+    plain_steps += [decode]
+    with tempfile.TemporaryDirectory(prefix="hylinker-bench-vllm-") as tmp:
+        work = Path(tmp)
+        model = build_tiny_qwen3_next(work / "model")
+        extra = json.dumps({"store": "embedded", "capacity_mb": 2048})
+        w = _run(model, extra, with_steps, max_len, work / "with.log")
+        p = _run(model, "none", plain_steps, max_len, work / "plain.log")
+    rows = []
+    for i, n in enumerate(sizes):
+        miss, restore = w[1 + 3 * i], w[3 + 3 * i]
+        recompute = p[1 + i]
+        rows.append({"tokens": n, "restored_tokens": restore["cached"],
+                     "ttft_recompute_s": round(recompute["ttft_s"], 4),
+                     "ttft_miss_with_connector_s": round(miss["ttft_s"], 4),
+                     "ttft_restore_s": round(restore["ttft_s"], 4),
+                     "restore_speedup": round(recompute["ttft_s"] / restore["ttft_s"], 2),
+                     "miss_overhead": round(miss["ttft_s"] / recompute["ttft_s"], 3)})
+    wd, pd = w[-2], p[-1]
+    steps = max(1, args.decode_tokens - 1)
+    per_step_with = (wd["seconds"]) / steps
+    per_step_plain = (pd["seconds"]) / steps
+    decode_row = {"decode_tokens": args.decode_tokens, "step_ms_with_connector": round(1000 * per_step_with, 3),
+                  "step_ms_plain": round(1000 * per_step_plain, 3),
+                  "ratio": round(per_step_with / per_step_plain, 3), "same_tokens": wd["tokens"] == pd["tokens"]}
+    result = {"ttft": rows, "decode": decode_row, "connector_stats": w[-1]["stats"]}
+    print(f"{'tokens':>7} {'restored':>8} {'recompute s':>11} {'miss+store s':>12} {'restore s':>9} {'speedup':>7}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['restored_tokens']:>8} {r['ttft_recompute_s']:>11.3f} "
+              f"{r['ttft_miss_with_connector_s']:>12.3f} {r['ttft_restore_s']:>9.3f} {r['restore_speedup']:>7.2f}")
+    print(f"decode step: {decode_row['step_ms_with_connector']:.2f} ms with the connector, "
+          f"{decode_row['step_ms_plain']:.2f} ms without (x{decode_row['ratio']}); same tokens: {decode_row['same_tokens']}")
+    print("connector:", json.dumps(result["connector_stats"]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
