@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON, or 'none'")
-    ap.add_argument("--steps", required=True, help="JSON list of steps (see the module docstring)")
+    ap.add_argument("--steps", required=True, help="JSON list of steps (see the module docstring), or @FILE")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args(argv)
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
               enable_prefix_caching=args.extra != "none", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_model_len, enforce_eager=True, seed=0, **kwargs)
     results: list[dict[str, Any]] = []
-    for step in json.loads(args.steps):
+    text = Path(args.steps[1:]).read_text() if args.steps.startswith("@") else args.steps
+    for step in json.loads(text):
         op = step["op"]
         if op == "generate":
             prompt = {"prompt_token_ids": list(step["prompt"])}

@@ -32,8 +32,10 @@ from ..testing.tiny_qwen3_next import build_tiny_qwen3_next
 
 def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log: Path) -> list[dict[str, Any]]:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    steps_file = log.with_suffix(".steps.json")
+    steps_file.write_text(json.dumps(steps))
     cmd = [sys.executable, "-m", "hylinker.testing.vllm_runner", "--model", str(model), "--extra", extra,
-           "--steps", json.dumps(steps), "--max-model-len", str(max_len)]
+           "--steps", f"@{steps_file}", "--max-model-len", str(max_len)]
     with open(log, "w") as f:
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, text=True, check=False).stdout
     rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
