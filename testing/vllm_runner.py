@@ -13,7 +13,8 @@ between steps. Steps (a JSON list, ``--steps``):
 
     python -m hylinker.testing.vllm_runner --model DIR --extra '{"store": "embedded"}' --steps '[...]'
 
-``--extra none`` runs without the connector and without vLLM's prefix cache: the reference.
+``--extra none`` runs without the connector and without vLLM's prefix cache: the reference;
+``--extra prefix-only`` without the connector, with vLLM's prefix cache.
 Results: one JSON object per step, each on a line of its own after ``RESULT ``.
 """
 
@@ -53,7 +54,7 @@ def _connectors(llm: Any) -> list[Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON, or 'none'")
+    ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON, 'none' or 'prefix-only'")
     ap.add_argument("--steps", required=True, help="JSON list of steps (see the module docstring), or @FILE")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {}
-    if args.extra != "none":
+    if args.extra not in ("none", "prefix-only"):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HylinkerConnector", kv_connector_module_path="hylinker.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
