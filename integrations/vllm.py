@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -343,12 +344,14 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         if self._closed:
             return
         self._closed = True
+        start = time.monotonic()
         try:
             if self._transfers is not None:
                 self._transfers.close(self.config.drain_timeout_s)
-                log.info("hylinker: worker statistics %s", self.statistics())
         finally:
             store_host.release(self.host)
+        if self._transfers is not None:
+            log.info("hylinker: worker shut down in %.2f s; statistics %s", time.monotonic() - start, self.statistics())
 
 
 __all__ = ["HylinkerConnector", "HylinkerConnectorMetadata"]
