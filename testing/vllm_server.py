@@ -47,7 +47,9 @@ def start_server(model: Path, port: int, log: Path, *, extra: dict[str, Any] | N
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE), "--max-model-len", "20480",
            "--max-num-batched-tokens", "20480", "--enforce-eager", "--enable-prompt-tokens-details",
-           "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           # vLLM's default (0) kills the worker at once on shutdown: the connector could not drain
+           "--shutdown-timeout", "60"]
     if extra is not None:
         cmd += ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(connector_config(extra))]
     else:
