@@ -12,8 +12,9 @@ registers (checking that blocks are the outer dimension) and views each as
 :class:`PageTransfers` runs two data planes on the store host's loop:
 
 * loads go straight into the engine's blocks (vLLM keeps them reserved until the connector
-  reports the load finished; a failed or damaged object fails the whole load, and its blocks
-  are reported so vLLM recomputes them);
+  reports the load finished); a missing or damaged object fails the whole load, which is
+  reported so vLLM recomputes the request, and the objects that did not land are removed from
+  the store so the next lookup misses instead of failing again;
 * saves copy the offered pages into a private staging area before the step returns (vLLM may
   reuse a block in the next step) and then write them to the store from there, off the
   forward's path. Without a free staging slot a save is skipped and counted, never blocks.
@@ -123,7 +124,7 @@ class PageTransfers:
         self._failed_now: set[str] = set()
         self.counters: dict[str, int] = dict.fromkeys(
             ("loads", "loads_ok", "loads_failed", "saves", "saves_ok", "saves_failed", "saves_skipped",
-             "objects_saved", "objects_loaded"), 0)
+             "objects_saved", "objects_loaded", "objects_removed"), 0)
         cfg = DataPlaneConfig(staging_bytes_per_pool=max(16 << 20, 4 * per_object))
         self._stack = contextlib.ExitStack()
         try:
@@ -175,7 +176,20 @@ class PageTransfers:
                     self.counters["loads_failed"] += 1
                     log.warning("hylinker: load of %s failed (%s); it recomputes", rid,
                                 outcome.faults if outcome is not None else "error")
+                    if outcome is not None:
+                        self._remove_failed(plan, outcome)
         return ok_ids, failed_ids
+
+    def _remove_failed(self, plan: TransferPlan, outcome: TransferOutcome) -> None:
+        """Remove the objects that did not land from the store (missing or damaged), so the next
+        lookup misses instead of failing another load on them. Fire and forget: a store that
+        cannot answer now keeps them, and a later load fails (and recomputes) again."""
+        bad = [k for pool, keys in ((PoolKind.FULL, plan.kv_keys), (PoolKind.MAMBA, plan.state_keys))
+               for k, ok in zip(keys, outcome.objects.get(pool, [False] * len(keys))) if not ok]
+        if bad:
+            self.counters["objects_removed"] += len(bad)
+            future = self.host.portal.start_task_soon(self.host.store.remove, bad)
+            future.add_done_callback(lambda f: f.exception())  # retrieve it: never logged as unhandled
 
     def fail_now(self, request_ids: Iterable[str]) -> None:
         """Report loads the scheduler promised but could not plan as failed at the next poll."""

@@ -77,4 +77,5 @@ def test_corrupt_objects_fall_back_to_recompute(model_dir: Path, prompts: dict[s
     same_output(again, reference["short"])
     assert damaged["cached"] == 0
     assert stats["loads_failed"] == 1 and stats["loads_ok"] == 0  # not retried on the damaged prefix
+    assert stats["objects_removed"] >= 1  # the damaged objects left the store
     assert again["cached"] == RESTORED  # vLLM's own cache holds the recomputed prefix
