@@ -67,7 +67,7 @@ class PluginConfig:
         unknown = sorted(set(extra) - set(fields))
         if unknown:
             raise PluginConfigError(f"unknown {where} keys {unknown}; known: {sorted(fields)}")
-        values = {name: _coerce(where, name, raw, fields[name].default) for name, raw in extra.items()}
+        values = {name: coerce_value(where, name, raw, fields[name].default, PluginConfigError) for name, raw in extra.items()}
         try:
             config = cls(**values)
         except PluginConfigError as exc:
@@ -123,9 +123,11 @@ class PluginConfig:
         return store
 
 
-def _coerce(where: str, name: str, raw: Any, default: Any) -> Any:
-    """JSON value -> the field's type; a clear error otherwise (bools are not numbers)."""
-    bad = PluginConfigError(f"{where}[{name!r}] must be {_kind(default)}, got {raw!r}")
+def coerce_value(where: str, name: str, raw: Any, default: Any,
+                 error: type[ValueError] = ValueError) -> Any:
+    """JSON value -> the type of the field's default; ``error`` naming ``where[name]``
+    otherwise (bools are not numbers). Both plugins' extra-config parsers use it."""
+    bad = error(f"{where}[{name!r}] must be {_kind(default)}, got {raw!r}")
     if isinstance(default, bool):
         if not isinstance(raw, bool):
             raise bad
@@ -153,4 +155,4 @@ def _kind(default: Any) -> str:
     return "a string"
 
 
-__all__ = ["STORES", "PluginConfig", "PluginConfigError"]
+__all__ = ["STORES", "PluginConfig", "PluginConfigError", "coerce_value"]

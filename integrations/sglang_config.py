@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from ..stores.faulty import FaultPlan
+from .config import coerce_value
 
 STORES = ("embedded", "mooncake", "umbp")
 
@@ -71,7 +72,7 @@ class SGLangLinkerConfig:
         values: dict[str, Any] = {}
         for name, raw in extra.items():
             default = fields[name].default
-            values[name] = _coerce(name, raw, default)
+            values[name] = coerce_value("linker_extra_config", name, raw, default, LinkerConfigError)
         try:
             config = cls(**values)
         except LinkerConfigError:
@@ -103,37 +104,6 @@ class SGLangLinkerConfig:
     def fault_plan(self) -> FaultPlan | None:
         plan = FaultPlan.parse(self.faults)
         return None if plan.is_empty else plan
-
-
-def _coerce(name: str, raw: Any, default: Any) -> Any:
-    """JSON value -> the field's type; a clear error otherwise (bools are not numbers)."""
-    bad = LinkerConfigError(
-        f"linker_extra_config[{name!r}] must be {_kind(default)}, got {raw!r}")
-    if isinstance(default, bool):
-        if not isinstance(raw, bool):
-            raise bad
-        return raw
-    if isinstance(default, int):
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise bad
-        return raw
-    if isinstance(default, float):
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise bad
-        return float(raw)
-    if not isinstance(raw, str) and not (default is None and raw is None):
-        raise bad
-    return raw
-
-
-def _kind(default: Any) -> str:
-    if isinstance(default, bool):
-        return "true or false"
-    if isinstance(default, int):
-        return "an integer"
-    if isinstance(default, float):
-        return "a number"
-    return "a string"
 
 
 __all__ = ["STORES", "LinkerConfigError", "SGLangLinkerConfig"]
