@@ -18,139 +18,46 @@ Store failures never raise: they degrade to recompute (a miss, a dropped load) o
 unwritten offload, and are counted. A failed device fence fails its offload the same way
 (``offload_failures``, traced). Misuse raises: bad tokens (``TokenError``), a phase out of
 order or a linker that is not running (``PhaseError``).
+
+The rules of each phase live in its own room: :mod:`.lookup` (LOOKUP, TOUCH),
+:mod:`.restore` (LOAD, COMMIT, ABORT, partial restores) and :mod:`.offload` (offload
+planning, backpressure, settlement); this class validates, holds the open requests and
+delegates.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
-import attrs
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from ..components.admission import CheckpointPolicy, EndOfPrefill, Prefill
 from ..components.eviction import EvictionPolicy
-from ..components.keys import as_tokens, namespace_seed, object_keys, page_keys
+from ..components.keys import as_tokens, namespace_seed, page_keys
 from ..components.layout import ModelLayout, PoolKind
-from ..components.lookup import restorable_page_counts
 from ..components.mamba import checkpoint_depth, restorable_ceiling
-from ..components.partial import kept_pages
 from ..components.pool_rules import pool_rules
 from ..components.pools import HybridPools
 from ..components.radix import Node
-from ..stores.base import Store, StoreError
-from ..stores.framing import FrameFault
+from ..stores.base import Store
 from ..stores.resilient import ResilienceStatistics, ResilientStore
 from .config import LinkerConfig
-from .data_plane import (
-    DataPlane,
-    DataPlaneConfig,
-    LoadTicket,
-    OffloadTicket,
-    Transfer,
-    TransferOutcome,
-)
+from .data_plane import DataPlane, DataPlaneConfig
 from .events import DeviceEvent
+from .lookup import LookupRoom
+from .offload import OffloadRoom
 from .pool_actor import PoolActor
+from .request import LookupResult, PhaseError, Request
+from .restore import LoadHandle, RestoreRoom
 from .statistics import LinkerStatistics, PoolActorStatistics
 from .touch import TouchBatcher
 from .tracing import trace
 from .tree_actor import PoolExhaustedError, TreeActor
-
-
-class PhaseError(RuntimeError):
-    """A phase was called out of order (e.g. commit before load, use after release)."""
-
-
-@attrs.frozen
-class LookupResult:
-    prompt_tokens: int
-    device_tokens: int  # usable from the device tree now
-    store_tokens: int  # restorable from the store on top of that (0: none)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.device_tokens + self.store_tokens
-
-
-@attrs.define(eq=False)
-class Request:
-    """One sequence's view of the cache. Create with :meth:`Linker.request`."""
-
-    id: str
-    tokens: npt.NDArray[np.int32]
-    seed: bytes
-    node: Node  # locked: the cached prefix this request stands on
-    page_size: int
-    prefix_pages: int = 0  # pages of the prefix owned by the tree
-    rows: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.int64))
-    store_pages: int = 0  # found by lookup
-    store_keys: list[bytes] = attrs.field(factory=list)
-    store_boundaries: list[int] = attrs.field(factory=list)  # every restorable count found
-    state_source: int | None = None  # the prefix node's state: copy-on-write source
-    working: int | None = None
-    checkpoints: list[int] = attrs.field(factory=list)
-    load: LoadHandle | None = None
-    looked_up: bool = False
-    released: bool = False
-    releasing: anyio.Event | None = None  # set once a release has finished
-
-    @property
-    def prefix_tokens(self) -> int:
-        return self.prefix_pages * self.page_size
-
-
-class LoadHandle:
-    """A queued restore: await all of it, or each model layer. The reads, their verification
-    and layer readiness are the data plane's (:class:`~hylinker.runtime.data_plane.LoadTicket`)."""
-
-    def __init__(self, linker: Linker, req: Request, pages: int, rows: torch.Tensor,
-                 slot: int | None) -> None:
-        self.linker = linker
-        self.request = req
-        self.pages = pages
-        self.rows = rows
-        self.slot = slot  # the state at ``pages``
-        #: (pages, slot) of every state read, ascending; the last one is ``slot``'s
-        self.states: list[tuple[int, int]] = [] if slot is None else [(pages, slot)]
-        self.keys: dict[PoolKind, list[str]] = {}  # object keys read, per pool, in order
-        self.ticket: LoadTicket | None = None
-        self.done = anyio.Event()  # every queued read has ended
-        self.finished = False  # committed or aborted: rows and slot belong to someone now
-        self.claimed_by: str | None = None  # "commit" or "abort" while one of them runs
-        self.claim_changed = anyio.Event()  # set (and renewed) when a commit lets go
-        self.settled = anyio.Event()  # set once committed or aborted
-
-    def _attach(self, ticket: LoadTicket) -> None:
-        self.ticket = ticket
-        ticket.add_done_callback(lambda _outcome: self.done.set())
-
-    @property
-    def outcome(self) -> TransferOutcome | None:
-        """What the reads did, once they ended (``None`` before)."""
-        return None if self.ticket is None else self.ticket.outcome
-
-    async def wait(self) -> bool:
-        """Wait for every pool's data; True when all of it landed and verified."""
-        await self.done.wait()
-        out = self.outcome
-        return out is not None and out.ok
-
-    async def wait_layer(self, layer_id: int) -> bool:
-        """Wait until ``layer_id``'s restored data is in the pools, or the load ended without
-        it; True in the first case. The load still has to be committed as a whole."""
-        assert self.ticket is not None
-        return await self.ticket.wait_layer(layer_id)
-
-    @property
-    def tokens(self) -> int:
-        return self.pages * self.linker.layout.page_size
 
 
 class Linker:
@@ -191,12 +98,7 @@ class Linker:
             fingerprint=layout.fingerprint)
         self._requests: dict[str, Request] = {}
         self._tg: anyio.abc.TaskGroup | None = None
-        self._offloads_in_flight = 0
-        self._offload_locked_pages = 0  # KV pages of nodes locked by offloads in flight
-        self._offloads_idle = anyio.Event()
-        self._offloads_idle.set()
         self._closing = False
-        self._job_ids = itertools.count(1)
         self._c: dict[str, int] = {k: 0 for k in (
             "requests", "lookups", "lookup_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
             "loads", "load_misses", "commits", "dropped_loads", "aborts", "inserts", "offloads",
@@ -205,6 +107,12 @@ class Linker:
             "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost",
             "offloads_skipped_breaker")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
+        # the rooms: each phase's rules live in one of them; the linker checks and delegates
+        self.lookups = LookupRoom(self)  # LOOKUP + TOUCH (runtime/lookup.py)
+        self.restores = RestoreRoom(self)  # LOAD, COMMIT, ABORT, partial restores (runtime/restore.py)
+        #: offload planning, backpressure and settlement (runtime/offload.py)
+        self.offloads = OffloadRoom(self.tree, self.rules, pools, self.data, self.store, self.config,
+                                    self._c, self._spawn)
 
     @property
     def actors(self) -> dict[PoolKind, PoolActor]:
@@ -254,7 +162,7 @@ class Linker:
             await self.drain()
         if scope.cancelled_caught:
             self._c["close_timeouts"] += 1
-            trace("close.timeout", in_flight=self._offloads_in_flight)
+            trace("close.timeout", in_flight=self.offloads.in_flight)
         if isinstance(self.store, ResilientStore):
             await self.store.shutdown()
         await self.drain()
@@ -269,7 +177,7 @@ class Linker:
 
     async def drain(self) -> None:
         """Wait until every submitted offload has been acknowledged and its locks dropped."""
-        await self._offloads_idle.wait()
+        await self.offloads.drain()
 
     def _spawn(self, fn: Any, *args: Any) -> None:
         assert self._tg is not None, "checked by _check_running before any side effect"
@@ -315,285 +223,30 @@ class Linker:
     def ceiling_tokens(self, req: Request) -> int:
         return restorable_ceiling(len(req.tokens), self.grid)
 
-    # ---- LOOKUP --------------------------------------------------------------------
+    # ---- LOOKUP (runtime/lookup.py) ---------------------------------------------------
     async def lookup(self, req: Request) -> LookupResult:
         """Match the device tree (locking the hit) and probe the store above it."""
-        self._check_open(req)
-        if req.looked_up:
-            raise PhaseError(f"request {req.id!r} was already looked up")
-        req.looked_up = True
-        t0 = time.perf_counter()
-        ceiling_pages = self.ceiling_tokens(req) // self.page
-        keys = page_keys(req.tokens, self.page, req.seed, max_pages=ceiling_pages)
-        m = self.tree.match(keys)
-        self.tree.lock(m.node)
-        req.node = m.node
-        req.prefix_pages = m.pages
-        req.rows = m.rows
-        req.state_source = m.node.mamba_slot
-        self._c["lookups"] += 1
-        self._c["lookup_prompt_tokens"] += len(req.tokens)
-        self._c["device_hit_tokens"] += m.pages * self.page
-        if m.pages and self.config.touch and self.store.capabilities.touch:
-            self._maybe_touch(m.node)
-        store_pages = 0
-        req.store_boundaries = []
-        if self.config.store_lookup and ceiling_pages > m.pages:
-            req.store_boundaries = await self._probe(req, keys[m.pages:ceiling_pages], m.pages)
-            store_pages = max(req.store_boundaries, default=0)
-        req.store_pages = store_pages
-        req.store_keys = keys[m.pages: m.pages + store_pages]
-        trace("lookup", request_id=req.id, prompt=len(req.tokens), device_pages=m.pages,
-              store_pages=store_pages, node=m.node.id, us=round((time.perf_counter() - t0) * 1e6))
-        return LookupResult(len(req.tokens), m.pages * self.page, store_pages * self.page)
+        return await self.lookups.lookup(req)
 
-    async def _probe(self, req: Request, keys: list[bytes], first_page: int) -> list[int]:
-        """Every restorable page count above the device hit, ascending ([]: none)."""
-        names: dict[PoolKind, list[str]] = {}
-        spans: dict[PoolKind, list[int]] = {}
-        for kind, rule in self.rules.items():
-            pos = rule.probe_positions(first_page, len(keys), self.grid_pages)
-            spans[kind] = pos
-            names[kind] = object_keys([keys[i] for i in pos], kind, self.layout)
-        if not any(names.values()):
-            return []
-        errors = self.data.statistics()["exists_errors"]
-        # a store error, or an answer of the wrong length, is a miss for every key (fail closed)
-        present = await self.data.exists(names)
-        if self.data.statistics()["exists_errors"] > errors:
-            trace("lookup.store_error", request_id=req.id)
-            return []
-        bits: dict[PoolKind, list[bool]] = {}
-        for kind, pos in spans.items():
-            b = [False] * len(keys)
-            for j, i in enumerate(pos):
-                b[i] = present[kind][j]
-            bits[kind] = b
-        counts = restorable_page_counts(bits)
-        return sorted(n for n in counts if n > 0 and (first_page + n) % self.grid_pages == 0)
-
-    def _maybe_touch(self, node: Node) -> None:
-        now = time.monotonic()
-        if now - node.last_touch < self.config.touch_interval_s:
-            return
-        node.last_touch = now
-        keys = self.tree.path_keys(node)
-        names = [name for rule in self.rules.values() for name in rule.touch_names(keys, node)]
-        self._c["touches"] += 1
-        self._c["touch_keys"] += len(names)
-        self.toucher.add(names)
-
-    # ---- LOAD ----------------------------------------------------------------------
+    # ---- LOAD / COMMIT / ABORT (runtime/restore.py) -------------------------------------
     async def load(self, req: Request) -> LoadHandle | None:
         """PREPARE (allocate rows/slot, evicting if short) and queue the reads.
 
         Returns ``None`` — a plain miss, the request recomputes — when the store has
         nothing for this request or allocation fails.
         """
-        self._check_open(req)
-        if not req.looked_up:
-            raise PhaseError("load before lookup")
-        if req.load is not None:
-            raise PhaseError(f"request {req.id!r} already has a load")
-        n = req.store_pages
-        if n == 0:
-            return None
-        self._c["loads"] += 1
-        rows = self.tree.try_alloc_rows(n)
-        slot: int | None = None
-        if rows is not None and self.layout.is_hybrid:
-            slot = self.tree.try_alloc_slot()
-            if slot is None:
-                self.tree.free_rows(rows)
-                rows = None
-        if rows is None:
-            self._c["load_misses"] += 1
-            trace("load.miss", request_id=req.id, reason="allocation", pages=n)
-            return None
-        handle = LoadHandle(self, req, n, rows, slot)
-        if slot is not None:
-            # fallback states at shallower boundaries the probe found: if an object above one
-            # of them fails, the load still restores the prefix up to it
-            for b in reversed([b for b in req.store_boundaries if b < n][-self.config.fallback_states:]
-                              if self.config.fallback_states else []):
-                extra = self.tree.try_alloc_slot()
-                if extra is None:
-                    break
-                handle.states.insert(0, (b, extra))
-        req.load = handle
-        first = req.prefix_pages
-        transfers: list[Transfer] = []
-        for kind, rule in self.rules.items():
-            names, index = rule.load_objects(req.store_keys, rows, handle.states)
-            handle.keys[kind] = names
-            transfers.append(Transfer(kind, names, index))
-        handle._attach(self.data.prepare_load(transfers, request_id=req.id))
-        assert handle.ticket is not None
-        closed = False
-        try:
-            # a cancelled submission still ends the ticket: jobs that were queued run, the rest end
-            await self.data.submit(handle.ticket)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            closed = True  # the linker closed while this load waited for queue space
-        if closed:
-            self._c["load_misses"] += 1
-            trace("load.miss", request_id=req.id, reason="closing", pages=n)
-            await self._settle_load(handle)
-            return None
-        trace("load.queued", request_id=req.id, pages=n, first_page=first, slot=slot)
-        return handle
+        return await self.restores.load(req)
 
-    # ---- COMMIT / ABORT --------------------------------------------------------------
     async def commit(self, load: LoadHandle) -> int:
         """Insert the restored prefix; returns tokens restored (0: dropped, recompute)."""
-        req = load.request
-        self._check_open(req)
-        if load.claimed_by is not None:
-            raise PhaseError(f"this load was already {load.claimed_by}ed")
-        if req.rows.numel() != req.prefix_tokens:
-            raise PhaseError("commit must come before extend: the request already owns rows")
-        if req.working is not None or req.checkpoints:
-            raise PhaseError("commit must come before working_slot/checkpoint_slot: the working "
-                             "state would not start from the restored prefix's state")
-        # claim the load while waiting: an abort (a release, close) that arrives meanwhile waits
-        # for this commit instead of freeing rows the tree may adopt. The wait itself stays
-        # cancellable; everything after it runs without awaiting.
-        load.claimed_by = "commit"
-        try:
-            return await self._commit(load)
-        finally:
-            if not load.finished:  # cancelled while waiting: the request still owns the load
-                load.claimed_by = None
-            changed, load.claim_changed = load.claim_changed, anyio.Event()
-            changed.set()
-
-    def _kept_pages(self, load: LoadHandle) -> int:
-        """How much of a finished load can be restored (all of it when everything verified)."""
-        out = load.outcome
-        if out is None or out.cancelled:
-            return 0
-        page_ok = [ok for kind, ok in out.objects.items() if kind is not PoolKind.MAMBA]
-        states = None
-        if PoolKind.MAMBA in out.objects:
-            states = [(b, ok) for (b, _), ok in zip(load.states, out.objects[PoolKind.MAMBA])]
-        return kept_pages(page_ok, n_pages=load.pages, first_page=load.request.prefix_pages,
-                          grid_pages=self.grid_pages, states=states)
-
-    def _trim_load(self, load: LoadHandle, kept: int) -> None:
-        """Keep the first ``kept`` pages and the state at ``kept``; free the rest now."""
-        self.tree.free_rows(load.rows[kept * self.page:])
-        load.rows = load.rows[: kept * self.page]
-        slot = None
-        for b, s in load.states:
-            if b == kept:
-                slot = s
-            else:
-                self.tree.free_slot(s)
-        load.states = [] if slot is None else [(kept, slot)]
-        load.slot = slot
-        load.pages = kept
-
-    async def _commit(self, load: LoadHandle) -> int:
-        req = load.request
-        await load.wait()
-        out = load.outcome
-        faults = {} if out is None else out.faults
-        if out is not None:
-            rejected = sum(v for k, v in out.faults.items() if k in _FRAME_FAULTS)
-            self._c["verifications"] += sum(sum(ok) for ok in out.objects.values()) + rejected
-            self._c["verify_failures"] += rejected
-        kept = self._kept_pages(load)
-        if kept == 0:
-            self._c["dropped_loads"] += 1
-            self._forget_bad_objects(load)
-            self._free_load(load)
-            trace("commit.dropped", request_id=req.id, faults=faults)
-            return 0
-        if kept < load.pages:
-            self._c["partial_loads"] += 1
-            self._c["partial_pages_lost"] += load.pages - kept
-            self._forget_bad_objects(load)
-            trace("commit.partial", request_id=req.id, pages=load.pages, kept=kept,
-                  faults=faults)
-        self._trim_load(load, kept)
-        keys = self.tree.path_keys(req.node) + req.store_keys[:kept]
-        rows = torch.cat([req.rows, load.rows])
-        ins = self.tree.insert(keys, rows, load.slot, owned_from=req.prefix_pages)
-        # what the tree adopted came from the store: never write it back
-        adopted_pages = ins.existing_pages < len(keys)
-        adopted_state = load.slot is not None and not ins.mamba_exist
-        ins.node.stored.update(k for k, rule in self.rules.items()
-                               if rule.stored_by_commit(adopted_pages, adopted_state))
-        load.finished = True
-        load.settled.set()
-        req.load = None
-        self._move_lock(req, ins.node)
-        self._c["commits"] += 1
-        self._c["store_hit_tokens"] += load.pages * self.page
-        trace("commit", request_id=req.id, pages=load.pages, node=ins.node.id,
-              mamba_exist=ins.mamba_exist, adopted=len(keys) - ins.existing_pages)
-        return load.pages * self.page
+        return await self.restores.commit(load)
 
     async def abort(self, load: LoadHandle) -> None:
         """Release what a load allocated (only before COMMIT); waits for in-flight reads.
 
         If a commit already claimed the load, this waits for that commit to settle instead.
         """
-        if load.finished:
-            raise PhaseError(f"this load was already {load.claimed_by or 'abort'}ed")
-        while load.claimed_by == "commit":  # a commit is waiting on the reads: let it finish
-            with anyio.CancelScope(shield=True):
-                await load.claim_changed.wait()
-            if load.finished:
-                return  # the commit settled it: nothing here is ours any more
-        if load.claimed_by == "abort":
-            raise PhaseError("this load is already being aborted")
-        load.claimed_by = "abort"
-        with anyio.CancelScope(shield=True):
-            await load.done.wait()
-        self._c["aborts"] += 1
-        self._free_load(load)
-
-    async def _settle_load(self, load: LoadHandle) -> None:
-        """Abort ``load`` unless someone else already is (or a commit settles it): either way
-        return once it is settled. Never raises for a load already on its way out."""
-        if load.finished:
-            return
-        if load.claimed_by == "abort":
-            with anyio.CancelScope(shield=True):
-                await load.settled.wait()
-            return
-        await self.abort(load)
-
-    def _free_load(self, load: LoadHandle) -> None:
-        load.finished = True
-        load.settled.set()
-        load.request.load = None
-        self.tree.free_rows(load.rows)
-        for _, slot in load.states:
-            self.tree.free_slot(slot)
-
-    def _forget_bad_objects(self, load: LoadHandle) -> None:
-        """Remove what failed to restore (corrupt, torn, unreadable) from the store: puts are
-        first-writer-wins, so a bad object stays bad until removed, and the next offload of
-        those pages writes a good one."""
-        if not self.store.capabilities.remove:
-            return
-        out = load.outcome
-        if out is None or out.cancelled:
-            return
-        bad = [name for kind, keys in load.keys.items()
-               for key, ok in zip(keys, out.objects.get(kind, [])) if not ok
-               for name in self.data.store_keys(kind, key)]
-        if bad and self._tg is not None:
-            self._c["bad_objects_removed"] += len(bad)
-            self._tg.start_soon(self._remove_quietly, bad)
-
-    async def _remove_quietly(self, keys: list[str]) -> None:
-        try:
-            await self.store.remove(keys)
-        except StoreError as exc:
-            trace("remove.store_error", error=str(exc), keys=len(keys))
+        await self.restores.abort(load)
 
     def _move_lock(self, req: Request, node: Node) -> None:
         """The request now stands on ``node``: lock it, unlock the old prefix."""
@@ -707,142 +360,8 @@ class Linker:
         trace("insert", request_id=req.id, pages=n_pages, node=res.node.id,
               adopted=n_pages - res.existing_pages, mamba_exist=res.mamba_exist)
         if (self.config.offload if offload is None else offload):
-            await self._offload(req, res.node, fence)
+            await self.offloads.offload(req, res.node, fence)
         return res.node
-
-    async def _offload(self, req: Request, node: Node, fence: DeviceEvent | None) -> None:
-        path = node.path()
-        plan: dict[PoolKind, list[Node]] = {}
-        for kind, rule in self.rules.items():
-            todo = [n for n in path if rule.holds(n) and kind not in n.stored and kind not in n.pending]
-            if todo:
-                plan[kind] = todo
-        if not plan:
-            return
-        self._c["offloads"] += 1
-        if isinstance(self.store, ResilientStore) and self.store.breaker_open:
-            # the store is down: lock nothing, send nothing (lookups probe it meanwhile)
-            self._c["offloads_skipped_breaker"] += 1
-            trace("offload.skipped", request_id=req.id, reason="breaker_open")
-            return
-        if PoolKind.MAMBA in plan and self.config.mamba_backpressure:
-            assert self.pools.mamba is not None
-            limit = self.config.mamba_backpressure_share * self.pools.mamba.slots.capacity
-            # queued and in-flight states must stay below the limit (3/4 of the pool)
-            if self.actors[PoolKind.MAMBA].pending_states + len(plan[PoolKind.MAMBA]) >= limit:
-                self._c["offloads_skipped"] += 1
-                trace("offload.skipped", request_id=req.id, reason="mamba_backpressure",
-                      pending=self.actors[PoolKind.MAMBA].pending_states)
-                return
-        # KV backpressure: nodes stay locked until their offload settles, so a slow store and
-        # long prompts could otherwise lock the whole KV pool and make `extend` fail. Skip only
-        # while the backlog is large *and* the pool is short of headroom (pages free or
-        # evictable); a large backlog in a roomy pool threatens no allocation.
-        new_pages = sum(len(n.keys) for n in {n.id: n for ns in plan.values() for n in ns}.values())
-        kv_limit = self.config.kv_backpressure_share * self.pools.kv.pages.capacity
-        if (self._offload_locked_pages and self._offload_locked_pages + new_pages > kv_limit
-                and self.tree.kv_headroom_pages() < kv_limit):
-            self._c["offloads_skipped_kv"] += 1
-            trace("offload.skipped", request_id=req.id, reason="kv_backpressure",
-                  locked_pages=self._offload_locked_pages, pages=new_pages)
-            return
-        if self.latency.should_drop():
-            self._c["offloads_dropped"] += 1
-            trace("offload.dropped", request_id=req.id, reason="latency", ema_ms=self.latency.ema_ms)
-            return
-        job_id = next(self._job_ids)
-        jobs: dict[PoolKind, _OffloadPlan] = {}
-        transfers: list[Transfer] = []
-        locked: dict[int, Node] = {}  # node id -> node, locked once per offload
-        for kind, nodes in plan.items():
-            # absolute page -> position of its object in the job (MAMBA: the state's key page)
-            where: dict[int, int] = {}
-            for n in nodes:
-                n.pending[kind] = job_id
-                if n.id not in locked:
-                    self.tree.lock(n)
-                    locked[n.id] = n
-                for j in self.rules[kind].pages(n):
-                    where[j] = len(where)
-            names, index = self.rules[kind].node_objects(nodes)
-            if not self.rules[kind].writes:
-                # the owner rank writes a replicated pool: settle by what the store holds
-                jobs[kind] = (False, where, names)
-                continue
-            jobs[kind] = (True, where, names)
-            transfers.append(Transfer(kind, names, index))
-        locked_pages = sum(len(n.keys) for n in locked.values())
-        self._offload_locked_pages += locked_pages
-        if self._offloads_in_flight == 0:
-            self._offloads_idle = anyio.Event()
-        self._offloads_in_flight += 1
-        ticket: OffloadTicket | None = None
-        try:
-            # MAMBA first: the data plane counts its states as pending before its first await,
-            # so no other task passes the backpressure check above on a stale count
-            transfers.sort(key=lambda t: t.pool is not PoolKind.MAMBA)
-            ticket = self.data.prepare_offload(transfers, fence=fence, request_id=req.id)
-            await self.data.submit(ticket)
-        finally:
-            self._spawn(self._finish_offload, job_id, node, jobs, ticket, list(locked.values()),
-                        locked_pages)
-
-    async def _finish_offload(self, job_id: int, end: Node, jobs: dict[PoolKind, _OffloadPlan],
-                              ticket: OffloadTicket | None, locked: list[Node], locked_pages: int) -> None:
-        """Exactly one settlement per offload: mark what reached the store, then unlock."""
-        failed = False
-        try:
-            outcome = None if ticket is None else await ticket.wait()
-            for kind, (written, where, names) in jobs.items():
-                stored: list[bool] | None
-                if not written:
-                    stored = await self._replica_outcomes(names)
-                elif outcome is None:
-                    stored = None
-                else:
-                    stored = outcome.objects.get(kind, [False] * len(where))
-                if stored is None or not all(stored):
-                    failed = True
-                self._settle(kind, job_id, end, where, stored)
-            if outcome is not None and outcome.faults:
-                trace("offload.error", request_id=ticket.request_id if ticket else "", faults=outcome.faults)
-        finally:
-            if failed:
-                self._c["offload_failures"] += 1  # one result per offload, not one per pool
-            for n in locked:
-                self.tree.unlock(n)
-            self._offload_locked_pages -= locked_pages
-            self._offloads_in_flight -= 1
-            if self._offloads_in_flight == 0:
-                self._offloads_idle.set()
-
-    async def _replica_outcomes(self, names: list[str]) -> list[bool]:
-        """A replicated pool another rank writes: stored only where the store holds it now (a
-        node found missing stays unstored and is planned again by a later insert)."""
-        self._c["offloads_verified_replicas"] += 1
-        try:
-            present = await self.store.exists(names)
-        except StoreError as exc:
-            trace("offload.replica_check_error", error=str(exc), keys=len(names))
-            return [False] * len(names)
-        if len(present) != len(names):
-            return [False] * len(names)
-        return [bool(here) for here in present]
-
-    def _settle(self, kind: PoolKind, job_id: int, end: Node, where: dict[int, int],
-                stored: list[bool] | None) -> None:
-        """Clear this job's pending marks along ``end``'s path (split fragments included);
-        mark ``stored`` where every object of the node reached the store. A failure never
-        clears a ``stored`` flag an earlier success set."""
-
-        for n in end.path():
-            if n.pending.get(kind) != job_id:
-                continue
-            del n.pending[kind]
-            if stored is None:
-                continue
-            if all(j in where and stored[where[j]] for j in self.rules[kind].pages(n)):
-                n.stored.add(kind)
 
     # ---- RELEASE -------------------------------------------------------------------
     async def release(self, req: Request) -> None:
@@ -856,7 +375,7 @@ class Linker:
         req.releasing = anyio.Event()
         try:
             if req.load is not None and not req.load.finished:
-                await self._settle_load(req.load)  # waits for a commit or abort in progress
+                await self.restores.settle(req.load)  # waits for a commit or abort in progress
         finally:
             self._release_now(req)
 
@@ -922,9 +441,5 @@ class Linker:
         self.tree.reset()
 
 
-_FRAME_FAULTS = frozenset(f.value for f in FrameFault)
-#: one pool's part of an offload: the job (None: another rank writes this replicated pool),
-#: absolute page -> position of its object, and the object keys
-_OffloadPlan = tuple[bool, dict[int, int], list[str]]  # (written by this rank, page -> object, keys)
 
 __all__ = ["Linker", "LoadHandle", "LookupResult", "PhaseError", "PoolExhaustedError", "Request"]

@@ -1,0 +1,63 @@
+"""A request's view of the cache and the phase errors: what every room of the
+:class:`~hylinker.runtime.linker.Linker` reads and writes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import anyio
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..components.radix import Node
+
+if TYPE_CHECKING:
+    from .restore import LoadHandle
+
+
+class PhaseError(RuntimeError):
+    """A phase was called out of order (e.g. commit before load, use after release)."""
+
+
+@attrs.frozen
+class LookupResult:
+    prompt_tokens: int
+    device_tokens: int  # usable from the device tree now
+    store_tokens: int  # restorable from the store on top of that (0: none)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.device_tokens + self.store_tokens
+
+
+@attrs.define(eq=False)
+class Request:
+    """One sequence's view of the cache. Create with :meth:`Linker.request`."""
+
+    id: str
+    tokens: npt.NDArray[np.int32]
+    seed: bytes
+    node: Node  # locked: the cached prefix this request stands on
+    page_size: int
+    prefix_pages: int = 0  # pages of the prefix owned by the tree
+    rows: torch.Tensor = attrs.field(factory=lambda: torch.zeros(0, dtype=torch.int64))
+    store_pages: int = 0  # found by lookup
+    store_keys: list[bytes] = attrs.field(factory=list)
+    store_boundaries: list[int] = attrs.field(factory=list)  # every restorable count found
+    state_source: int | None = None  # the prefix node's state: copy-on-write source
+    working: int | None = None
+    checkpoints: list[int] = attrs.field(factory=list)
+    load: LoadHandle | None = None
+    looked_up: bool = False
+    released: bool = False
+    releasing: anyio.Event | None = None  # set once a release has finished
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.prefix_pages * self.page_size
+
+
+
+__all__ = ["LookupResult", "PhaseError", "Request"]
