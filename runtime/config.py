@@ -50,8 +50,9 @@ class LinkerConfig:
     #: (``stores.resilient``); None talks to the store directly
     resilience: ResiliencePolicy | None = attrs.field(factory=ResiliencePolicy)
     #: skip an offload while pages locked by queued offloads would pass this share of the KV pool
-    #: *and* the pages free or evictable have fallen below that share (KV backpressure)
-    kv_backpressure_share: float = attrs.field(default=0.25, validator=_positive)
+    #: *and* the pages free or evictable have fallen below that share, or below the largest
+    #: request seen if that is more (KV backpressure; docs/design.md §3)
+    kv_backpressure_share: float = attrs.field(default=0.125, validator=_positive)
     #: ``close()`` waits this long for queued offloads before it stops the store's retries and
     #: cancels calls still in flight (after ``resilience.close_grace_s``)
     close_timeout_s: float = attrs.field(default=10.0, validator=_positive)

@@ -277,6 +277,7 @@ class Linker:
         need = -(-int(n_tokens) // self.page)
         if need > have:
             req.rows = torch.cat([req.rows, self.tree.alloc_rows(need - have)])
+            self.offloads.largest_request_pages = max(self.offloads.largest_request_pages, need)
         return req.rows
 
     def working_slot(self, req: Request) -> int:

@@ -53,6 +53,7 @@ class OffloadRoom:
         self._spawn = spawn
         self.in_flight = 0  # offloads submitted and not yet settled
         self.locked_pages = 0  # KV pages of nodes locked by offloads in flight
+        self.largest_request_pages = 0  # the most KV pages one request has held (extend)
         self._idle = anyio.Event()
         self._idle.set()
         self._job_ids = itertools.count(1)
@@ -90,11 +91,13 @@ class OffloadRoom:
         # KV backpressure: nodes stay locked until their offload settles, so a slow store and
         # long prompts could otherwise lock the whole KV pool and make `extend` fail. Skip only
         # while the backlog is large *and* the pool is short of headroom (pages free or
-        # evictable); a large backlog in a roomy pool threatens no allocation.
+        # evictable) for the largest request seen; a large backlog in a roomy pool threatens no
+        # allocation.
         new_pages = sum(len(n.keys) for n in {n.id: n for ns in plan.values() for n in ns}.values())
         kv_limit = self.config.kv_backpressure_share * self.pools.kv.pages.capacity
+        reserve = max(kv_limit, self.largest_request_pages)
         if (self.locked_pages and self.locked_pages + new_pages > kv_limit
-                and self.tree.kv_headroom_pages() < kv_limit):
+                and self.tree.kv_headroom_pages() < reserve):
             self._c["offloads_skipped_kv"] += 1
             trace("offload.skipped", request_id=req.id, reason="kv_backpressure",
                   locked_pages=self.locked_pages, pages=new_pages)

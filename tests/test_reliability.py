@@ -320,7 +320,7 @@ async def test_extend_rejects_a_bad_token_count(bad: object) -> None:
 # ---- KV backpressure ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("share", [1.0, 0.25])
+@pytest.mark.parametrize("share", [1.0, 0.25, LinkerConfig().kv_backpressure_share])
 async def test_kv_backpressure_keeps_extend_alive_under_a_stuck_store(share: float) -> None:
     """Long prompts against a store that acknowledges nothing: without the rule, offload
     locks take the whole KV pool and extend fails; with it, offloads are skipped (counted)."""
