@@ -31,7 +31,6 @@ NO_CAUSAL_LM = "no causal-LM class"
 # hylinker's limits
 PURELY_RECURRENT = "purely recurrent"
 INDEXED_ATTENTION = "indexed (sparse) attention"
-SEVERAL_CONV_STATES = "conv states per recurrent layer"
 
 UPSTREAM = {STATE_IGNORED, OWN_CACHE, STATE_OUTSIDE_CACHE, NO_CAUSAL_LM}
 
@@ -44,9 +43,9 @@ EXPECTED: dict[str, str] = {
     "falcon_mamba": STATE_IGNORED,
     "glm5_next_text": NO_CAUSAL_LM,
     "granitemoehybrid": PASS,
-    "inkling2_loop_text": SEVERAL_CONV_STATES,
-    "inkling2_text": SEVERAL_CONV_STATES,
-    "inkling_text": SEVERAL_CONV_STATES,
+    "inkling2_loop_text": PASS,
+    "inkling2_text": PASS,
+    "inkling_text": PASS,
     "jamba": STATE_IGNORED,
     "kimi_linear": PASS,
     "lara_mini": PASS,
@@ -236,3 +235,49 @@ async def test_layers_with_both_kv_and_a_state_restore_exactly() -> None:
     layout = engine.layout(page_size=16)
     assert set(layout.full_layers) == {s.layer_id for s in layout.mamba_layers}
     await _demo(engine, turns=2)
+
+
+def test_several_conv_states_travel_as_one_conv_tensor() -> None:
+    # Inkling keeps 4 conv states per layer (two wide, two narrow); one MAMBA slot carries
+    # them concatenated along the channel axis, and a restore splits them back, each state
+    # bit for bit, so the continuation equals the uninterrupted run
+    from hylinker.tools.reference import ReferenceEngine
+
+    engine = ReferenceEngine(build_model("inkling_text", seed=0), None, chunk_tokens=64)
+    g = engine.geometry
+    assert g.linear and all(s.conv_states == 4 and s.temporal_shape is None for s in g.linear)
+    spec = g.linear[0]
+    assert len(set(spec.conv_channels)) == 2 and spec.conv_shape[0] == sum(spec.conv_channels)
+    layout = engine.layout(page_size=16)
+    assert [m.conv_shape for m in layout.mamba_layers] == [s.conv_shape for s in g.linear]
+    ids = torch.randint(3, 512, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    seq = engine.new_sequence()
+    engine.extend(seq, ids[:64])
+    state = engine.export(seq)
+    assert state.conv is not None and state.conv[0].shape == spec.conv_shape
+    restored = engine.restore(state, ids[:64])
+    for s in g.linear:
+        for k in range(s.conv_states):
+            assert torch.equal(restored.cache.get_conv_state(s.layer_id, k),
+                               seq.cache.get_conv_state(s.layer_id, k))
+    assert torch.equal(engine.extend(restored, ids[64:]).logprobs,
+                       engine.extend(seq, ids[64:]).logprobs)
+    zeroed = engine.restore(state, ids[:64], linear_state="zero")
+    assert not torch.equal(engine.extend(zeroed, ids[64:]).logprobs,
+                           engine.extend(engine.restore(state, ids[:64]), ids[64:]).logprobs)
+
+
+def test_conv_states_that_cannot_be_concatenated_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from hylinker.tools.reference.engine import _several_conv_states
+
+    def layer(second: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(conv_states={0: torch.zeros(1, 8, 4), 1: second},
+                               recurrent_states={0: None, 1: None}, conv_kernel_size={0: 4, 1: 4})
+
+    assert _several_conv_states("m", 0, layer(torch.zeros(1, 2, 4)), 2).conv_shape == (10, 4)
+    with pytest.raises(UnsupportedModelError, match="differ in kernel window"):
+        _several_conv_states("m", 0, layer(torch.zeros(1, 2, 4, dtype=torch.bfloat16)), 2)
+    with pytest.raises(UnsupportedModelError, match="differ in kernel window"):
+        _several_conv_states("m", 0, layer(torch.zeros(1, 2, 3)), 2)

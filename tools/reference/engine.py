@@ -108,6 +108,14 @@ class LinearStateSpec:
     conv_kernel_size: int
     temporal_shape: tuple[int, ...] | None
     temporal_dtype: torch.dtype | None
+    #: channels of each of the layer's conv states, in state order, when it has several
+    #: (Inkling: 4). They travel as one conv tensor, concatenated along the channel axis.
+    conv_channels: tuple[int, ...] = ()
+
+    @property
+    def conv_states(self) -> int:
+        """How many conv states the layer keeps (one, unless :attr:`conv_channels` says)."""
+        return max(1, len(self.conv_channels))
 
 
 @attrs.frozen
@@ -185,10 +193,9 @@ def _linear_part(model_type: str, i: int, layer: Any) -> LinearStateSpec | None:
 
     if not isinstance(layer, LinearAttentionCacheLayerMixin):
         return None
-    if layer.number_of_states != 1:
-        raise UnsupportedModelError(
-            f"{model_type} layer {i}: {layer.number_of_states} conv states per layer "
-            "(hylinker's MAMBA slot holds one conv state per linear layer)")
+    n = int(layer.number_of_states)
+    if n != 1:
+        return _several_conv_states(model_type, i, layer, n)
     conv = layer.conv_states[0]
     rec = layer.recurrent_states[0]
     if conv is None:
@@ -208,6 +215,53 @@ def _linear_part(model_type: str, i: int, layer: Any) -> LinearStateSpec | None:
     )
 
 
+def _several_conv_states(model_type: str, i: int, layer: Any, n: int) -> LinearStateSpec:
+    """A layer with ``n`` conv states (and no recurrent state): one conv tensor whose channel
+    axis concatenates them, so that one MAMBA slot carries them all. Their kernel window,
+    trailing shape and dtype must agree (they do in every such model transformers ships)."""
+    convs = [layer.conv_states[k] for k in range(n)]
+    if any(c is None or not isinstance(c, torch.Tensor) for c in convs):
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: {n} conv states per layer, not all written by a forward")
+    if any(layer.recurrent_states[k] is not None for k in range(n)):
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: {n} conv states per layer with recurrent states beside them "
+            "(hylinker concatenates several conv states of a conv-only layer)")
+    kernels = {int(layer.conv_kernel_size[k] or convs[k].shape[-1]) for k in range(n)}
+    tails = {(tuple(c.shape[2:]), c.dtype, c.shape[0]) for c in convs}
+    if len(kernels) != 1 or len(tails) != 1:
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: {n} conv states per layer that differ in kernel window, "
+            f"trailing shape or dtype ({sorted(kernels)}, {sorted(map(str, tails))}); hylinker "
+            "concatenates a layer's conv states along their channel axis")
+    channels = tuple(int(c.shape[1]) for c in convs)
+    return LinearStateSpec(
+        layer_id=i,
+        conv_shape=(sum(channels), *convs[0].shape[2:]),
+        conv_dtype=convs[0].dtype,
+        conv_kernel_size=kernels.pop(),
+        temporal_shape=None,
+        temporal_dtype=None,
+        conv_channels=channels,
+    )
+
+
+def _read_conv(cache: Any, spec: LinearStateSpec) -> torch.Tensor | None:
+    """The conv state of ``spec``'s layer (its conv states concatenated), batch dim kept."""
+    parts = [cache.get_conv_state(spec.layer_id, k) for k in range(spec.conv_states)]
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _write_conv(cache: Any, spec: LinearStateSpec, conv: torch.Tensor) -> None:
+    """Load ``conv`` (no batch dim; several conv states concatenated) into the layer."""
+    parts = conv.split(list(spec.conv_channels), dim=0) if spec.conv_channels else (conv,)
+    for k, part in enumerate(parts):
+        cache.update_conv_state(part[None].clone(), spec.layer_id, k,
+                                conv_kernel_size=spec.conv_kernel_size)
+
+
 def _check_states_are_honoured(model: torch.nn.Module, model_type: str,
                                linear: Sequence[LinearStateSpec]) -> None:
     """Refuse a model whose multi-token forward ignores the recurrent state in its cache.
@@ -225,10 +279,12 @@ def _check_states_are_honoured(model: torch.nn.Module, model_type: str,
         _forward(model, cache, ids[:8], 0)
         if zero:
             for spec in linear:
-                state = (cache.get_conv_state(spec.layer_id) if spec.temporal_shape is None
-                         else cache.get_recurrent_state(spec.layer_id))
-                if state is not None:
-                    state.zero_()
+                states = ([cache.get_conv_state(spec.layer_id, k) for k in range(spec.conv_states)]
+                          if spec.temporal_shape is None
+                          else [cache.get_recurrent_state(spec.layer_id)])
+                for state in states:
+                    if state is not None:
+                        state.zero_()
         return _forward(model, cache, ids[8:], 8)
 
     if torch.equal(second_half(False), second_half(True)):
@@ -242,11 +298,11 @@ def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
     """Measure what ``model``'s ``DynamicCache`` holds per layer (probe forward of 2 tokens).
 
     Each cache layer has two facets, read independently: an attention part (per-token K/V
-    rows, full or sliding-window) and a linear part (one conv state and an optional recurrent
-    state per sequence). A layer may have either, both (Falcon-H1, Zamba) or neither (MoE/MLP
+    rows, full or sliding-window) and a linear part (a conv state, or several concatenated, and
+    an optional recurrent state per sequence). A layer may have either, both (Falcon-H1, Zamba) or neither (MoE/MLP
     blocks, shared-KV consumers). Raises :class:`UnsupportedModelError` for caches hylinker
-    cannot describe: indexed (sparse) attention, several conv states per layer, attention
-    layers with different row shapes.
+    cannot describe: indexed (sparse) attention, several conv states of one layer that cannot
+    be concatenated, attention layers with different row shapes.
     """
     cached = _GEOMETRY.get(model)
     if cached is not None:
@@ -520,7 +576,7 @@ class ReferenceEngine:
         conv: list[torch.Tensor] = []
         temporal: list[torch.Tensor | None] = []
         for spec in g.linear:
-            c = seq.cache.get_conv_state(spec.layer_id)
+            c = _read_conv(seq.cache, spec)
             if c is None:
                 raise RuntimeError(f"linear layer {spec.layer_id} holds no conv state after a forward")
             conv.append(c[0].clone())
@@ -562,8 +618,7 @@ class ReferenceEngine:
                 _check(f"conv[{spec.layer_id}]", c, spec.conv_shape, spec.conv_dtype)
                 if linear_state == "zero" and spec.temporal_shape is None:
                     c = torch.zeros_like(c)  # a conv-only layer: its conv state is its state
-                cache.update_conv_state(c.to(device)[None].clone(), spec.layer_id,
-                                        conv_kernel_size=spec.conv_kernel_size)
+                _write_conv(cache, spec, c.to(device))
                 if spec.temporal_shape is None:
                     continue
                 if t is None:

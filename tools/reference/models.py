@@ -120,6 +120,7 @@ _FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
 # Best-effort shrink for other model types: only fields the config already has are set.
 _GENERIC_OVERRIDES: dict[str, Any] = {
     "vocab_size": _TINY_VOCAB,
+    "unpadded_vocab_size": _TINY_VOCAB,  # Inkling 2's LM head (its default is 200058)
     "hidden_size": 128,
     "intermediate_size": 256,
     "moe_intermediate_size": 64,
@@ -304,8 +305,7 @@ def check_config(config: Any) -> None:
     """Refuse, with the reason, a config whose cache hylinker cannot describe.
 
     Checked on the config, before any weights exist: the model type has a causal-LM class,
-    its cache layer kinds are ones hylinker carries, and each recurrent layer keeps one conv
-    state. What only a forward shows (where states live, whether a model honours them) is
+    and its cache layer kinds are ones hylinker carries. What only a forward shows (where states live, whether a model honours them) is
     checked by :func:`~hylinker.tools.reference.engine.cache_geometry`.
     """
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -313,15 +313,10 @@ def check_config(config: Any) -> None:
     model_type = str(config.model_type)
     _check_causal_lm(model_type)
     text = config.get_text_config(decoder=True)
-    kinds, per_layer = get_layer_types_and_kwargs(text)
+    kinds, _ = get_layer_types_and_kwargs(text)
     for kind, why in _UNSUPPORTED_KINDS.items():
         if kind in kinds:
             raise UnsupportedModelError(f"{model_type}: {why}")
-    states = {int(kw.get("number_of_states", 1)) for kw in per_layer}
-    if states - {1}:
-        raise UnsupportedModelError(
-            f"{model_type}: {max(states)} conv states per recurrent layer; hylinker's MAMBA slot "
-            "holds one conv state (and one recurrent state) per layer")
 
 
 def build_model(
