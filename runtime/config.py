@@ -14,6 +14,11 @@ def _positive(inst: Any, attr: Any, value: Any) -> None:
         raise ValueError(f"LinkerConfig.{attr.name} must be positive, got {value!r}")
 
 
+def _size(inst: Any, attr: Any, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"LinkerConfig.{attr.name} must be an int >= 0, got {value!r}")
+
+
 @attrs.frozen
 class LinkerConfig:
     """How the runtime behaves; every field has a production default."""
@@ -44,6 +49,8 @@ class LinkerConfig:
     layer_groups: int = attrs.field(default=1, validator=_positive)
     #: let a scatter-gather store read/write host pool rows in place (no staging copy)
     in_place: bool = True
+    #: ...for objects of at least this many payload bytes; smaller ones go staged (0: all)
+    in_place_min_bytes: int = attrs.field(default=256 << 10, validator=_size)
     #: look up the store on admission
     store_lookup: bool = True
     #: retries, timeouts and the circuit breaker every store call goes through

@@ -97,10 +97,19 @@ class DataPlaneConfig:
     layer_groups: int = 1  # objects per page/state, each a run of layers (see module doc)
     #: let a scatter-gather store read/write host pool rows in place (checksums over the rows)
     in_place: bool = True
+    #: ...but only objects of at least this many payload bytes; smaller ones go staged, where
+    #: per-object work (buffer checks, piece views, one streaming hash each) would dominate
+    #: (docs/figures.md, "Data plane: in place vs staged"); 0 moves every size in place
+    in_place_min_bytes: int = 256 << 10
 
     def __attrs_post_init__(self) -> None:
         for f in attrs.fields(DataPlaneConfig):
             if f.name == "in_place":
+                continue
+            if f.name == "in_place_min_bytes":
+                v = self.in_place_min_bytes
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"DataPlaneConfig.in_place_min_bytes must be an int >= 0, got {v!r}")
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
@@ -325,7 +334,8 @@ class DataPlane:
                 kind, codecs, store, self.fingerprint, staging_frames=frames,
                 queue_depth=self.config.queue_depth, latency=self.latency, thread_limiter=self._limiter,
                 inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s,
-                in_place=self.config.in_place, copies=None if copies is None else copies.get(kind))
+                in_place=self.config.in_place,
+                in_place_min_bytes=self.config.in_place_min_bytes, copies=None if copies is None else copies.get(kind))
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)

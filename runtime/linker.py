@@ -94,7 +94,8 @@ class Linker:
             queue_depth=c.queue_depth, staging_bytes_per_pool=c.staging_bytes_per_pool,
             copy_threads=c.copy_threads, inline_copy_bytes=c.inline_copy_bytes,
             fence_timeout_s=c.fence_timeout_s, latency_high_ms=c.latency_high_ms,
-            latency_low_ms=c.latency_low_ms, layer_groups=c.layer_groups, in_place=c.in_place),
+            latency_low_ms=c.latency_low_ms, layer_groups=c.layer_groups, in_place=c.in_place,
+            in_place_min_bytes=c.in_place_min_bytes),
             fingerprint=layout.fingerprint)
         self._requests: dict[str, Request] = {}
         self._tg: anyio.abc.TaskGroup | None = None

@@ -231,6 +231,7 @@ class PoolActor:
         inline_bytes: int = 1 << 20,
         fence_timeout_s: float | None = None,
         in_place: bool = True,
+        in_place_min_bytes: int = 0,
         copies: DeviceCopies | None = None,
     ) -> None:
         if not codecs:
@@ -265,10 +266,14 @@ class PoolActor:
             store.register(arena)
         # in place: the store reads and writes host pool rows directly (checksums over the
         # rows), so a transfer makes one pass over the bytes instead of three
-        self.scatter = (supports_scatter(store) and self.codec.device.type == "cpu" and in_place
-                        and self.copies is None)
+        # ... for objects of at least ``in_place_min_bytes``; smaller ones go staged. One
+        # decision per layer group (its object size), made here and read by both directions
+        able = supports_scatter(store) and self.codec.device.type == "cpu" and in_place and self.copies is None
+        self.in_place_groups = [able and c.payload_bytes >= in_place_min_bytes for c in self.codecs]
+        self.scatter = any(self.in_place_groups)
         if self.scatter:
-            for region in {id(t): t for c in self.codecs for t in c.regions()}.values():
+            moved = [c for c, yes in zip(self.codecs, self.in_place_groups, strict=True) if yes]
+            for region in {id(t): t for c in moved for t in c.regions()}.values():
                 store.register(region)
         self.offload_q = _Queue(queue_depth)
         self.load_q = _Queue(queue_depth)
@@ -362,7 +367,7 @@ class PoolActor:
         await wait_fence(job.fence, timeout_s=self.fence_timeout_s)
         t0 = time.perf_counter()
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]
-        if self.scatter and codec.host_path(job.index):
+        if self.in_place_groups[job.group] and codec.host_path(job.index):
             return await self._offload_in_place(job, codec, size, t0)
         batches = self._batches(len(job.keys))
         results: list[list[Outcome]] = [[] for _ in batches]
@@ -444,7 +449,7 @@ class PoolActor:
         faults: dict[str, int] = {}
         t0 = time.perf_counter()
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]
-        if self.scatter and codec.host_path(job.index):
+        if self.in_place_groups[job.group] and codec.host_path(job.index):
             return await self._load_in_place(job, codec, size, t0)
         batches = self._batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]

@@ -88,7 +88,8 @@ def transfers(prefix: str, rows: torch.Tensor, slot: int | None) -> list[Transfe
 
 
 def plane(engine: EnginePools, store: Store, groups: int = 1, *, in_place: bool = True) -> DataPlane:
-    return DataPlane(engine.views(), store, DataPlaneConfig(layer_groups=groups, in_place=in_place),
+    return DataPlane(engine.views(), store, DataPlaneConfig(layer_groups=groups, in_place=in_place,
+                                                           in_place_min_bytes=0),
                      namespace="test")
 
 
@@ -459,7 +460,8 @@ async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_pl
     pools = HybridPools(layout, kv_pages=64, mamba_slots=16)
     content = SyntheticContent(pools)
     tokens = np.random.default_rng(3).integers(1, 30000, size=41).astype(np.int32)
-    async with Linker(layout, pools, store, LinkerConfig(layer_groups=groups, in_place=in_place)) as lk:
+    async with Linker(layout, pools, store, LinkerConfig(layer_groups=groups, in_place=in_place,
+                                                                   in_place_min_bytes=0)) as lk:
         assert all(a.scatter is in_place for a in lk.actors.values())
         req = lk.request("donor", tokens)
         await lk.lookup(req)
@@ -501,3 +503,67 @@ def test_sync_facade_held_loads_start_in_order_or_cancel_untouched() -> None:
         assert all(kept.layer(layer).result(timeout=1) for layer in FULL_IDS)
         assert all(torch.equal(x, y) for x, y in zip(a.rows(pages(4)), before))  # never written
         assert dp.statistics()["loads_cancelled"] == 1
+
+
+class PartsCountingStore(EmbeddedStore):
+    """The embedded store, counting the objects it moved in place (``put_parts``/``get_parts``)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.in_place: list[str] = []
+
+    async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        self.in_place.extend(keys)
+        return await super().put_parts(keys, parts)
+
+    async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        self.in_place.extend(keys)
+        return await super().get_parts(keys, parts)
+
+
+@pytest.mark.parametrize("put_min, get_min", [("at", "above"), ("above", "at")])
+async def test_in_place_only_from_the_configured_object_size(put_min: str, get_min: str) -> None:
+    """``in_place_min_bytes`` picks the path per pool from its object size: objects that reach
+    it move in place, smaller ones are staged, and either way the same bytes come back."""
+    store = PartsCountingStore(16 << 20)
+    a, b = EnginePools(1), EnginePools(2)
+    full = a.views()[PoolKind.FULL].payload_bytes
+    assert full > max(a.views()[k].payload_bytes for k in (PoolKind.DRAFT, PoolKind.MAMBA))
+    minimum = {"at": full, "above": full + 1}
+    src_rows, dst_rows = pages(3, 0, 9), pages(1, 12, 5)
+    want_rows, want_slot = a.rows(src_rows), a.slot(4)
+
+    def sized(engine: EnginePools, which: str) -> DataPlane:
+        return DataPlane(engine.views(), store, DataPlaneConfig(in_place_min_bytes=minimum[which]),
+                         namespace="test")
+
+    def moved(which: str) -> dict[PoolKind, list[bool]]:
+        return {k: [which == "at" and k is PoolKind.FULL] for k in (PoolKind.FULL, PoolKind.DRAFT,
+                                                                    PoolKind.MAMBA)}
+
+    try:
+        async with sized(a, put_min) as dp:
+            assert {k: act.in_place_groups for k, act in dp.actors.items()} == moved(put_min)
+            assert (await (await dp.offload(transfers("x", src_rows, 4))).wait()).ok
+        # only the big pool's objects, and only when they reach the minimum
+        assert len(store.in_place) == (3 if put_min == "at" else 0)
+        assert all(k.endswith(tuple(keys("xk", 3))) for k in store.in_place)
+        store.in_place.clear()
+        async with sized(b, get_min) as dp:
+            assert {k: act.in_place_groups for k, act in dp.actors.items()} == moved(get_min)
+            assert (await (await dp.load(transfers("x", dst_rows, 2))).wait()).ok
+        assert len(store.in_place) == (3 if get_min == "at" else 0)
+    finally:
+        await store.close()
+    assert all(torch.equal(x, y) for x, y in zip(b.rows(dst_rows), want_rows))
+    assert all(torch.equal(x, y) for x, y in zip(b.slot(2), want_slot))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_in_place_min_bytes_is_a_non_negative_int(bad: object) -> None:
+    from hylinker.runtime.config import LinkerConfig
+
+    with pytest.raises(ValueError, match="in_place_min_bytes"):
+        DataPlaneConfig(in_place_min_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="in_place_min_bytes"):
+        LinkerConfig(in_place_min_bytes=bad)  # type: ignore[arg-type]
