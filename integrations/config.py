@@ -10,7 +10,7 @@ This module imports no engine and no store client, so it can be checked anywhere
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -26,14 +26,25 @@ class PluginConfigError(ValueError):
     """An ``extra_config`` key is unknown or has a bad value."""
 
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value <= 0:
-        raise PluginConfigError(f"[{attribute.name!r}] must be > 0, got {value!r}")
+Validator = Callable[[object, "attrs.Attribute[Any]", float], None]
 
 
-def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value < 0:
-        raise PluginConfigError(f"[{attribute.name!r}] must be >= 0, got {value!r}")
+def range_validators(error: type[ValueError], where: str = "") -> tuple[Validator, Validator]:
+    """attrs validators ``(positive, non_negative)`` raising ``error`` that names
+    ``where[key]``; both plugins' extra-config parsers use them."""
+
+    def positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+        if value <= 0:
+            raise error(f"{where}[{attribute.name!r}] must be > 0, got {value!r}")
+
+    def non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+        if value < 0:
+            raise error(f"{where}[{attribute.name!r}] must be >= 0, got {value!r}")
+
+    return positive, non_negative
+
+
+_positive, _non_negative = range_validators(PluginConfigError)
 
 
 @attrs.frozen
@@ -155,4 +166,4 @@ def _kind(default: Any) -> str:
     return "a string"
 
 
-__all__ = ["STORES", "PluginConfig", "PluginConfigError", "coerce_value"]
+__all__ = ["STORES", "PluginConfig", "PluginConfigError", "coerce_value", "range_validators"]

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from ..stores.faulty import FaultPlan
-from .config import coerce_value
+from .config import coerce_value, range_validators
 
 STORES = ("embedded", "mooncake", "umbp")
 
@@ -25,14 +25,7 @@ class LinkerConfigError(ValueError):
     """A ``linker_extra_config`` key is unknown or has a bad value."""
 
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value <= 0:
-        raise LinkerConfigError(f"linker_extra_config[{attribute.name!r}] must be > 0, got {value!r}")
-
-
-def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value < 0:
-        raise LinkerConfigError(f"linker_extra_config[{attribute.name!r}] must be >= 0, got {value!r}")
+_positive, _non_negative = range_validators(LinkerConfigError, "linker_extra_config")
 
 
 @attrs.frozen

@@ -10,28 +10,19 @@ from ..components.keys import object_keys, page_keys
 from ..components.layout import PoolKind
 from ..components.lookup import restorable_page_counts
 from ..components.radix import Node
-from .request import LookupResult, PhaseError, Request
+from .request import LinkerRoom, LookupResult, PhaseError, Request
 from .tracing import trace
 
 if TYPE_CHECKING:
     from .linker import Linker
 
 
-class LookupRoom:
+class LookupRoom(LinkerRoom):
     """LOOKUP and TOUCH for the :class:`~hylinker.runtime.linker.Linker`."""
 
     def __init__(self, linker: Linker) -> None:
-        self.linker = linker
-        self.layout = linker.layout
-        self.config = linker.config
-        self.tree = linker.tree
-        self.rules = linker.rules
-        self.data = linker.data
-        self.store = linker.store
-        self.page = linker.page
-        self.grid_pages = linker.grid_pages
+        super().__init__(linker)
         self.toucher = linker.toucher
-        self._c = linker._c
 
     async def lookup(self, req: Request) -> LookupResult:
         """Match the device tree (locking the hit) and probe the store above it."""

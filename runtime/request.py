@@ -14,6 +14,7 @@ import torch
 from ..components.radix import Node
 
 if TYPE_CHECKING:
+    from .linker import Linker
     from .restore import LoadHandle
 
 
@@ -59,5 +60,21 @@ class Request:
         return self.prefix_pages * self.page_size
 
 
+class LinkerRoom:
+    """A room of the :class:`~hylinker.runtime.linker.Linker` (lookup, restore): it works on the
+    linker's own layout, config, tree, per-pool rules, data plane, store and counters."""
 
-__all__ = ["LookupResult", "PhaseError", "Request"]
+    def __init__(self, linker: Linker) -> None:
+        self.linker = linker
+        self.layout = linker.layout
+        self.config = linker.config
+        self.tree = linker.tree
+        self.rules = linker.rules
+        self.data = linker.data
+        self.store = linker.store
+        self.page = linker.page
+        self.grid_pages = linker.grid_pages
+        self._c = linker._c
+
+
+__all__ = ["LinkerRoom", "LookupResult", "PhaseError", "Request"]

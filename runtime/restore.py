@@ -16,7 +16,7 @@ from ..components.partial import kept_pages
 from ..stores.base import StoreError
 from ..stores.framing import FrameFault
 from .data_plane import LoadTicket, Transfer, TransferOutcome
-from .request import PhaseError, Request
+from .request import LinkerRoom, PhaseError, Request
 from .tracing import trace
 
 if TYPE_CHECKING:
@@ -73,21 +73,10 @@ class LoadHandle:
 
 
 
-class RestoreRoom:
+class RestoreRoom(LinkerRoom):
     """LOAD, COMMIT and ABORT for the :class:`~hylinker.runtime.linker.Linker` (its counters,
     tree, rules, data plane and store; a commit moves the request's lock through the linker)."""
 
-    def __init__(self, linker: Linker) -> None:
-        self.linker = linker
-        self.layout = linker.layout
-        self.config = linker.config
-        self.tree = linker.tree
-        self.rules = linker.rules
-        self.data = linker.data
-        self.store = linker.store
-        self.page = linker.page
-        self.grid_pages = linker.grid_pages
-        self._c = linker._c
 
     async def load(self, req: Request) -> LoadHandle | None:
         """PREPARE (allocate rows/slot, evicting if short) and queue the reads.
