@@ -90,7 +90,7 @@ class FlopAwareEviction:
 
     def efficiency(self, node: Node, layout: ModelLayout) -> float:
         """Compute saved per byte held if ``node`` stays."""
-        P = layout.page_size
+        P = layout.tree_page
         if layout.is_hybrid:
             start = _resume_page(node) * P
         else:

@@ -85,10 +85,7 @@ def page_keys(
 
 def object_key_suffix(pool: PoolKind, layout: ModelLayout) -> str:
     """The part of an object key after the page key: ``:{pool}:{rank term}``."""
-    term = layout.rank_term(pool)
-    if layout.dcp_size > 1 and pool is not PoolKind.MAMBA:
-        term += f"dcp{layout.dcp_rank}"
-    return f":{pool.value}:{term}"
+    return f":{pool.value}:{layout.rank_term(pool)}"
 
 
 def object_key(page_key: bytes, pool: PoolKind, layout: ModelLayout) -> str:

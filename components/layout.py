@@ -152,6 +152,16 @@ class ModelLayout:
             raise LayoutError(f"tp_rank must lie in [0, tp_size={tp_size}), got {tp_rank}")
         if not 0 <= dcp_rank < dcp_size:
             raise LayoutError(f"dcp_rank must lie in [0, dcp_size={dcp_size}), got {dcp_rank}")
+        if dcp_size > 1:
+            # DCP reuses the TP ranks: each run of dcp_size consecutive TP ranks is one DCP group
+            # (vLLM's grouping), so the TP rank decides the DCP rank
+            if tp_size % dcp_size:
+                raise LayoutError(f"dcp_size={dcp_size} must divide tp_size={tp_size}: DCP groups are "
+                                  "runs of consecutive TP ranks")
+            if dcp_rank != tp_rank % dcp_size:
+                raise LayoutError(f"dcp_rank={dcp_rank} does not match tp_rank={tp_rank}: a DCP group is "
+                                  f"dcp_size consecutive TP ranks, so dcp_rank = tp_rank % dcp_size = "
+                                  f"{tp_rank % dcp_size}")
         fl = tuple(full_layers)
         if not fl:
             raise LayoutError("full_layers is empty: a layout needs at least one full-attention layer")
@@ -184,7 +194,8 @@ class ModelLayout:
         # an id in both lists is a layer that carries both attention KV and a recurrent state
         # (Falcon-H1, Zamba): its KV rides in the FULL pool, its state in the MAMBA slot
         if specs:
-            reason = grid_unfit_reason(chunk_size, page_size)
+            # the tree keys widened pages under DCP: states sit on the grid of the widened page
+            reason = grid_unfit_reason(chunk_size, page_size * dcp_size)
             if reason is not None:
                 raise LayoutError(reason)
         if draft_layers < 0 or draft_layers > len(fl):
@@ -203,8 +214,6 @@ class ModelLayout:
                 rep.add(r if isinstance(r, PoolKind) else PoolKind(r))
             except ValueError:
                 raise LayoutError(f"replicated: unknown pool {r!r}; use kv, mamba or draft") from None
-        if dcp_size > 1 and PoolKind.MAMBA in rep:
-            pass  # MAMBA is never dcp-sharded; replication across tp is independent of dcp
         return cls(
             page_size=page_size,
             chunk_size=chunk_size,
@@ -229,9 +238,21 @@ class ModelLayout:
         return bool(self.mamba_layers)
 
     @property
+    def tree_page(self) -> int:
+        """Tokens per tree page (one page key): ``dcp_size`` kernel pages of ``page_size`` rows,
+        since decode-context parallelism interleaves a page's tokens over the DCP ranks and each
+        rank holds ``page_size`` of them (``page_size`` itself without DCP)."""
+        return self.page_size * self.dcp_size
+
+    def folds(self, pool: PoolKind) -> bool:
+        """Whether ``pool`` is indexed by token and so DCP-folded: each DCP rank holds every
+        ``dcp_size``-th token of a page (KV and draft KV). A state is per sequence, never folded."""
+        return self.dcp_size > 1 and pool is not PoolKind.MAMBA
+
+    @property
     def grid(self) -> int:
-        """Token granularity of restorable boundaries (``page_size`` for pure attention)."""
-        return checkpoint_grid(self.chunk_size, self.page_size) if self.is_hybrid else self.page_size
+        """Token granularity of restorable boundaries (the tree page for pure attention)."""
+        return checkpoint_grid(self.chunk_size, self.tree_page) if self.is_hybrid else self.tree_page
 
     @property
     def pools(self) -> tuple[PoolKind, ...]:
@@ -266,11 +287,18 @@ class ModelLayout:
         return self.mamba_state_bytes
 
     def writes(self, pool: PoolKind) -> bool:
-        """Whether this rank writes ``pool`` to the store (only rank 0 writes a replicated pool)."""
-        return pool not in self.replicated or self.tp_rank == 0
+        """Whether this rank writes ``pool`` to the store: a sharded pool every rank, a replicated
+        one only its first holder (TP rank 0; for a DCP-folded pool the first DCP group, one
+        writer per DCP rank, since each DCP rank holds other tokens)."""
+        if pool not in self.replicated:
+            return True
+        return self.tp_rank < (self.dcp_size if self.folds(pool) else 1)
 
     def rank_term(self, pool: PoolKind) -> str:
-        return "rep" if pool in self.replicated else f"tp{self.tp_rank}"
+        """Which ranks share ``pool``'s objects: ``tp<r>`` (sharded) or ``rep`` (replicated),
+        plus ``dcp<d>`` for a DCP-folded pool (each DCP rank holds its own tokens)."""
+        term = "rep" if pool in self.replicated else f"tp{self.tp_rank}"
+        return term + f"dcp{self.dcp_rank}" if self.folds(pool) else term
 
     def describe(self) -> dict[str, object]:
         """Everything that decides stored bytes, as JSON-able data (rank excluded)."""

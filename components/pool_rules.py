@@ -7,6 +7,11 @@ are named and indexed. One small object per rule kind instead of ``if pool is MA
   (TRAILING_PAGES), keyed by the run's last page and indexed by the state slot; a store probe
   asks for it only at grid boundaries.
 
+* :class:`FoldedPages` (FULL, DRAFT under decode-context parallelism): like
+  :class:`AllPages`, but a tree page's token slots are folded to the ``page_size`` rows this
+  DCP rank holds (:func:`~hylinker.components.pools.dcp_fold`); the object is this rank's share
+  of the page, under a key with its DCP rank.
+
 Replicated vs sharded is the layout's (``ModelLayout.writes`` / ``rank_term``), read through
 :attr:`PoolRule.writes`.
 """
@@ -19,6 +24,7 @@ import torch
 
 from .keys import object_key, object_keys
 from .layout import ModelLayout, PoolKind
+from .pools import dcp_fold
 from .radix import Node
 
 
@@ -77,19 +83,37 @@ class AllPages(PoolRule):
     def probe_positions(self, first_page: int, n_pages: int, grid_pages: int) -> list[int]:
         return list(range(n_pages))
 
+    def page_rows(self, slots: torch.Tensor, n_pages: int) -> torch.Tensor:
+        """The tensor rows of ``n_pages`` pages' token slots, ``[n_pages, page_size]``."""
+        return slots.reshape(n_pages, self.layout.page_size)
+
     def node_objects(self, nodes: Sequence[Node]) -> tuple[list[str], torch.Tensor]:
-        names = object_keys([k for n in nodes for k in n.keys], self.kind, self.layout)
-        return names, torch.cat([n.rows for n in nodes]).view(-1, self.layout.page_size)
+        keys = [k for n in nodes for k in n.keys]
+        names = object_keys(keys, self.kind, self.layout)
+        return names, self.page_rows(torch.cat([n.rows for n in nodes]), len(keys))
 
     def load_objects(self, keys: Sequence[bytes], rows: torch.Tensor, states: Sequence[tuple[int, int]]
                      ) -> tuple[list[str], torch.Tensor]:
-        return object_keys(list(keys), self.kind, self.layout), rows.view(len(keys), self.layout.page_size)
+        return object_keys(list(keys), self.kind, self.layout), self.page_rows(rows, len(keys))
 
     def touch_names(self, path_keys: Sequence[bytes], node: Node) -> list[str]:
         return object_keys(list(path_keys), self.kind, self.layout)
 
     def stored_by_commit(self, adopted_pages: bool, adopted_state: bool) -> bool:
         return adopted_pages
+
+
+class FoldedPages(AllPages):
+    """FULL and DRAFT under DCP: a tree page holds ``dcp_size * page_size`` token slots; this
+    rank stores and restores only the ``page_size`` rows it holds of them (``dcp_fold``), one
+    object per tree page under a key that carries its DCP rank (``ModelLayout.rank_term``)."""
+
+    def page_rows(self, slots: torch.Tensor, n_pages: int) -> torch.Tensor:
+        lay = self.layout
+        if slots.numel() != n_pages * lay.tree_page:
+            raise ValueError(f"{self.kind.value}: {n_pages} tree pages need {n_pages * lay.tree_page} token "
+                             f"slots (dcp_size={lay.dcp_size} x page_size={lay.page_size}), got {slots.numel()}")
+        return dcp_fold(slots, lay.dcp_rank, lay.dcp_size, lay.page_size).reshape(n_pages, lay.page_size)
 
 
 class TrailingState(PoolRule):
@@ -124,9 +148,15 @@ class TrailingState(PoolRule):
         return adopted_state
 
 
+def _rule_class(kind: PoolKind, layout: ModelLayout) -> type[PoolRule]:
+    if kind is PoolKind.MAMBA:
+        return TrailingState
+    return FoldedPages if layout.folds(kind) else AllPages
+
+
 def pool_rules(layout: ModelLayout) -> dict[PoolKind, PoolRule]:
     """The rule object of every pool the layout has, in layout order."""
-    return {kind: (TrailingState if kind is PoolKind.MAMBA else AllPages)(kind, layout) for kind in layout.pools}
+    return {kind: _rule_class(kind, layout)(kind, layout) for kind in layout.pools}
 
 
-__all__ = ["AllPages", "PoolRule", "TrailingState", "pool_rules"]
+__all__ = ["AllPages", "FoldedPages", "PoolRule", "TrailingState", "pool_rules"]

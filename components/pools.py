@@ -84,12 +84,21 @@ class SlotAllocator:
 
 
 class KVPool:
-    """Full-attention KV rows, allocated a page at a time."""
+    """Full-attention KV rows, allocated a page at a time.
+
+    Under decode-context parallelism (``layout.dcp_size > 1``) a page is a *tree page* of
+    ``dcp_size * page_size`` tokens and the rows handed out are its token slots
+    (``p*W .. p*W+W-1``, ``W = layout.tree_page``); this rank holds every ``dcp_size``-th of
+    them, in ``page_size`` tensor rows (:func:`dcp_fold` maps slots to rows). Without DCP slots
+    and tensor rows coincide.
+    """
 
     def __init__(self, layout: ModelLayout, capacity_pages: int, device: torch.device | str = "cpu") -> None:
         self.layout = layout
-        self.page_size = layout.page_size
+        #: token slots per page (the tree page)
+        self.page_size = layout.tree_page
         self.pages = SlotAllocator(capacity_pages, "kv pages")
+        #: rows of this rank's tensor (``page_size`` kernel rows per page)
         self.capacity_rows = capacity_pages * layout.page_size
         self.tensor = torch.zeros(
             (len(layout.full_layers), self.capacity_rows, *layout.kv_row_shape),
@@ -231,16 +240,31 @@ def pages_of_rows(rows: torch.Tensor, page_size: int) -> list[int]:
 
 
 def dcp_fold(indices: torch.Tensor, dcp_rank: int, dcp_size: int, page_size: int) -> torch.Tensor:
-    """Rows this DCP rank holds of a sharded KV run: ``indices[rank::size] // size``.
+    """Rows this DCP rank holds of a run of token slots: ``indices[rank::size] // size``.
 
-    Decode-context parallelism interleaves tokens over ``dcp_size`` ranks, so a run must be
-    whole *widened* pages (``page_size * dcp_size`` tokens). Never used for MAMBA.
+    Decode-context parallelism interleaves tokens over ``dcp_size`` ranks: token slot ``s`` of
+    widened page ``p`` (``s`` in ``p*W .. p*W+W-1``, ``W = page_size * dcp_size``) lives on
+    rank ``s % dcp_size`` at row ``s // dcp_size``, so widened page ``p`` is kernel page ``p``
+    (rows ``p*page_size ..``) on every rank. ``indices`` must be whole, aligned widened pages
+    (what the linker's rows are); the result is this rank's ``page_size`` rows per page, in
+    order. The runtime folds KV and draft KV this way (``pool_rules.FoldedPages``), never a
+    state.
     """
-    if dcp_size <= 0 or not 0 <= dcp_rank < dcp_size:
+    if isinstance(dcp_size, bool) or isinstance(dcp_rank, bool) or dcp_size <= 0 or not 0 <= dcp_rank < dcp_size:
         raise ValueError(f"bad dcp rank/size: {dcp_rank}/{dcp_size}")
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
     widened = page_size * dcp_size
+    if indices.dim() != 1:
+        indices = indices.reshape(-1)
     if indices.numel() % widened:
         raise ValueError(
             f"dcp folding needs whole widened pages of {widened} tokens "
             f"(page_size={page_size} x dcp_size={dcp_size}); got {indices.numel()} indices")
+    if indices.numel():
+        pages = indices.reshape(-1, widened)
+        first = pages[:, 0]
+        if bool((first % widened).any()) or not torch.equal(
+                pages, first[:, None] + torch.arange(widened, dtype=pages.dtype)):
+            raise ValueError(f"dcp folding needs whole aligned widened pages of {widened} token slots")
     return indices[dcp_rank::dcp_size] // dcp_size

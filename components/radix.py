@@ -118,8 +118,8 @@ class RadixTree:
         self.layout = layout
         self.eviction: EvictionPolicy = eviction if eviction is not None else LRUEviction()
         self.pools = pools
-        self.page_size = layout.page_size
-        self.grid_pages = layout.grid // layout.page_size
+        self.page_size = layout.tree_page  # token slots per page (kernel rows x DCP size)
+        self.grid_pages = layout.grid // layout.tree_page
         self._ids = itertools.count(1)
         self._clock = itertools.count(1)
         self.root = Node(parent=None, keys=[], rows=_EMPTY_ROWS, start_page=0, id=0)

@@ -80,7 +80,7 @@ class Linker:
         self.store: Store = store
         if self.config.resilience is not None:
             self.store = ResilientStore(store, self.config.resilience, owns_inner=False)
-        self.page = layout.page_size
+        self.page = layout.tree_page  # tokens per tree page (page_size x dcp_size)
         self.grid = layout.grid
         self.grid_pages = self.grid // self.page
         self._default_seed = namespace_seed(layout, salt)

@@ -69,7 +69,7 @@ class LoadHandle:
 
     @property
     def tokens(self) -> int:
-        return self.pages * self.linker.layout.page_size
+        return self.pages * self.linker.page
 
 
 

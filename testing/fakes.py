@@ -344,6 +344,9 @@ class SyntheticContent:
     or of the boundary's last page key (a state). Same key, same bytes, on every rank."""
 
     def __init__(self, pools: HybridPools) -> None:
+        if pools.layout.dcp_size > 1:
+            raise ValueError("SyntheticContent writes whole pages on one rank; under DCP a page's tokens are "
+                             "interleaved over ranks (tests/test_dcp.py writes each rank's share)")
         self.pools = pools
         self.layout = pools.layout
         self.page = self.layout.page_size

@@ -143,9 +143,9 @@ KEY = bytes(range(16))
     ({"tp_rank": 3, "replicated": ["mamba"]}, PoolKind.MAMBA, f"{KEY.hex()}:mamba:rep"),
     ({"tp_rank": 3, "replicated": ["mamba"]}, PoolKind.FULL, f"{KEY.hex()}:kv:tp3"),
     ({"tp_rank": 1, "replicated": ["kv", "draft"]}, PoolKind.DRAFT, f"{KEY.hex()}:draft:rep"),
-    ({"tp_rank": 2, "dcp_rank": 1, "dcp_size": 2}, PoolKind.FULL, f"{KEY.hex()}:kv:tp2dcp1"),
-    ({"tp_rank": 2, "dcp_rank": 1, "dcp_size": 2}, PoolKind.DRAFT, f"{KEY.hex()}:draft:tp2dcp1"),
-    ({"tp_rank": 2, "dcp_rank": 1, "dcp_size": 2}, PoolKind.MAMBA, f"{KEY.hex()}:mamba:tp2"),
+    ({"tp_rank": 3, "dcp_rank": 1, "dcp_size": 2}, PoolKind.FULL, f"{KEY.hex()}:kv:tp3dcp1"),
+    ({"tp_rank": 3, "dcp_rank": 1, "dcp_size": 2}, PoolKind.DRAFT, f"{KEY.hex()}:draft:tp3dcp1"),
+    ({"tp_rank": 3, "dcp_rank": 1, "dcp_size": 2}, PoolKind.MAMBA, f"{KEY.hex()}:mamba:tp3"),
 ])
 def test_object_key_format(over: dict[str, Any], pool: PoolKind, expected: str) -> None:
     assert object_key(KEY, pool, layout(**over)) == expected

@@ -155,7 +155,7 @@ def test_fingerprint_golden() -> None:
 GOLDEN = "5ddb99c22f75909c4e08e3066eb345af78b433f6293b036ae19908891c137fe6"
 
 
-@pytest.mark.parametrize("rank_over", [{"tp_rank": 1}, {"dcp_rank": 1, "dcp_size": 2}],
+@pytest.mark.parametrize("rank_over", [{"tp_rank": 1}, {"tp_rank": 1, "dcp_rank": 1, "dcp_size": 2}],
                          ids=["tp_rank", "dcp_rank"])
 def test_fingerprint_excludes_rank(rank_over: dict[str, Any]) -> None:
     size_over = {k: v for k, v in rank_over.items() if k.endswith("size")}
