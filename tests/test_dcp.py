@@ -1,5 +1,6 @@
 """Decode-context parallelism (DCP) through the runtime: one linker per DCP rank, in one
-process, over one shared embedded store.
+process over one shared embedded store, and (slow) one process per DCP rank over a Mooncake
+master (``hylinker.testing.dcp``).
 
 A tree page is ``dcp_size`` kernel pages of ``P = 4`` rows: its ``W = 4 * dcp_size`` tokens are
 interleaved over the ranks (token ``o`` of a page on rank ``o % dcp_size``), so each rank holds
@@ -11,9 +12,14 @@ of the page key and the token's offset in the page, so every rank's bytes differ
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import anyio
 import attrs
 import numpy as np
 import pytest
@@ -29,39 +35,26 @@ from hylinker.runtime.config import LinkerConfig
 from hylinker.runtime.linker import Linker, Request
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
+from hylinker.testing.dcp import (
+    DcpContent,
+    dcp_prefill,
+    dcp_prompt,
+    dcp_restore,
+    dcp_test_layout,
+    logical_page,
+)
 from hylinker.testing.fakes import GatedStore
+
+prompt = dcp_prompt
 
 P = 4  # kernel page: rows per rank per tree page
 CHUNK = 8
-SENTINEL = -77.0  # rows a restore must not touch keep this value
 
 
 def dcp_layout(dcp: int, rank: int, *, tp: int | None = None, hybrid: bool = False,
                replicated: Sequence[str] = ()) -> ModelLayout:
-    mamba = [MambaLayerSpec(0, (3, 8), torch.float32, (2, 4, 4), torch.float32)] if hybrid else []
-    return ModelLayout.create(
-        page_size=P, chunk_size=CHUNK, full_layers=[1, 3], kv_row_shape=[2, 4], kv_dtype="bfloat16",
-        mamba_layers=mamba, draft_layers=1, draft_row_shape=[2, 4], tp_rank=rank,
-        tp_size=dcp if tp is None else tp, dcp_rank=rank % dcp, dcp_size=dcp, replicated=replicated)
-
-
-def prompt(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(1, 30000, size=n).astype(np.int32)
-
-
-def logical_page(key: bytes, layers: int, width: int, row: Sequence[int], salt: int) -> torch.Tensor:
-    """The whole (unsharded) KV of one tree page: ``[layers, width, *row]``, small integers
-    exact in bf16, a function of the page key, the token offset and the layer."""
-    base = int.from_bytes(key[:6], "little") % 1_000_003 + salt * 7919
-    n = layers * width * int(np.prod(row))
-    return ((torch.arange(n, dtype=torch.int64) * 40503 + base) % 241 - 120).to(torch.float32).view(
-        layers, width, *row)
-
-
-def state_of(key: bytes, tp_rank: int, shape: Sequence[int]) -> torch.Tensor:
-    """A rank's shard of the recurrent state at a boundary (differs per TP rank)."""
-    base = int.from_bytes(key[:6], "little") % 1_000_003 + 31 * tp_rank
-    return ((torch.arange(int(np.prod(shape))) * 7 + base) % 251 - 125).to(torch.float32).view(*shape)
+    return dcp_test_layout(dcp, rank, tp=tp, hybrid=hybrid, replicated=replicated, page_size=P,
+                           chunk_size=CHUNK)
 
 
 @attrs.define
@@ -70,49 +63,11 @@ class Rank:
     pools: HybridPools
     store: GatedStore
     linker: Linker
+    content: DcpContent
 
     @property
     def r(self) -> int:
         return self.layout.dcp_rank
-
-    def page_tensors(self) -> list[tuple[int, torch.Tensor]]:
-        assert self.pools.draft is not None
-        return [(1, self.pools.kv.tensor), (2, self.pools.draft.tensor)]
-
-    def write_pages(self, keys: Sequence[bytes], slots: torch.Tensor) -> None:
-        """The engine's forward: this rank's tokens of each page, at the rows it holds."""
-        lay = self.layout
-        for i, k in enumerate(keys):
-            rows = dcp_fold(slots[i * lay.tree_page:(i + 1) * lay.tree_page], lay.dcp_rank, lay.dcp_size, P)
-            for salt, t in self.page_tensors():
-                full = logical_page(k, t.shape[0], lay.tree_page, t.shape[2:], salt)
-                t[:, rows] = full[:, lay.dcp_rank::lay.dcp_size].to(t.dtype)
-
-    def pages_hold(self, keys: Sequence[bytes], slots: torch.Tensor) -> list[int]:
-        """Pages whose rows on this rank do not hold this rank's share of the page."""
-        lay = self.layout
-        bad = []
-        for i, k in enumerate(keys):
-            rows = dcp_fold(slots[i * lay.tree_page:(i + 1) * lay.tree_page], lay.dcp_rank, lay.dcp_size, P)
-            for salt, t in self.page_tensors():
-                want = logical_page(k, t.shape[0], lay.tree_page, t.shape[2:], salt)[:, lay.dcp_rank::lay.dcp_size]
-                if not torch.equal(t[:, rows].view(torch.uint8), want.to(t.dtype).view(torch.uint8)):
-                    bad.append(i)
-        return bad
-
-    def write_state(self, key: bytes, slot: int) -> None:
-        assert self.pools.mamba is not None
-        for t in self.pools.mamba.tensors():
-            t[slot] = state_of(key, self.layout.tp_rank, t.shape[1:])
-
-    def state_holds(self, key: bytes, slot: int) -> bool:
-        assert self.pools.mamba is not None
-        return all(torch.equal(t[slot], state_of(key, self.layout.tp_rank, t.shape[1:]))
-                   for t in self.pools.mamba.tensors())
-
-    def fill_sentinel(self) -> None:
-        for _, t in self.page_tensors():
-            t.fill_(SENTINEL)
 
 
 @contextlib.asynccontextmanager
@@ -127,7 +82,7 @@ async def ranks(layouts: Sequence[ModelLayout], inner: EmbeddedStore, *, kv_page
             store = GatedStore(inner)
             linker = await stack.enter_async_context(
                 Linker(lay, pools, store, LinkerConfig(staging_bytes_per_pool=1 << 16)))
-            out.append(Rank(lay, pools, store, linker))
+            out.append(Rank(lay, pools, store, linker, DcpContent(pools)))
         yield out
         for rk in out:
             await rk.linker.drain()
@@ -146,54 +101,17 @@ async def look_up_nothing(rk: Rank, tokens: np.ndarray, rid: str) -> Request:
 
 
 async def prefill(rk: Rank, tokens: np.ndarray, rid: str, req: Request | None = None) -> int:
-    """Lookup (nothing cached) unless ``req`` was looked up, forward, insert up to the last
-    grid boundary, release."""
-    lk = rk.linker
+    """Lookup (nothing cached) unless ``req`` was looked up, forward, insert, release."""
     if req is None:
         req = await look_up_nothing(rk, tokens, rid)
-    n = len(tokens)
-    slots = lk.extend(req, n)
-    W = rk.layout.tree_page
-    keys = page_keys(req.tokens, W, req.seed)
-    rk.write_pages(keys, slots[: len(keys) * W])
-    depth = n // lk.grid * lk.grid
-    if rk.layout.is_hybrid:
-        lk.working_slot(req)
-        slot = lk.checkpoint_slot(req)
-        rk.write_state(keys[depth // W - 1], slot)
-        await lk.insert(req, depth, checkpoint_slot=slot)
-    else:
-        await lk.insert(req, depth)
-    await lk.release(req)
-    await lk.drain()
-    return depth
+    return await dcp_prefill(rk.linker, rk.content, req)
 
 
 async def restore(rk: Rank, tokens: np.ndarray, rid: str, depth: int) -> None:
-    """Flush the device, restore from the store, check every row of this rank: the restored
-    ones hold this rank's share, every other row was not written."""
-    lk = rk.linker
-    lk.flush_device()
-    rk.fill_sentinel()
-    req = lk.request(rid, tokens)
-    hit = await lk.lookup(req)
-    assert (hit.device_tokens, hit.store_tokens) == (0, depth)
-    load = await lk.load(req)
-    assert load is not None
-    assert await lk.commit(load) == depth
-    W = rk.layout.tree_page
-    keys = page_keys(req.tokens, W, req.seed, max_pages=depth // W)
-    slots = req.rows[:depth]
-    assert rk.pages_hold(keys, slots) == []
-    touched = dcp_fold(slots, rk.r, rk.layout.dcp_size, P)
-    assert touched.numel() == depth // rk.layout.dcp_size  # P rows per tree page, no more
-    untouched = torch.ones(rk.pools.kv.capacity_rows, dtype=torch.bool)
-    untouched[touched] = False
-    for _, t in rk.page_tensors():
-        assert bool((t[:, untouched] == SENTINEL).all()), "a restore wrote rows it does not hold"
-    if rk.layout.is_hybrid:
-        assert req.state_source is not None and rk.state_holds(keys[-1], req.state_source)
-    await lk.release(req)
+    """Flush, restore from the store: the restored rows hold this rank's share, every other
+    row was not written, the state (hybrid) is this TP rank's."""
+    restored, problems = await dcp_restore(rk.linker, rk.content, tokens, rid)
+    assert (restored, problems) == (depth, [])
 
 
 def put_keys(rk: Rank, kind: PoolKind) -> list[str]:
@@ -381,3 +299,49 @@ def test_who_writes_under_dcp(tp_rank: int, pool: PoolKind, replicated: list[str
     lay = dcp_layout(2, tp_rank, tp=4, hybrid=True, replicated=replicated)
     assert lay.writes(pool) is writes
     assert lay.rank_term(pool) == term
+
+
+# ---- real processes ---------------------------------------------------------------------------
+
+def _run_ranks(master: str, dcp: int, phase: str, salt: str, hybrid: bool) -> list[dict[str, Any]]:
+    """One process per DCP rank, all at once; each prints one JSON line."""
+    cmd = [sys.executable, "-m", "hylinker.testing.dcp", "--master", master, "--dcp", str(dcp),
+           "--phase", phase, "--salt", salt, "--tokens", str(6 * P * dcp + 3), *(["--hybrid"] if hybrid else [])]
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(dcp)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.parametrize(("dcp", "hybrid"), [(2, True), (4, False)], ids=["dcp2-hybrid", "dcp4-attention"])
+async def test_dcp_ranks_in_real_processes(dcp: int, hybrid: bool, mooncake_master: Any,
+                                           mooncake_store: Any) -> None:
+    """Each DCP rank in its own process on a Mooncake client (the objects live in this test's
+    segment): one set of processes offloads, a fresh set restores and checks every row."""
+    salt = uuid.uuid4().hex
+    offloaded = await anyio.to_thread.run_sync(_run_ranks, mooncake_master.address, dcp, "offload", salt, hybrid)
+    depths = {o["depth"] for o in offloaded}
+    assert len(depths) == 1
+    depth = depths.pop()
+    assert depth >= 4 * P * dcp
+    keys: set[str] = set()
+    for o in offloaded:
+        r = o["rank"]
+        assert (o["store_hit"], o["offload_failures"], o["leaked"]) == (0, 0, [0, 0])
+        kv = [k for k in o["puts"] if ":kv:" in k]
+        assert len(kv) == depth // (P * dcp) and all(k.endswith(f":kv:tp{r}dcp{r}") for k in kv)
+        if hybrid:
+            states = [k for k in o["puts"] if ":mamba:" in k]
+            assert len(states) == 1 and states[0].endswith(f":mamba:tp{r}")
+        assert not keys & set(o["puts"])
+        keys |= set(o["puts"])
+    assert all(await mooncake_store.exists(sorted(keys)))
+    restored = await anyio.to_thread.run_sync(_run_ranks, mooncake_master.address, dcp, "restore", salt, hybrid)
+    for o in restored:
+        assert (o["restored"], o["problems"], o["leaked"], o["puts"]) == (depth, [], [0, 0], [])
