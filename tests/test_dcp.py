@@ -207,6 +207,21 @@ async def test_dcp_replicated_kv_one_writer_per_dcp_rank() -> None:
             await restore(rk, tokens, f"restore{rk.layout.tp_rank}", depth)
 
 
+async def test_one_ranks_missing_shard_shortens_only_that_ranks_hit() -> None:
+    """Without agreement across ranks (not built here) each rank decides on its own objects:
+    rank 1 missing page 3 restores 3 pages exactly, rank 0 all of them; nothing leaks."""
+    inner = EmbeddedStore(8 << 20)
+    layouts = [dcp_layout(2, r) for r in range(2)]
+    tokens = prompt(6 * 8 + 3, seed=11)
+    async with ranks(layouts, inner) as rks:
+        depth = {await prefill(rk, tokens, f"donor{rk.r}") for rk in rks}.pop()
+        missing = [k for k in put_keys(rks[1], PoolKind.FULL)
+                   if k.startswith(page_keys(tokens, 8, namespace_seed(layouts[1]))[3].hex())]
+        assert len(missing) == 1 and await inner.remove(missing) == 1
+        await restore(rks[0], tokens, "restore0", depth)
+        await restore(rks[1], tokens, "restore1", 3 * 8)
+
+
 async def test_layout_of_another_dcp_size_shares_nothing() -> None:
     """Objects written under dcp_size 2 are invisible to dcp_size 4 ranks (the fingerprint,
     hence every page key, includes the DCP size): no rank restores bytes of another geometry."""
