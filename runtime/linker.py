@@ -46,6 +46,7 @@ from ..components.pools import HybridPools
 from ..components.radix import Node
 from ..stores.base import Store
 from ..stores.resilient import ResilienceStatistics, ResilientStore
+from .agreement import Agreement, SingleRank
 from .config import LinkerConfig
 from .data_plane import DataPlane, DataPlaneConfig
 from .events import DeviceEvent
@@ -69,12 +70,21 @@ class Linker:
 
     def __init__(self, layout: ModelLayout, pools: HybridPools, store: Store,
                  config: LinkerConfig | None = None, *, salt: bytes | str | None = None,
-                 checkpoints: CheckpointPolicy | None = None, eviction: EvictionPolicy | None = None) -> None:
+                 checkpoints: CheckpointPolicy | None = None, eviction: EvictionPolicy | None = None,
+                 agreement: Agreement | None = None) -> None:
         if pools.layout is not layout and pools.layout != layout:
             raise ValueError("pools were built for another layout")
         self.layout = layout
         self.pools = pools
         self.config = config or LinkerConfig()
+        #: how this rank agrees with its peers (runtime/agreement.py); one rank: nothing to agree
+        self.agreement: Agreement = agreement if agreement is not None else SingleRank()
+        if self.agreement.collective and self.agreement.size != layout.tp_size:
+            raise ValueError(f"the agreement spans {self.agreement.size} ranks but the layout has "
+                             f"tp_size={layout.tp_size}")
+        if self.agreement.collective and self.agreement.rank != layout.tp_rank:
+            raise ValueError(f"agreement rank {self.agreement.rank} is not the layout's "
+                             f"tp_rank={layout.tp_rank}")
         #: the caller's store (never closed here) and what every call goes through
         self.inner_store = store
         self.store: Store = store
@@ -106,14 +116,15 @@ class Linker:
             "offloads_skipped", "offloads_dropped", "offload_failures", "touches", "touch_keys",
             "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
             "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost",
-            "offloads_skipped_breaker")}
+            "offloads_skipped_breaker", "rank_shortened_lookups", "rank_shortened_loads",
+            "rank_unsettled_offloads")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         # the rooms: each phase's rules live in one of them; the linker checks and delegates
         self.lookups = LookupRoom(self)  # LOOKUP + TOUCH (runtime/lookup.py)
         self.restores = RestoreRoom(self)  # LOAD, COMMIT, ABORT, partial restores (runtime/restore.py)
         #: offload planning, backpressure and settlement (runtime/offload.py)
         self.offloads = OffloadRoom(self.tree, self.rules, pools, self.data, self.store, self.config,
-                                    self._c, self._spawn)
+                                    self._c, self._spawn, self.agreement)
 
     @property
     def actors(self) -> dict[PoolKind, PoolActor]:

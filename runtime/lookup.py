@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from ..components.keys import object_keys, page_keys
 from ..components.layout import PoolKind
 from ..components.lookup import restorable_page_counts
-from ..components.radix import Node
+from ..components.radix import MatchResult, Node
+from .agreement import Boundaries, agreed_boundary
 from .request import LinkerRoom, LookupResult, PhaseError, Request
 from .tracing import trace
 
@@ -35,25 +36,63 @@ class LookupRoom(LinkerRoom):
         keys = page_keys(req.tokens, self.page, req.seed, max_pages=ceiling_pages)
         m = self.tree.match(keys)
         self.tree.lock(m.node)
+        self._stand_on(req, m)
+        if m.pages and self.config.touch and self.store.capabilities.touch:
+            self._maybe_touch(m.node)
+        boundaries: list[int] = []
+        if self.config.store_lookup and ceiling_pages > m.pages:
+            boundaries = await self._probe(req, keys[m.pages:ceiling_pages], m.pages)
+        device_pages = m.pages
+        if self.agreement.collective:
+            m, boundaries = await self._agree(req, keys, m, boundaries)
+            self._stand_on(req, m)
+        req.store_boundaries = boundaries
+        store_pages = max(boundaries, default=0)
+        self._c["lookups"] += 1
+        self._c["lookup_prompt_tokens"] += len(req.tokens)
+        self._c["device_hit_tokens"] += m.pages * self.page
+        req.store_pages = store_pages
+        req.store_keys = keys[m.pages: m.pages + store_pages]
+        trace("lookup", request_id=req.id, prompt=len(req.tokens), device_pages=m.pages,
+              store_pages=store_pages, node=m.node.id, local_device_pages=device_pages,
+              us=round((time.perf_counter() - t0) * 1e6))
+        return LookupResult(len(req.tokens), m.pages * self.page, store_pages * self.page)
+
+    @staticmethod
+    def _stand_on(req: Request, m: MatchResult) -> None:
+        """The request stands on ``m``'s node (locked by the caller): its prefix."""
         req.node = m.node
         req.prefix_pages = m.pages
         req.rows = m.rows
         req.state_source = m.node.mamba_slot
-        self._c["lookups"] += 1
-        self._c["lookup_prompt_tokens"] += len(req.tokens)
-        self._c["device_hit_tokens"] += m.pages * self.page
-        if m.pages and self.config.touch and self.store.capabilities.touch:
-            self._maybe_touch(m.node)
-        store_pages = 0
-        req.store_boundaries = []
-        if self.config.store_lookup and ceiling_pages > m.pages:
-            req.store_boundaries = await self._probe(req, keys[m.pages:ceiling_pages], m.pages)
-            store_pages = max(req.store_boundaries, default=0)
-        req.store_pages = store_pages
-        req.store_keys = keys[m.pages: m.pages + store_pages]
-        trace("lookup", request_id=req.id, prompt=len(req.tokens), device_pages=m.pages,
-              store_pages=store_pages, node=m.node.id, us=round((time.perf_counter() - t0) * 1e6))
-        return LookupResult(len(req.tokens), m.pages * self.page, store_pages * self.page)
+
+    async def _agree(self, req: Request, keys: list[bytes], m: MatchResult, boundaries: list[int]
+                     ) -> tuple[MatchResult, list[int]]:
+        """The MIN over ranks of the restorable boundary, over the *sets* each rank can restore
+        (device tree and store): every rank stands on the same prefix afterwards. A rank whose
+        device hit is deeper moves its lock back to the agreed boundary; a rank whose hit is
+        shallower loads the rest. Also settles whether LOAD is collective for this request."""
+        points = None
+        if self.layout.is_hybrid:
+            points = tuple(n.end_page for n in m.node.path() if n.mamba_slot is not None)
+        mine: Boundaries = (m.pages, points, tuple(m.pages + b for b in boundaries))
+        reports: list[Boundaries] = await self.agreement.gather("requests", "lookup", req.id, mine)
+        agreed = agreed_boundary(reports)
+        req.ranks_load = any(agreed > device for device, _, _ in reports)
+        if agreed < max(mine[2], default=m.pages):
+            self._c["rank_shortened_lookups"] += 1
+            trace("lookup.rank_shortened", request_id=req.id, local=max(mine[2], default=m.pages),
+                  agreed=agreed)
+        if agreed >= m.pages:
+            # shallower boundaries stay: a load reads fallback states at them
+            return m, [b for b in boundaries if m.pages + b <= agreed]
+        # the agreed prefix lies inside this rank's device hit: stand on it instead
+        shorter = self.tree.match(keys[:agreed])
+        if shorter.pages != agreed:
+            raise AssertionError(f"device tree restores {shorter.pages} pages, agreed {agreed}")
+        self.tree.lock(shorter.node)
+        self.tree.unlock(m.node)
+        return shorter, []
 
     async def _probe(self, req: Request, keys: list[bytes], first_page: int) -> list[int]:
         """Every restorable page count above the device hit, ascending ([]: none)."""

@@ -18,6 +18,7 @@ from ..components.pools import HybridPools
 from ..components.radix import Node
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
+from .agreement import Agreement, AgreementError, SingleRank
 from .config import LinkerConfig
 from .data_plane import DataPlane, OffloadTicket, Transfer
 from .events import DeviceEvent
@@ -42,8 +43,9 @@ class OffloadRoom:
 
     def __init__(self, tree: TreeActor, rules: Mapping[PoolKind, PoolRule], pools: HybridPools,
                  data: DataPlane, store: Store, config: LinkerConfig, counters: dict[str, int],
-                 spawn: Callable[..., None]) -> None:
+                 spawn: Callable[..., None], agreement: Agreement | None = None) -> None:
         self.tree = tree
+        self.layout = pools.layout
         self.rules = rules
         self.pools = pools
         self.data = data
@@ -57,6 +59,11 @@ class OffloadRoom:
         self._idle = anyio.Event()
         self._idle.set()
         self._job_ids = itertools.count(1)
+        self.agreement: Agreement = agreement if agreement is not None else SingleRank()
+        # several ranks: one settlement round per offload call, in call order (the sequencer)
+        self._next_turn = 0
+        self._turn = 0
+        self._turn_changed = anyio.Event()
 
     async def drain(self) -> None:
         """Wait until every submitted offload has been acknowledged and its locks dropped."""
@@ -64,7 +71,30 @@ class OffloadRoom:
 
     async def offload(self, req: Request, node: Node, fence: DeviceEvent | None) -> None:
         """Plan what ``node``'s path still lacks in the store, apply the backpressure rules,
-        lock the planned nodes and submit; settlement runs as its own task."""
+        lock the planned nodes and submit; settlement runs as its own task.
+
+        With several ranks every call settles through one agreement round, in call order, even
+        when this rank sends nothing (its peers may have): a part is marked stored only where
+        every rank reports its own part stored."""
+        turn: int | None = None
+        if self.agreement.collective:
+            turn = self._next_turn
+            self._next_turn += 1
+        spawned = [False]
+        try:
+            await self._offload(req, node, fence, turn, spawned)
+        finally:
+            if turn is not None and not spawned[0]:
+                self._begin()
+                self._spawn(self._finish, 0, req.id, node, {}, None, [], 0, turn)
+
+    def _begin(self) -> None:
+        if self.in_flight == 0:
+            self._idle = anyio.Event()
+        self.in_flight += 1
+
+    async def _offload(self, req: Request, node: Node, fence: DeviceEvent | None, turn: int | None,
+                       spawned: list[bool]) -> None:
         path = node.path()
         plan: dict[PoolKind, list[Node]] = {}
         for kind, rule in self.rules.items():
@@ -129,9 +159,7 @@ class OffloadRoom:
             transfers.append(Transfer(kind, names, index))
         locked_pages = sum(len(n.keys) for n in locked.values())
         self.locked_pages += locked_pages
-        if self.in_flight == 0:
-            self._idle = anyio.Event()
-        self.in_flight += 1
+        self._begin()
         ticket: OffloadTicket | None = None
         try:
             # MAMBA first: the data plane counts its states as pending before its first await,
@@ -140,28 +168,35 @@ class OffloadRoom:
             ticket = self.data.prepare_offload(transfers, fence=fence, request_id=req.id)
             await self.data.submit(ticket)
         finally:
-            self._spawn(self._finish, job_id, node, jobs, ticket, list(locked.values()),
-                        locked_pages)
+            spawned[0] = True
+            self._spawn(self._finish, job_id, req.id, node, jobs, ticket, list(locked.values()),
+                        locked_pages, turn)
 
-    async def _finish(self, job_id: int, end: Node, jobs: dict[PoolKind, _OffloadPlan],
-                              ticket: OffloadTicket | None, locked: list[Node], locked_pages: int) -> None:
+    async def _finish(self, job_id: int, request_id: str, end: Node, jobs: dict[PoolKind, _OffloadPlan],
+                      ticket: OffloadTicket | None, locked: list[Node], locked_pages: int,
+                      turn: int | None = None) -> None:
         """Exactly one settlement per offload: mark what reached the store, then unlock."""
         failed = False
         try:
             outcome = None if ticket is None else await ticket.wait()
+            local: dict[PoolKind, list[bool] | None] = {}
             for kind, (written, where, names) in jobs.items():
-                stored: list[bool] | None
                 if not written:
-                    stored = await self._replica_outcomes(names)
+                    # several ranks: verified after the writer reported its write (_agree)
+                    local[kind] = None if turn is not None else await self._replica_outcomes(names)
                 elif outcome is None:
-                    stored = None
+                    local[kind] = None
                 else:
-                    stored = outcome.objects.get(kind, [False] * len(where))
+                    local[kind] = outcome.objects.get(kind, [False] * len(where))
+            if turn is not None:
+                local = await self._agree(turn, request_id, end, jobs, local)
+            for kind, (_written, where, _names) in jobs.items():
+                stored = local[kind]
                 if stored is None or not all(stored):
                     failed = True
                 self._settle(kind, job_id, end, where, stored)
             if outcome is not None and outcome.faults:
-                trace("offload.error", request_id=ticket.request_id if ticket else "", faults=outcome.faults)
+                trace("offload.error", request_id=request_id, faults=outcome.faults)
         finally:
             if failed:
                 self._c["offload_failures"] += 1  # one result per offload, not one per pool
@@ -171,6 +206,55 @@ class OffloadRoom:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+    async def _agree(self, turn: int, request_id: str, end: Node, jobs: dict[PoolKind, _OffloadPlan],
+                     local: dict[PoolKind, list[bool] | None]) -> dict[PoolKind, list[bool] | None]:
+        """Settle one offload across ranks, in turn: each rank reports the pages of ``end``'s
+        path whose part it holds in the store (stored before, or written now); a page counts
+        as stored where every rank reports it. A replicated pool is reported by its writer
+        first; the other ranks then check the store for those objects (``exists``) and report
+        again, so nobody marks a replica stored that is not there."""
+        while self._turn != turn:
+            await self._turn_changed.wait()
+        try:
+            path = end.path()
+            mine: dict[str, set[int]] = {}
+            for kind, rule in self.rules.items():
+                have = {j for n in path if kind in n.stored for j in rule.pages(n)}
+                stored = local.get(kind)
+                if kind in jobs and stored is not None:
+                    have.update(j for j, pos in jobs[kind][1].items() if stored[pos])
+                mine[kind.value] = have
+            tag = f"{request_id}#{turn}"
+            reports: list[dict[str, set[int]]] = await self.agreement.gather("offloads", "settle", tag, mine)
+            replicated = [k for k in self.rules if k in self.layout.replicated]
+            if replicated:
+                writer = 0  # the rank that writes a replicated pool (ModelLayout.writes)
+                for kind in replicated:
+                    written = reports[writer][kind.value]
+                    if kind in jobs and not jobs[kind][0]:
+                        where, names = jobs[kind][1], jobs[kind][2]
+                        asked = [j for j in where if j in written]
+                        present = await self._replica_outcomes([names[where[j]] for j in asked]) if asked else []
+                        mine[kind.value] = mine[kind.value] | {j for j, ok in zip(asked, present) if ok}
+                    elif jobs.get(kind, (False,))[0]:
+                        mine[kind.value] = written
+                reports = await self.agreement.gather("offloads", "verify", tag, mine)
+            out: dict[PoolKind, list[bool] | None] = {}
+            for kind, (_written, where, _names) in jobs.items():
+                agreed = set.intersection(*(r[kind.value] for r in reports))
+                out[kind] = [j in agreed for j in where]
+                was = local.get(kind)
+                if was is not None and all(was) and not all(j in agreed for j in where):
+                    self._c["rank_unsettled_offloads"] += 1
+            return out
+        except AgreementError as exc:
+            trace("offload.agreement_error", request_id=request_id, error=str(exc))
+            return {kind: None for kind in jobs}
+        finally:
+            self._turn += 1
+            changed, self._turn_changed = self._turn_changed, anyio.Event()
+            changed.set()
 
     async def _replica_outcomes(self, names: list[str]) -> list[bool]:
         """A replicated pool another rank writes: stored only where the store holds it now (a

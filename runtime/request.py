@@ -47,6 +47,8 @@ class Request:
     store_pages: int = 0  # found by lookup
     store_keys: list[bytes] = attrs.field(factory=list)
     store_boundaries: list[int] = attrs.field(factory=list)  # every restorable count found
+    #: with several ranks: whether some rank loads for this request (LOAD is then collective)
+    ranks_load: bool = False
     state_source: int | None = None  # the prefix node's state: copy-on-write source
     working: int | None = None
     checkpoints: list[int] = attrs.field(factory=list)
@@ -75,6 +77,7 @@ class LinkerRoom:
         self.page = linker.page
         self.grid_pages = linker.grid_pages
         self._c = linker._c
+        self.agreement = linker.agreement
 
 
 __all__ = ["LinkerRoom", "LookupResult", "PhaseError", "Request"]

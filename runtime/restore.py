@@ -12,9 +12,10 @@ import anyio
 import torch
 
 from ..components.layout import PoolKind
-from ..components.partial import kept_pages
+from ..components.partial import restorable_prefixes
 from ..stores.base import StoreError
 from ..stores.framing import FrameFault
+from .agreement import Boundaries
 from .data_plane import LoadTicket, Transfer, TransferOutcome
 from .request import LinkerRoom, PhaseError, Request
 from .tracing import trace
@@ -44,6 +45,8 @@ class LoadHandle:
         self.finished = False  # committed or aborted: rows and slot belong to someone now
         self.claimed_by: str | None = None  # "commit" or "abort" while one of them runs
         self.claim_changed = anyio.Event()  # set (and renewed) when a commit lets go
+        #: pages every rank agreed to keep (several ranks only; None: decide locally)
+        self.agreed_pages: int | None = None
         self.settled = anyio.Event()  # set once committed or aborted
 
     def _attach(self, ticket: LoadTicket) -> None:
@@ -90,8 +93,17 @@ class RestoreRoom(LinkerRoom):
         if req.load is not None:
             raise PhaseError(f"request {req.id!r} already has a load")
         n = req.store_pages
-        if n == 0:
+        collective = self.agreement.collective and req.ranks_load
+        if n == 0 and not collective:
             return None
+        handle = await self._queue(req) if n else None
+        if not collective:
+            return handle
+        return await self._agree(req, handle)
+
+    async def _queue(self, req: Request) -> LoadHandle | None:
+        """Allocate and queue the reads of ``req.store_pages`` pages (None: a miss)."""
+        n = req.store_pages
         self._c["loads"] += 1
         rows = self.tree.try_alloc_rows(n)
         slot: int | None = None
@@ -137,6 +149,42 @@ class RestoreRoom(LinkerRoom):
         trace("load.queued", request_id=req.id, pages=n, first_page=first, slot=slot)
         return handle
 
+    async def _agree(self, req: Request, handle: LoadHandle | None) -> LoadHandle | None:
+        """LOAD across ranks: wait for this rank's reads, offer every prefix they (and the
+        device tree) can restore, and keep the largest one every rank can. A rank whose load
+        does not reach it drops the load; a rank standing deeper moves back to it. Nothing is
+        committed here: the caller commits the handle (trimmed to the agreed pages) as usual."""
+        first = req.prefix_pages
+        offered: tuple[int, ...] = ()
+        if handle is not None:
+            with anyio.CancelScope(shield=True):  # the round must happen whatever the caller does
+                await handle.done.wait()
+            offered = tuple(first + k for k in self._restorable(handle))
+        points = None
+        if self.layout.is_hybrid:
+            points = tuple(n.end_page for n in req.node.path() if n.mamba_slot is not None)
+        mine: Boundaries = (first, points, offered)
+        with anyio.CancelScope(shield=True):
+            agreed = await self.agreement.largest_common("requests", "load", req.id, mine)
+        local = max(offered, default=first)
+        if agreed < local:
+            self._c["rank_shortened_loads"] += 1
+            trace("load.rank_shortened", request_id=req.id, local=local, agreed=agreed)
+        if handle is not None and agreed > first:
+            handle.agreed_pages = agreed - first
+            return handle
+        if handle is not None:  # another rank cannot restore what this one read
+            self._c["dropped_loads"] += 1
+            self._forget_bad_objects(handle)
+            self._free_load(handle)
+        if agreed < first:
+            keys = self.tree.path_keys(req.node)[:agreed]
+            shorter = self.tree.match(keys)
+            if shorter.pages != agreed:
+                raise AssertionError(f"device tree restores {shorter.pages} pages, agreed {agreed}")
+            self.linker._move_lock(req, shorter.node)
+        return None
+
     async def commit(self, load: LoadHandle) -> int:
         """Insert the restored prefix; returns tokens restored (0: dropped, recompute)."""
         req = load.request
@@ -161,16 +209,23 @@ class RestoreRoom(LinkerRoom):
             changed.set()
 
     def _kept_pages(self, load: LoadHandle) -> int:
-        """How much of a finished load can be restored (all of it when everything verified)."""
+        """How much of a finished load can be restored (all of it when everything verified;
+        with several ranks, what they agreed)."""
+        if load.agreed_pages is not None:
+            return load.agreed_pages
+        return max(self._restorable(load), default=0)
+
+    def _restorable(self, load: LoadHandle) -> list[int]:
+        """Every prefix of a finished load that can be restored (pages past the request's)."""
         out = load.outcome
         if out is None or out.cancelled:
-            return 0
+            return []
         page_ok = [ok for kind, ok in out.objects.items() if kind is not PoolKind.MAMBA]
         states = None
         if PoolKind.MAMBA in out.objects:
             states = [(b, ok) for (b, _), ok in zip(load.states, out.objects[PoolKind.MAMBA])]
-        return kept_pages(page_ok, n_pages=load.pages, first_page=load.request.prefix_pages,
-                          grid_pages=self.grid_pages, states=states)
+        return restorable_prefixes(page_ok, n_pages=load.pages, first_page=load.request.prefix_pages,
+                                   grid_pages=self.grid_pages, states=states)
 
     def _trim_load(self, load: LoadHandle, kept: int) -> None:
         """Keep the first ``kept`` pages and the state at ``kept``; free the rest now."""

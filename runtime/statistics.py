@@ -64,3 +64,6 @@ class LinkerStatistics:
     partial_loads: int = 0  # loads that restored a shorter prefix than found (some objects failed)
     partial_pages_lost: int = 0  # pages those loads could not keep
     offloads_skipped_breaker: int = 0  # the store's circuit breaker was open
+    rank_shortened_lookups: int = 0  # lookups another rank cut short (agreement across ranks)
+    rank_shortened_loads: int = 0  # loads another rank cut short, or dropped
+    rank_unsettled_offloads: int = 0  # offload parts left unstored: another rank lacks its part
