@@ -19,8 +19,10 @@ PRESETS = ("kimi", "attention")
 
 # ---- geometry ---------------------------------------------------------------------------
 
-def preset_layout(name: str, page_size: int = 64, chunk_size: int = 64) -> ModelLayout:
-    """Stress geometries, scaled to this machine.
+def preset_layout(name: str, page_size: int = 64, chunk_size: int = 64, *, tp_rank: int = 0,
+                  tp_size: int = 1, replicated: Sequence[PoolKind | str] = ()) -> ModelLayout:
+    """Stress geometries, scaled to this machine (one tensor-parallel rank's share of them:
+    ``tp_rank`` of ``tp_size``, with the ``replicated`` pools the same on every rank).
 
     * ``kimi``: Kimi-K3-like ratios — one MLA-like KV layer (fp8, 256 B per token), four
       KDA layers whose states add up to ~65 KV pages of 64 tokens (the real ratio: one state is
@@ -36,10 +38,12 @@ def preset_layout(name: str, page_size: int = 64, chunk_size: int = 64) -> Model
         return ModelLayout.create(page_size=page_size, chunk_size=chunk_size, full_layers=[3],
                                   kv_row_shape=[256], kv_dtype="float8_e4m3fn", mamba_layers=kda,
                                   draft_layers=1, draft_row_shape=[32], draft_dtype="bfloat16",
-                                  model_name="stress-kimi")
+                                  model_name="stress-kimi", tp_rank=tp_rank, tp_size=tp_size,
+                                  replicated=replicated)
     if name == "attention":
         return ModelLayout.create(page_size=page_size, chunk_size=chunk_size, full_layers=[0, 1, 2, 3],
-                                  kv_row_shape=[32], kv_dtype="bfloat16", model_name="stress-attention")
+                                  kv_row_shape=[32], kv_dtype="bfloat16", model_name="stress-attention",
+                                  tp_rank=tp_rank, tp_size=tp_size, replicated=replicated)
     raise ValueError(f"unknown preset {name!r}; choose from {PRESETS}")
 
 

@@ -28,6 +28,7 @@ from ..components.eviction import EVICTION_POLICIES, eviction_policy
 from ..components.keys import page_keys
 from ..components.layout import PoolKind
 from ..components.pools import HybridPools, PoolError
+from ..runtime.agreement import Agreement, SingleRank
 from ..runtime.config import LinkerConfig
 from ..runtime.linker import Linker, Request
 from ..runtime.tree_actor import PoolExhaustedError
@@ -80,6 +81,8 @@ class StressConfig:
     block_tokens: int = 0
     seed: int = 0
     linker: LinkerConfig = attrs.field(factory=LinkerConfig)
+    #: pools every tensor-parallel rank holds the same copy of (written once, by rank 0)
+    replicated: tuple[str, ...] = ()
 
 
 @attrs.define
@@ -111,11 +114,18 @@ class _Attempts:
 
 
 class StressRun:
-    def __init__(self, cfg: StressConfig, store: Store, requests: list[WorkloadRequest]) -> None:
+    """One rank's replay. With an ``agreement`` over several ranks (``stress --ranks``) the
+    requests run one at a time in workload order, offloads drained before each, so every rank
+    calls the linker in the same order (the ordering rule, ``runtime/agreement.py``)."""
+
+    def __init__(self, cfg: StressConfig, store: Store, requests: list[WorkloadRequest],
+                 agreement: Agreement | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.requests = requests
-        self.layout = preset_layout(cfg.preset, cfg.page_size, cfg.chunk_size)
+        self.agreement = agreement if agreement is not None else SingleRank()
+        self.layout = preset_layout(cfg.preset, cfg.page_size, cfg.chunk_size, tp_rank=self.agreement.rank,
+                                    tp_size=self.agreement.size, replicated=cfg.replicated)
         share = cfg.linker.mamba_backpressure_share if cfg.linker.mamba_backpressure else 0.0
         kv, slots = derive_pools(requests, self.layout.page_size, cfg.concurrency, self.layout.is_hybrid,
                                  share)
@@ -134,6 +144,8 @@ class StressRun:
             "causal_waits", "checkpoints_donated", "recomputed_loads", "completed")}
         self.hits_over_time: list[tuple[float, float]] = []
         self.lags: list[float] = []
+        #: (request id, tokens the request stood on after LOOKUP/LOAD/COMMIT), in serving order
+        self.decisions: list[tuple[str, int]] = []
         self.resilience: ResilienceStatistics | None = None
         self.parents = (causal_parents(requests, block_tokens=cfg.block_tokens) if cfg.causal
                         else [None] * len(requests))
@@ -157,7 +169,7 @@ class StressRun:
         block = cfg.block_tokens
         async with Linker(self.layout, self.pools, self.store, lk_cfg,
                           checkpoints=checkpoint_policy(cfg.policy, block_tokens=block),
-                          eviction=eviction_policy(cfg.eviction)) as lk:
+                          eviction=eviction_policy(cfg.eviction), agreement=self.agreement) as lk:
             self.linker = lk
 
             async def ticker() -> None:
@@ -184,11 +196,23 @@ class StressRun:
                     hit = self.c["device_hit_tokens"] + self.c["store_hit_tokens"]
                     self.hits_over_time.append((time.perf_counter() - t_start, hit / total if total else 0.0))
 
+            async def in_order() -> None:
+                for i, wr in enumerate(self.requests):
+                    await lk.drain()  # no offload lock makes one rank's allocation fail alone
+                    try:
+                        await self._admit_and_serve(lk, wr, i)
+                    finally:
+                        finished[i].set()
+                        bar.update(1)
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
-                async with anyio.create_task_group() as reqs:
-                    for i, wr in enumerate(self.requests):
-                        reqs.start_soon(client, i, wr)
+                if self.agreement.collective:
+                    await in_order()
+                else:
+                    async with anyio.create_task_group() as reqs:
+                        for i, wr in enumerate(self.requests):
+                            reqs.start_soon(client, i, wr)
                 await lk.drain()
                 done.set()
             bar.close()
@@ -246,7 +270,7 @@ class StressRun:
             hit = await lk.lookup(req)
             self.lat["lookup"].append(time.perf_counter() - t0)
             restored = 0
-            if hit.store_tokens:
+            if hit.store_tokens or self.agreement.collective:  # several ranks: LOAD is collective
                 t0 = time.perf_counter()
                 load = await lk.load(req)
                 if load is not None:
@@ -257,7 +281,8 @@ class StressRun:
                     self.lat["commit"].append(time.perf_counter() - t0)
                     if restored == 0:
                         self.c["recomputed_loads"] += 1
-            this_try = (hit.device_tokens, restored)
+            this_try = (req.prefix_tokens - restored, restored)
+            self.decisions.append((wr.request_id, req.prefix_tokens))
             keys = page_keys(req.tokens, P, req.seed)
             # content checks and writes stand in for device work: keep them off the loop
             await anyio.to_thread.run_sync(self._verify, req, keys)
@@ -436,6 +461,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from .chaos import add_chaos_arguments
 
     add_chaos_arguments(parser)
+    from .stress_ranks import configure as add_rank_arguments
+
+    add_rank_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
     o.add_argument("--plot", type=Path, default=None, help="write a PNG: hit rate over time, latency CDFs")
@@ -505,6 +533,22 @@ async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) 
             master.stop()
 
 
+def run_ranked(args: argparse.Namespace, requests: list[WorkloadRequest]) -> int:
+    """``stress --ranks N``: N rank processes; exit 1 on any disagreement, mismatch or leak."""
+    from .stress_ranks import format_ranks_table, run_ranks
+
+    s = run_ranks(args, requests)
+    print(format_stress_summary(s))
+    print(format_ranks_table(s))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(s, indent=2))
+        print(f"wrote {args.json}")
+    bad = s["rank_disagreements"] or s["restore_mismatches"] or s["leaked_rows"] or s["leaked_slots"] \
+        or s["locked_nodes_at_end"] or s["idle_check_failed"] or s["non_writer_replicated_bytes"]
+    return 1 if bad else 0
+
+
 def run(args: argparse.Namespace) -> int:
     requests = load_workload(args)
     if not requests:
@@ -514,6 +558,8 @@ def run(args: argparse.Namespace) -> int:
         from .chaos import run_chaos
 
         return run_chaos(args, stress_config(args), requests)
+    if args.ranks > 1:
+        return run_ranked(args, requests)
     result = anyio.run(run_stress, args, requests)
     s = result.summary
     print(format_stress_summary(s))
