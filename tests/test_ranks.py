@@ -1,0 +1,253 @@
+"""Agreement across ranks with real processes: gloo on loopback, one linker, pool set and
+Mooncake client per rank, one shared ``mooncake_master``.
+
+The scenarios run inside the rank processes (module-level functions, so the spawned processes
+can import them) and return what they saw; the tests compare the ranks' answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hylinker.components.admission import checkpoint_policy
+from hylinker.components.keys import as_tokens, object_key, page_keys
+from hylinker.components.layout import PoolKind
+from hylinker.components.pools import HybridPools
+from hylinker.runtime.agreement import (
+    Agreement,
+    RankMismatchError,
+    SingleRank,
+    agreed_boundary,
+    restorable,
+)
+from hylinker.runtime.config import LinkerConfig
+from hylinker.runtime.linker import Linker, Request
+from hylinker.stores.mooncake import MooncakeConfig, MooncakeStore
+from hylinker.tools.content import Content, preset_layout
+from hylinker.tools.ranks import launch
+from hylinker.tools.stress_ranks import rank_disagreements
+
+pytestmark = pytest.mark.mooncake
+
+PAGE = 64
+PAGES = 8  # the shared prompt: 8 pages, a state at every page (grid = page)
+
+
+# ---- pure rules (no processes) --------------------------------------------------------------
+
+def test_agreed_boundary_takes_the_largest_common_member_not_the_min_of_maxima() -> None:
+    # rank 0 can restore 8 (store) or anything up to 3 on device; rank 1 only 4 and 8 from the
+    # store, nothing on device: the common set is {0, 8}
+    assert agreed_boundary([(3, None, (8,)), (0, None, (4, 8))]) == 8
+    # hybrid device points: rank 0 has states at 2 and 6 on device, rank 1 can restore 4 or 6
+    assert agreed_boundary([(6, (2, 6), ()), (0, (), (4, 6))]) == 6
+    # no common member but 0
+    assert agreed_boundary([(0, (), (4,)), (0, (), (8,))]) == 0
+    # pure attention devices: any count up to the device hit
+    assert agreed_boundary([(10, None, ()), (7, None, (16,))]) == 7
+    assert restorable((5, (2,), ()), 0) and not restorable((5, (2,), ()), 4)
+
+
+async def test_single_rank_rounds_are_the_ranks_own_value() -> None:
+    agreement = SingleRank()
+    assert not agreement.collective
+    assert await agreement.gather("requests", "lookup", "r", 7) == [7]
+    with pytest.raises(ValueError, match="channel"):
+        await agreement.gather("nowhere", "lookup", "r", 7)  # type: ignore[arg-type]
+
+
+# ---- scenarios run on every rank -------------------------------------------------------------
+
+def _tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, size=n, dtype=np.int64)
+
+
+async def _serve(lk: Linker, content: Content, rid: str, tokens: np.ndarray) -> dict[str, Any]:
+    """One request through every phase; what the rank stood on and whether it checked out."""
+    async with lk.session(rid, tokens) as req:
+        hit = await lk.lookup(req)
+        load = await lk.load(req)  # several ranks: after every lookup
+        restored = await lk.commit(load) if load is not None else 0
+        keys = page_keys(req.tokens, PAGE, req.seed)
+        n = req.prefix_pages
+        bad = content.check_pages(keys[:n], req.rows[: n * PAGE]) if n else 0
+        if n and (req.state_source is None or not content.check_state(keys[n - 1], req.state_source)):
+            bad += 1
+        seen = {"lookup_tokens": hit.total_tokens, "prefix_tokens": req.prefix_tokens,
+                "device_tokens": hit.device_tokens, "restored": restored, "mismatches": bad}
+        await _forward(lk, content, req, keys)
+    return seen
+
+
+async def _forward(lk: Linker, content: Content, req: Request, keys: list[bytes]) -> None:
+    rows = lk.extend(req, len(req.tokens))
+    whole = len(req.tokens) // PAGE
+    content.write_pages(keys[req.prefix_pages:whole], rows[req.prefix_pages * PAGE: whole * PAGE])
+    lk.working_slot(req)
+    for depth in lk.checkpoint_depths(req):
+        slot = lk.checkpoint_slot(req)
+        content.write_state(keys[depth // PAGE - 1], slot)
+        await lk.insert(req, depth, checkpoint_slot=slot)
+
+
+async def _remove_states(lk: Linker, tokens: np.ndarray, req_seed: bytes, boundaries: range) -> int:
+    keys = page_keys(as_tokens(tokens), PAGE, req_seed)
+    names = [name for b in boundaries
+             for name in lk.data.store_keys(PoolKind.MAMBA, object_key(keys[b - 1], PoolKind.MAMBA, lk.layout))]
+    return await lk.inner_store.remove(names)
+
+
+async def scenario_two_ranks(rank: int, size: int, agreement: Agreement, address: str, prefix: int
+                             ) -> dict[str, Any]:
+    layout = preset_layout("kimi", PAGE, PAGE, tp_rank=rank, tp_size=size, replicated=("kv", "draft"))
+    pools = HybridPools(layout, kv_pages=64, mamba_slots=16)
+    content = Content(layout, pools, seed=0)
+    store = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=32 << 20))
+    out: dict[str, Any] = {}
+    tokens = _tokens(prefix, PAGES * PAGE + 5)
+    try:
+        async with Linker(layout, pools, store, LinkerConfig(resilience=None), salt=f"t{prefix}",
+                          checkpoints=checkpoint_policy("grid"), agreement=agreement) as lk:
+            out["first"] = await _serve(lk, content, "a1", tokens)
+            await lk.drain()
+            stats = lk.statistics()
+            out["bytes_offloaded"] = {k: v.bytes_offloaded for k, v in lk.pool_statistics().items()}
+            out["verified_replicas"] = stats.offloads_verified_replicas
+            out["stored_kinds"] = sorted({k.value for n in lk.tree.tree.nodes() for k in n.stored})
+            seed = lk._default_seed
+
+            # one rank's shard missing: rank 1's states above page 4 vanish from the store
+            lk.flush_device()
+            if rank == 1:
+                out["removed"] = await _remove_states(lk, tokens, seed, range(5, PAGES + 1))
+            await agreement.gather("requests", "barrier", "removed", None)
+            out["shard_missing"] = await _serve(lk, content, "a2", tokens)
+            await lk.drain()
+
+            # device hits differ: rank 0 keeps its tree (8 pages), rank 1 flushes it and loses
+            # its states above page 4 again; rank 0 must stand on 4 pages like rank 1
+            if rank == 1:
+                lk.flush_device()
+                await _remove_states(lk, tokens, seed, range(5, PAGES + 1))
+            await agreement.gather("requests", "barrier", "diverged", None)
+            out["device_deeper"] = await _serve(lk, content, "a3", tokens)
+            await lk.drain()
+
+            # ranks that break the ordering rule: both see the mismatch
+            try:
+                async with lk.session(f"x{rank}", tokens) as req:
+                    await lk.lookup(req)
+                out["mismatch"] = None
+            except RankMismatchError as exc:
+                out["mismatch"] = str(exc)
+            await lk.drain()
+            stats = lk.statistics()
+            out["rank_shortened_lookups"] = stats.rank_shortened_lookups
+            out["rank_shortened_loads"] = stats.rank_shortened_loads
+            lk.check_idle()
+            out["leaked"] = list(lk.leaked())
+        lk.flush_device()
+        pools.check_idle()
+    finally:
+        await store.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(mooncake_master: Any) -> list[dict[str, Any]]:
+    return launch(2, scenario_two_ranks, mooncake_master.address, 7, timeout_s=60)  # type: ignore[attr-defined]
+
+
+def test_replicated_kv_is_written_once_and_verified(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = two_ranks
+    assert r0["bytes_offloaded"]["kv"] > 0 and r0["bytes_offloaded"]["draft"] > 0
+    assert r1["bytes_offloaded"]["kv"] == 0 and r1["bytes_offloaded"]["draft"] == 0
+    # the state is per rank: both write theirs
+    assert r0["bytes_offloaded"]["mamba"] > 0 and r1["bytes_offloaded"]["mamba"] > 0
+    # the non-writer checked the writer's objects, and marks them stored like the writer
+    assert r1["verified_replicas"] > 0
+    assert r0["stored_kinds"] == r1["stored_kinds"] == ["draft", "kv", "mamba"]
+
+
+def test_one_ranks_missing_shard_shortens_every_ranks_hit(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = two_ranks
+    assert r1["removed"] > 0
+    a0, a1 = r0["shard_missing"], r1["shard_missing"]
+    # rank 0 alone could restore all 8 pages; rank 1 only 4: both restore 4, bytes exact
+    assert a0["lookup_tokens"] == a1["lookup_tokens"] == 4 * PAGE
+    assert a0["prefix_tokens"] == a1["prefix_tokens"] == a0["restored"] == a1["restored"] == 4 * PAGE
+    assert a0["mismatches"] == a1["mismatches"] == 0
+    assert r0["rank_shortened_lookups"] >= 1
+
+
+def test_a_deeper_device_hit_moves_back_to_the_agreed_boundary(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = two_ranks
+    d0, d1 = r0["device_deeper"], r1["device_deeper"]
+    # rank 0's device tree holds all 8 pages; rank 1 can restore 4 from the store
+    assert d0["prefix_tokens"] == d1["prefix_tokens"] == 4 * PAGE
+    assert d0["device_tokens"] == 4 * PAGE and d0["restored"] == 0  # moved back, nothing read
+    assert d1["device_tokens"] == 0 and d1["restored"] == 4 * PAGE  # read from the store
+    assert d0["mismatches"] == d1["mismatches"] == 0
+
+
+def test_rounds_that_do_not_match_raise_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
+    for r in two_ranks:
+        assert r["mismatch"] is not None and "same order" in r["mismatch"]
+
+
+def test_nothing_leaks_on_any_rank(two_ranks: list[dict[str, Any]]) -> None:
+    assert [r["leaked"] for r in two_ranks] == [[0, 0], [0, 0]]
+
+
+# ---- independent faults per rank, through stress --ranks --------------------------------------
+
+def _stress_args(ranks: int, requests: int, address: str) -> argparse.Namespace:
+    from hylinker.tools.stress import configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return parser.parse_args([
+        "--ranks", str(ranks), "--requests", str(requests), "--preset", "kimi", "--kv-pages", "512",
+        "--mamba-slots", "24", "--store-capacity-mb", "64", "--faults",
+        "fail=0.03,corrupt=0.02,vanish=0.05", "--no-progress", "--mooncake-master", address])
+
+
+def _check_faulty_ranks(s: dict[str, Any], ranks: int) -> None:
+    assert s["ranks"] == ranks
+    assert s["rank_disagreements"] == 0
+    assert s["restore_mismatches"] == 0
+    assert s["leaked_rows"] == s["leaked_slots"] == s["locked_nodes_at_end"] == s["idle_check_failed"] == 0
+    assert s["non_writer_replicated_bytes"] == 0
+    assert all(r["bytes_offloaded"]["kv"] == 0 for r in s["per_rank"][1:])
+    assert s["per_rank"][0]["bytes_offloaded"]["kv"] > 0
+    # the faults did make ranks differ, and the agreement evened them out
+    shortened = sum(r["rank_shortened_lookups"] + r["rank_shortened_loads"] for r in s["per_rank"])
+    assert shortened > 0
+    assert sum(r["restores_verified"] for r in s["per_rank"]) > 0
+
+
+def test_independent_faults_give_identical_decisions_on_two_ranks(mooncake_master: Any) -> None:
+    from hylinker.tools.stress_ranks import run_ranks
+    from hylinker.tools.workloads import synthetic_agentic
+
+    args = _stress_args(2, 60, mooncake_master.address)
+    _check_faulty_ranks(run_ranks(args, synthetic_agentic(60, seed=3, scale=0.25)), 2)
+
+
+@pytest.mark.slow
+def test_independent_faults_give_identical_decisions_on_four_ranks(mooncake_master: Any) -> None:
+    from hylinker.tools.stress_ranks import run_ranks
+    from hylinker.tools.workloads import synthetic_agentic
+
+    args = _stress_args(4, 80, mooncake_master.address)
+    _check_faulty_ranks(run_ranks(args, synthetic_agentic(80, seed=4, scale=0.25)), 4)
+
+
+def test_rank_disagreements_counts_requests_whose_prefix_differs() -> None:
+    assert rank_disagreements([[("a", 64), ("b", 0)], [("a", 64), ("b", 0)]]) == 0
+    assert rank_disagreements([[("a", 64), ("b", 0)], [("a", 128), ("b", 0)]]) == 1
+    assert rank_disagreements([[("a", 64)], [("a", 64), ("c", 0)]]) == 1  # served on one rank only
