@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -137,6 +138,30 @@ async def scenario_two_ranks(rank: int, size: int, agreement: Agreement, address
             out["device_deeper"] = await _serve(lk, content, "a3", tokens)
             await lk.drain()
 
+            # offloads still settling while the next requests look up (no drain): the two
+            # channels do not wait on each other, decisions still match
+            out["overlapped"] = [
+                (await _serve(lk, content, f"b{i}", _tokens(prefix + 1, (PAGES + 2 * i) * PAGE + 1)))["prefix_tokens"]
+                for i in range(3)]
+
+            # a round waiting for a late peer leaves the event loop serving
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    await anyio.sleep(0.01)
+                    ticks += 1
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                if rank == 1:
+                    await anyio.sleep(0.5)
+                await agreement.gather("requests", "barrier", "late", None)
+                tg.cancel_scope.cancel()
+            out["ticks_while_waiting"] = ticks
+            await lk.drain()
+
             # ranks that break the ordering rule: both see the mismatch
             try:
                 async with lk.session(f"x{rank}", tokens) as req:
@@ -197,6 +222,16 @@ def test_a_deeper_device_hit_moves_back_to_the_agreed_boundary(two_ranks: list[d
 def test_rounds_that_do_not_match_raise_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
     for r in two_ranks:
         assert r["mismatch"] is not None and "same order" in r["mismatch"]
+
+
+def test_offloads_settling_during_lookups_keep_decisions_equal(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = two_ranks
+    assert r0["overlapped"] == r1["overlapped"]
+    assert r0["overlapped"][1] > 0  # the later requests did hit the earlier ones' prefix
+
+
+def test_a_round_waiting_for_a_peer_leaves_the_loop_serving(two_ranks: list[dict[str, Any]]) -> None:
+    assert two_ranks[0]["ticks_while_waiting"] >= 10  # rank 0 waited ~0.5 s for rank 1
 
 
 def test_nothing_leaks_on_any_rank(two_ranks: list[dict[str, Any]]) -> None:

@@ -281,6 +281,8 @@ class StressRun:
                     self.lat["commit"].append(time.perf_counter() - t0)
                     if restored == 0:
                         self.c["recomputed_loads"] += 1
+                elif hit.store_tokens and self.agreement.collective:
+                    self.c["recomputed_loads"] += 1  # another rank could not restore it: none does
             this_try = (req.prefix_tokens - restored, restored)
             self.decisions.append((wr.request_id, req.prefix_tokens))
             keys = page_keys(req.tokens, P, req.seed)
