@@ -184,7 +184,7 @@ async def scenario_two_ranks(rank: int, size: int, agreement: Agreement, address
 
 @pytest.fixture(scope="module")
 def two_ranks(mooncake_master: Any) -> list[dict[str, Any]]:
-    return launch(2, scenario_two_ranks, mooncake_master.address, 7, timeout_s=60)  # type: ignore[attr-defined]
+    return launch(2, scenario_two_ranks, mooncake_master.address, 7, timeout_s=60)
 
 
 def test_replicated_kv_is_written_once_and_verified(two_ranks: list[dict[str, Any]]) -> None:
