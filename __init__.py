@@ -27,6 +27,13 @@ from .components.pool_view import (
 )
 from .components.pools import HybridPools, PoolError, dcp_fold
 from .components.radix import RadixTree
+from .runtime.agreement import (
+    Agreement,
+    AgreementError,
+    GlooAgreement,
+    RankMismatchError,
+    SingleRank,
+)
 from .runtime.config import LinkerConfig
 from .runtime.data_plane import (
     DataPlane,
@@ -135,4 +142,13 @@ __all__ += [
     "kv_view",
     "stacked_kv_view",
     "state_view",
+]
+
+# agreement across tensor-parallel ranks (docs/design.md, "Several ranks")
+__all__ += [
+    "Agreement",
+    "AgreementError",
+    "GlooAgreement",
+    "RankMismatchError",
+    "SingleRank",
 ]

@@ -24,6 +24,9 @@ EXPECTED |= {
     "TransferOutcome", "kv_view", "stacked_kv_view", "state_view",
 }
 
+# agreement across tensor-parallel ranks: what a multi-rank linker is given
+EXPECTED |= {"Agreement", "AgreementError", "GlooAgreement", "RankMismatchError", "SingleRank"}
+
 
 def test_all_is_the_curated_list() -> None:
     assert set(hylinker.__all__) == EXPECTED
