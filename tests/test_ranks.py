@@ -61,6 +61,26 @@ async def test_single_rank_rounds_are_the_ranks_own_value() -> None:
         await agreement.gather("nowhere", "lookup", "r", 7)  # type: ignore[arg-type]
 
 
+class _TwoRanks(SingleRank):
+    """An agreement that claims two ranks (construction checks only; it never runs a round)."""
+
+    rank = 1
+    size = 2
+
+
+async def test_the_agreement_must_match_the_layouts_ranks() -> None:
+    from hylinker.stores.embedded import EmbeddedStore
+
+    one = preset_layout("attention", PAGE, PAGE)
+    store = EmbeddedStore(1 << 20)
+    with pytest.raises(ValueError, match="tp_size=1"):
+        Linker(one, HybridPools(one, kv_pages=8), store, agreement=_TwoRanks())
+    rank0 = preset_layout("attention", PAGE, PAGE, tp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="tp_rank=0"):
+        Linker(rank0, HybridPools(rank0, kv_pages=8), store, agreement=_TwoRanks())
+    await store.close()
+
+
 # ---- scenarios run on every rank -------------------------------------------------------------
 
 def _tokens(seed: int, n: int) -> np.ndarray:

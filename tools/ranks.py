@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import tempfile
 import traceback
 from collections.abc import Awaitable, Callable
@@ -32,12 +31,10 @@ class RankFailure(RuntimeError):
 
 def _rank_entry(rank: int, size: int, port: int, timeout_s: float, target: RankTarget,
                 args: tuple[Any, ...], out_dir: str) -> None:
+    import torch
     import torch.distributed as dist
 
-    torch_threads = os.environ.get("HYLINKER_RANK_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(int(torch_threads))
+    torch.set_num_threads(1)  # N ranks share the host's cores: one intra-op thread each
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     agreement = GlooAgreement.create()
