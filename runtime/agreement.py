@@ -23,14 +23,16 @@ taking a decision over unrelated values.
 
 :class:`SingleRank` is the default: a round returns the rank's own value at once, with no
 thread and no copy. :class:`GlooAgreement` runs ``all_gather_object`` over a process group
-(gloo on CPU; any backend that gathers objects) on one dedicated thread per channel, so the
-event loop keeps serving while a round waits for its peers.
+(gloo on CPU) on one dedicated thread per channel, so the event loop keeps serving while a round
+waits for its peers: one ``all_gather`` of a fixed 4 KiB slot per rank in the common case,
+``all_gather_object`` (two collectives) when a value is larger.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import pickle
 import threading
 import time
 from collections.abc import Sequence
@@ -38,6 +40,11 @@ from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
+
+#: bytes per rank of a round's fixed slot (a length, then the pickled value)
+SLOT_BYTES = 4096
+_LEN_BYTES = 4
+_TOO_LARGE = (1 << 32) - 1
 
 Channel = Literal["requests", "offloads"]
 CHANNELS: tuple[Channel, ...] = ("requests", "offloads")
@@ -128,6 +135,7 @@ class GlooAgreement(Agreement):
                          for c in CHANNELS}
         self._closed = False
         self._lock = threading.Lock()
+        self.large_rounds = 0  # rounds whose values did not fit a slot (two collectives)
 
     @classmethod
     def create(cls, backend: str = "gloo", ranks: Sequence[int] | None = None) -> GlooAgreement:
@@ -141,9 +149,28 @@ class GlooAgreement(Agreement):
         return cls(groups)
 
     def _round(self, channel: Channel, item: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
-        self._dist.all_gather_object(out, item, group=self._groups[channel])
-        return out
+        """One collective in the common case: every rank's pickled value in a fixed slot of
+        :data:`SLOT_BYTES`; when any value is larger (every rank sees that from the lengths),
+        all ranks fall back to ``all_gather_object`` (two collectives)."""
+        import torch
+
+        group = self._groups[channel]
+        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+        fits = len(data) <= SLOT_BYTES - _LEN_BYTES
+        slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
+        slot[:_LEN_BYTES] = torch.tensor(list((len(data) if fits else _TOO_LARGE).to_bytes(_LEN_BYTES, "little")),
+                                         dtype=torch.uint8)
+        if fits:
+            slot[_LEN_BYTES:_LEN_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        slots = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
+        self._dist.all_gather(slots, slot, group=group)
+        lengths = [int.from_bytes(bytes(s[:_LEN_BYTES].tolist()), "little") for s in slots]
+        if any(n == _TOO_LARGE for n in lengths):
+            self.large_rounds += 1
+            out: list[Any] = [None] * self.size
+            self._dist.all_gather_object(out, item, group=group)
+            return out
+        return [pickle.loads(s[_LEN_BYTES:_LEN_BYTES + n].numpy().tobytes()) for s, n in zip(slots, lengths)]
 
     async def _gather(self, channel: Channel, item: Any) -> list[Any]:
         with self._lock:

@@ -19,6 +19,7 @@ from hylinker.components.keys import as_tokens, object_key, page_keys
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
 from hylinker.runtime.agreement import (
+    SLOT_BYTES,
     Agreement,
     RankMismatchError,
     SingleRank,
@@ -180,6 +181,11 @@ async def scenario_two_ranks(rank: int, size: int, agreement: Agreement, address
                 await agreement.gather("requests", "barrier", "late", None)
                 tg.cancel_scope.cancel()
             out["ticks_while_waiting"] = ticks
+
+            # a value larger than a round's slot goes the two-collective way, same answer
+            big = await agreement.gather("requests", "barrier", "large", bytes([rank]) * (SLOT_BYTES + rank))
+            out["large"] = [len(v) for v in big] + [v[0] for v in big]
+            out["large_rounds"] = getattr(agreement, "large_rounds", 0)
             await lk.drain()
 
             # ranks that break the ordering rule: both see the mismatch
@@ -252,6 +258,12 @@ def test_offloads_settling_during_lookups_keep_decisions_equal(two_ranks: list[d
 
 def test_a_round_waiting_for_a_peer_leaves_the_loop_serving(two_ranks: list[dict[str, Any]]) -> None:
     assert two_ranks[0]["ticks_while_waiting"] >= 10  # rank 0 waited ~0.5 s for rank 1
+
+
+def test_values_larger_than_a_slot_still_agree(two_ranks: list[dict[str, Any]]) -> None:
+    for r in two_ranks:
+        assert r["large"] == [SLOT_BYTES, SLOT_BYTES + 1, 0, 1]
+        assert r["large_rounds"] == 1  # only that round: lookups, loads and settlements fit
 
 
 def test_nothing_leaks_on_any_rank(two_ranks: list[dict[str, Any]]) -> None:

@@ -79,6 +79,8 @@ async def stress_rank(rank: int, size: int, agreement: Agreement, args: argparse
         "rank_shortened_loads": stats.rank_shortened_loads,
         "rank_unsettled_offloads": stats.rank_unsettled_offloads,
         "offloads_verified_replicas": stats.offloads_verified_replicas,
+        # rounds whose values did not fit one slot (two collectives instead of one)
+        "large_rounds": getattr(agreement, "large_rounds", 0),
     }
 
 
@@ -112,7 +114,7 @@ def summarize(results: list[dict[str, Any]], replicated: tuple[str, ...]) -> dic
         "leaked_rows": r["summary"]["leaked_rows"],
         "leaked_slots": r["summary"]["leaked_slots"],
         **{k: r[k] for k in ("rank_shortened_lookups", "rank_shortened_loads", "rank_unsettled_offloads",
-                             "offloads_verified_replicas", "lookup_us", "lookup_round_us",
+                             "offloads_verified_replicas", "large_rounds", "lookup_us", "lookup_round_us",
                              "lookup_local_us", "rounds", "round_us")},
     } for r in results]
     return out
