@@ -80,30 +80,36 @@ async def bench_rank(rank: int, size: int, agreement: Agreement, address: str, p
                                 raise RuntimeError(f"rank {rank}: {name} lookup missed the stored prompt")
             round_s = agreement.round_seconds[("requests", "lookup")][before:]
             # the bare collective under the round, on this thread (blocks the loop: bench only)
-            raw = _raw_rounds(agreement, len(round_s))
+            raw, bare = _raw_rounds(agreement, len(round_s))
     finally:
         await store.close()
     s, a = _us(times["single"]), _us(times["agreed"])
     return {"rank": rank, "lookups": len(times["agreed"]), "single_lookup_us": s, "agreed_lookup_us": a,
             "round_us": _us(round_s), "raw_all_gather_object_us": _us(raw) if raw else None,
+            "raw_slot_round_us": _us(bare) if bare else None,
             "ratio_p50": round(a["p50"] / s["p50"], 2) if s["p50"] else None,
             "ratio_p99": round(a["p99"] / s["p99"], 2) if s["p99"] else None}
 
 
-def _raw_rounds(agreement: Agreement, n: int) -> list[float]:
-    """``all_gather_object`` of a lookup-sized value straight on the group (no thread, no check)."""
+def _raw_rounds(agreement: Agreement, n: int) -> tuple[list[float], list[float]]:
+    """A lookup-sized value gathered straight on this thread (blocks the loop: bench only), by
+    ``all_gather_object`` and by the round's own one-slot collective, interleaved."""
     if not isinstance(agreement, GlooAgreement):
-        return []
+        return [], []
     import torch.distributed as dist
 
     value = (("lookup", "r"), (0, (4, 8), (12, 16)))
-    out: list[float] = []
+    objects: list[float] = []
+    slots: list[float] = []
     for _ in range(n):
         got: list[Any] = [None] * agreement.size
         t0 = time.perf_counter()
         dist.all_gather_object(got, value, group=agreement._groups["requests"])
-        out.append(time.perf_counter() - t0)
-    return out
+        objects.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        agreement._round("requests", value)
+        slots.append(time.perf_counter() - t0)
+    return objects, slots
 
 
 def main(argv: list[str] | None = None) -> int:
