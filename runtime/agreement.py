@@ -234,5 +234,21 @@ def agreed_boundary(reports: Sequence[Boundaries]) -> int:
     return 0
 
 
+def page_runs(pages: set[int]) -> tuple[tuple[int, int], ...]:
+    """``pages`` as ``(first, end)`` runs of consecutive pages, ascending (end exclusive)."""
+    runs: list[tuple[int, int]] = []
+    for p in sorted(pages):
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return tuple(runs)
+
+
+def runs_pages(runs: Sequence[tuple[int, int]]) -> set[int]:
+    """The pages of :func:`page_runs`'s runs."""
+    return {p for first, end in runs for p in range(first, end)}
+
+
 __all__ = ["CHANNELS", "Agreement", "AgreementError", "Boundaries", "Channel", "GlooAgreement",
-           "RankMismatchError", "SingleRank", "agreed_boundary", "restorable"]
+           "RankMismatchError", "SingleRank", "agreed_boundary", "page_runs", "restorable", "runs_pages"]

@@ -18,7 +18,7 @@ from ..components.pools import HybridPools
 from ..components.radix import Node
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
-from .agreement import Agreement, AgreementError, SingleRank
+from .agreement import Agreement, AgreementError, SingleRank, page_runs, runs_pages
 from .config import LinkerConfig
 from .data_plane import DataPlane, OffloadTicket, Transfer
 from .events import DeviceEvent
@@ -226,7 +226,7 @@ class OffloadRoom:
                     have.update(j for j, pos in jobs[kind][1].items() if stored[pos])
                 mine[kind.value] = have
             tag = f"{request_id}#{turn}"
-            reports: list[dict[str, set[int]]] = await self.agreement.gather("offloads", "settle", tag, mine)
+            reports = await self._report(tag, "settle", mine)
             replicated = [k for k in self.rules if k in self.layout.replicated]
             if replicated:
                 writer = 0  # the rank that writes a replicated pool (ModelLayout.writes)
@@ -237,9 +237,7 @@ class OffloadRoom:
                         asked = [j for j in where if j in written]
                         present = await self._replica_outcomes([names[where[j]] for j in asked]) if asked else []
                         mine[kind.value] = mine[kind.value] | {j for j, ok in zip(asked, present) if ok}
-                    elif jobs.get(kind, (False,))[0]:
-                        mine[kind.value] = written
-                reports = await self.agreement.gather("offloads", "verify", tag, mine)
+                reports = await self._report(tag, "verify", mine)
             out: dict[PoolKind, list[bool] | None] = {}
             for kind, (_written, where, _names) in jobs.items():
                 agreed = set.intersection(*(r[kind.value] for r in reports))
@@ -255,6 +253,13 @@ class OffloadRoom:
             self._turn += 1
             changed, self._turn_changed = self._turn_changed, anyio.Event()
             changed.set()
+
+    async def _report(self, tag: str, phase: str, mine: dict[str, set[int]]) -> list[dict[str, set[int]]]:
+        """Every rank's pages per pool, sent as runs of consecutive pages (a few numbers for a
+        long path, so a round stays within one slot)."""
+        sent = {kind: page_runs(pages) for kind, pages in mine.items()}
+        got: list[dict[str, tuple[tuple[int, int], ...]]] = await self.agreement.gather("offloads", phase, tag, sent)
+        return [{kind: runs_pages(runs) for kind, runs in r.items()} for r in got]
 
     async def _replica_outcomes(self, names: list[str]) -> list[bool]:
         """A replicated pool another rank writes: stored only where the store holds it now (a

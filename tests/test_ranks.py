@@ -24,7 +24,9 @@ from hylinker.runtime.agreement import (
     RankMismatchError,
     SingleRank,
     agreed_boundary,
+    page_runs,
     restorable,
+    runs_pages,
 )
 from hylinker.runtime.config import LinkerConfig
 from hylinker.runtime.linker import Linker, Request
@@ -52,6 +54,14 @@ def test_agreed_boundary_takes_the_largest_common_member_not_the_min_of_maxima()
     # pure attention devices: any count up to the device hit
     assert agreed_boundary([(10, None, ()), (7, None, (16,))]) == 7
     assert restorable((5, (2,), ()), 0) and not restorable((5, (2,), ()), 4)
+
+
+def test_page_runs_round_trip() -> None:
+    pages = {0, 1, 2, 5, 7, 8, 100}
+    assert page_runs(pages) == ((0, 3), (5, 6), (7, 9), (100, 101))
+    assert runs_pages(page_runs(pages)) == pages
+    assert page_runs(set()) == () and runs_pages(()) == set()
+    assert len(page_runs(set(range(4096)))) == 1  # a long path is one run
 
 
 async def test_single_rank_rounds_are_the_ranks_own_value() -> None:
