@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -27,6 +27,8 @@ from .tree_actor import TreeActor
 
 if TYPE_CHECKING:
     from .request import Request
+
+_WRITES = "writes"  # a settlement report's entry: which pools the reporting rank writes
 
 #: one pool's part of an offload: the job (None: another rank writes this replicated pool),
 #: absolute page -> position of its object, and the object keys
@@ -229,9 +231,11 @@ class OffloadRoom:
             reports = await self._report(tag, "settle", mine)
             replicated = [k for k in self.rules if k in self.layout.replicated]
             if replicated:
-                writer = 0  # the rank that writes a replicated pool (ModelLayout.writes)
                 for kind in replicated:
-                    written = reports[writer][kind.value]
+                    # what every writer of the pool reported (ModelLayout.writes: TP rank 0, or
+                    # one per DCP rank); this rank then checks its own objects of those pages
+                    writers = [r for r, rep in enumerate(reports) if rep[_WRITES][kind.value]]
+                    written = set.intersection(*(reports[r][kind.value] for r in writers)) if writers else set()
                     if kind in jobs and not jobs[kind][0]:
                         where, names = jobs[kind][1], jobs[kind][2]
                         asked = [j for j in where if j in written]
@@ -254,12 +258,13 @@ class OffloadRoom:
             changed, self._turn_changed = self._turn_changed, anyio.Event()
             changed.set()
 
-    async def _report(self, tag: str, phase: str, mine: dict[str, set[int]]) -> list[dict[str, set[int]]]:
+    async def _report(self, tag: str, phase: str, mine: dict[str, set[int]]) -> list[dict[str, Any]]:
         """Every rank's pages per pool, sent as runs of consecutive pages (a few numbers for a
-        long path, so a round stays within one slot)."""
-        sent = {kind: page_runs(pages) for kind, pages in mine.items()}
-        got: list[dict[str, tuple[tuple[int, int], ...]]] = await self.agreement.gather("offloads", phase, tag, sent)
-        return [{kind: runs_pages(runs) for kind, runs in r.items()} for r in got]
+        long path, so a round stays within one slot), and which pools the rank writes."""
+        sent: dict[str, Any] = {kind: page_runs(pages) for kind, pages in mine.items()}
+        sent[_WRITES] = {k.value: rule.writes for k, rule in self.rules.items()}
+        got: list[dict[str, Any]] = await self.agreement.gather("offloads", phase, tag, sent)
+        return [{kind: (v if kind == _WRITES else runs_pages(v)) for kind, v in r.items()} for r in got]
 
     async def _replica_outcomes(self, names: list[str]) -> list[bool]:
         """A replicated pool another rank writes: stored only where the store holds it now (a

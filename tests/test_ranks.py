@@ -328,3 +328,55 @@ def test_rank_disagreements_counts_requests_whose_prefix_differs() -> None:
     assert rank_disagreements([[("a", 64), ("b", 0)], [("a", 64), ("b", 0)]]) == 0
     assert rank_disagreements([[("a", 64), ("b", 0)], [("a", 128), ("b", 0)]]) == 1
     assert rank_disagreements([[("a", 64)], [("a", 64), ("c", 0)]]) == 1  # served on one rank only
+
+
+# ---- agreement under decode-context parallelism (tp 4 x dcp 2) ----------------------------------
+
+async def scenario_dcp(rank: int, size: int, agreement: Agreement, address: str, prefix: int) -> dict[str, Any]:
+    from hylinker.testing.dcp import (
+        DcpContent,
+        dcp_prefill,
+        dcp_prompt,
+        dcp_restore,
+        dcp_test_layout,
+    )
+
+    layout = dcp_test_layout(2, rank, tp=size, hybrid=True, replicated=("kv", "draft"))
+    pools = HybridPools(layout, kv_pages=32, mamba_slots=8)
+    content = DcpContent(pools)
+    store = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=16 << 20))
+    out: dict[str, Any] = {}
+    tokens = dcp_prompt(5 * layout.tree_page + 3, seed=prefix)  # restorable up to 5 tree pages
+    try:
+        async with Linker(layout, pools, store, LinkerConfig(resilience=None, staging_bytes_per_pool=1 << 16),
+                          salt=f"dcp{prefix}", agreement=agreement) as lk:
+            req = lk.request("donor", tokens)
+            await lk.lookup(req)
+            await lk.load(req)
+            out["depth"] = await dcp_prefill(lk, content, req)
+            out["bytes_offloaded"] = {k: v.bytes_offloaded for k, v in lk.pool_statistics().items()}
+            out["verified_replicas"] = lk.statistics().offloads_verified_replicas
+            out["stored_kinds"] = sorted({k.value for n in lk.tree.tree.nodes() for k in n.stored})
+            out["restored"], out["problems"] = await dcp_restore(lk, content, tokens, "restore")
+            await lk.drain()
+            lk.check_idle()
+            out["leaked"] = list(lk.leaked())
+        lk.flush_device()
+        pools.check_idle()
+    finally:
+        await store.close()
+    return out
+
+
+@pytest.mark.slow
+def test_dcp_ranks_agree_and_replicated_kv_has_one_writer_per_dcp_rank(mooncake_master: Any) -> None:
+    ranks = launch(4, scenario_dcp, mooncake_master.address, 11, timeout_s=60)
+    for r, got in enumerate(ranks):
+        writes_replicas = r < 2  # the first DCP group: one writer per DCP rank
+        assert (got["bytes_offloaded"]["kv"] > 0) is writes_replicas, (r, got["bytes_offloaded"])
+        assert (got["bytes_offloaded"]["draft"] > 0) is writes_replicas, (r, got["bytes_offloaded"])
+        assert got["bytes_offloaded"]["mamba"] > 0  # every TP rank's own state shard
+        assert (got["verified_replicas"] > 0) is not writes_replicas
+        assert got["stored_kinds"] == ["draft", "kv", "mamba"]
+        assert got["restored"] == got["depth"] > 0 and got["problems"] == [], (r, got)
+        assert got["leaked"] == [0, 0]
