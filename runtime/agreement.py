@@ -46,6 +46,9 @@ SLOT_BYTES = 4096
 _LEN_BYTES = 4
 _TOO_LARGE = (1 << 32) - 1
 
+#: how long a round waits for its peers before it fails (seconds; ``GlooAgreement.create``)
+DEFAULT_ROUND_TIMEOUT_S = 120.0
+
 Channel = Literal["requests", "offloads"]
 CHANNELS: tuple[Channel, ...] = ("requests", "offloads")
 
@@ -138,14 +141,25 @@ class GlooAgreement(Agreement):
         self.large_rounds = 0  # rounds whose values did not fit a slot (two collectives)
 
     @classmethod
-    def create(cls, backend: str = "gloo", ranks: Sequence[int] | None = None) -> GlooAgreement:
-        """Two fresh groups (one per channel) over ``ranks`` (default: the whole world)."""
+    def create(cls, backend: str = "gloo", ranks: Sequence[int] | None = None,
+               timeout_s: float = DEFAULT_ROUND_TIMEOUT_S) -> GlooAgreement:
+        """Two fresh groups (one per channel) over ``ranks`` (default: the whole world).
+
+        ``timeout_s`` bounds every round: a peer that never reaches a round (it died, or the
+        engine broke the ordering rule on one rank) fails the round with :class:`AgreementError`
+        after that long, instead of holding the caller for torch's default (30 minutes).
+        """
+        import datetime
+
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise AgreementError("torch.distributed is not initialised: call init_process_group first")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        timeout = datetime.timedelta(seconds=timeout_s)
         groups: dict[Channel, Any] = {c: dist.new_group(ranks=list(ranks) if ranks is not None else None,
-                                                        backend=backend) for c in CHANNELS}
+                                                        backend=backend, timeout=timeout) for c in CHANNELS}
         return cls(groups)
 
     def _round(self, channel: Channel, item: Any) -> list[Any]:

@@ -8,6 +8,7 @@ can import them) and return what they saw; the tests compare the ranks' answers.
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import anyio
@@ -21,6 +22,7 @@ from hylinker.components.pools import HybridPools
 from hylinker.runtime.agreement import (
     SLOT_BYTES,
     Agreement,
+    AgreementError,
     RankMismatchError,
     SingleRank,
     agreed_boundary,
@@ -278,6 +280,29 @@ def test_values_larger_than_a_slot_still_agree(two_ranks: list[dict[str, Any]]) 
 
 def test_nothing_leaks_on_any_rank(two_ranks: list[dict[str, Any]]) -> None:
     assert [r["leaked"] for r in two_ranks] == [[0, 0], [0, 0]]
+
+
+async def scenario_a_peer_that_never_comes(rank: int, size: int, agreement: Agreement) -> dict[str, Any]:
+    """Rank 0 enters a round rank 1 never reaches (the ordering rule broken on one rank)."""
+    out: dict[str, Any] = {}
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            await agreement.gather("requests", "barrier", "alone", None)
+            out["error"] = None
+        except AgreementError as exc:
+            out["error"] = type(exc).__name__
+        out["waited_s"] = time.monotonic() - started
+    else:
+        await anyio.sleep(6.0)  # long past rank 0's round timeout; then leave without the round
+    return out
+
+
+def test_a_round_whose_peer_never_comes_fails_within_the_round_timeout() -> None:
+    # the round timeout is the launcher's 2 s: rank 0 gets an AgreementError, not a hang
+    r0, _ = launch(2, scenario_a_peer_that_never_comes, timeout_s=2.0)
+    assert r0["error"] == "AgreementError"
+    assert r0["waited_s"] < 6.0
 
 
 # ---- independent faults per rank, through stress --ranks --------------------------------------

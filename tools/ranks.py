@@ -37,7 +37,7 @@ def _rank_entry(rank: int, size: int, port: int, timeout_s: float, target: RankT
     torch.set_num_threads(1)  # N ranks share the host's cores: one intra-op thread each
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    agreement = GlooAgreement.create()
+    agreement = GlooAgreement.create(timeout_s=timeout_s)
     path = Path(out_dir) / f"rank{rank}.json"
     try:
         result = anyio.run(target, rank, size, agreement, *args)
