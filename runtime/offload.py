@@ -180,16 +180,21 @@ class OffloadRoom:
         """Exactly one settlement per offload: mark what reached the store, then unlock."""
         failed = False
         try:
-            outcome = None if ticket is None else await ticket.wait()
+            outcome = None
             local: dict[PoolKind, list[bool] | None] = {}
-            for kind, (written, where, names) in jobs.items():
-                if not written:
-                    # several ranks: verified after the writer reported its write (_agree)
-                    local[kind] = None if turn is not None else await self._replica_outcomes(names)
-                elif outcome is None:
-                    local[kind] = None
-                else:
-                    local[kind] = outcome.objects.get(kind, [False] * len(where))
+            try:
+                outcome = None if ticket is None else await ticket.wait()
+                for kind, (written, where, names) in jobs.items():
+                    if not written:
+                        # several ranks: verified after the writer reported its write (_agree)
+                        local[kind] = None if turn is not None else await self._replica_outcomes(names)
+                    elif outcome is None:
+                        local[kind] = None
+                    else:
+                        local[kind] = outcome.objects.get(kind, [False] * len(where))
+            except Exception as exc:  # nothing counts as stored; the turn below is still taken
+                trace("offload.error", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
+                outcome, local = None, {kind: None for kind in jobs}
             if turn is not None:
                 local = await self._agree(turn, request_id, end, jobs, local)
             for kind, (_written, where, _names) in jobs.items():
