@@ -10,6 +10,11 @@ A :class:`ModelLayout` says what one tensor-parallel rank keeps per token and pe
 * DRAFT: the draft model's KV; draft layer ``d`` rides with the ``d``-th full-attention
   layer and is indexed by the same token slots.
 
+A purely recurrent model (Mamba2) has a *state-only* layout: no full-attention layer, so no
+FULL pool (``kv_row_shape`` is ``()``, ``kv_dtype`` uint8, zero bytes per token) and no DRAFT.
+The tree still pages its tokens (page keys, rows as page accounting); the store holds only
+MAMBA states at grid boundaries.
+
 The fingerprint hashes everything that decides the bytes of a stored object (shapes, dtypes,
 page size, tp/dcp sizes) but not the rank, which goes into object keys instead.
 """
@@ -45,6 +50,11 @@ _ALLOWED_DTYPES = {
     "int8": torch.int8,
     "uint8": torch.uint8,
 }
+
+
+# what a state-only layout's (empty) KV pool is made of: a fixed value, so that it never
+# changes the fingerprint
+_STATE_ONLY_KV_DTYPE = torch.uint8
 
 
 class LayoutError(ValueError):
@@ -127,7 +137,7 @@ class ModelLayout:
         page_size: int,
         chunk_size: int = 64,
         full_layers: Sequence[int],
-        kv_row_shape: Sequence[int],
+        kv_row_shape: Sequence[int] | None = None,
         kv_dtype: torch.dtype | str = torch.bfloat16,
         mamba_layers: Sequence[MambaLayerSpec | dict[str, object]] = (),
         draft_layers: int = 0,
@@ -140,7 +150,11 @@ class ModelLayout:
         replicated: Sequence[PoolKind | str] = (),
         model_name: str = "",
     ) -> ModelLayout:
-        """Validate every field and build the layout; raises :class:`LayoutError`."""
+        """Validate every field and build the layout; raises :class:`LayoutError`.
+
+        ``full_layers`` may be empty only for a state-only layout (``mamba_layers`` given,
+        ``kv_row_shape`` omitted, no draft layers); ``kv_row_shape`` is required otherwise.
+        """
         for name, val in (("page_size", page_size), ("chunk_size", chunk_size),
                           ("tp_size", tp_size), ("dcp_size", dcp_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
@@ -163,8 +177,9 @@ class ModelLayout:
                                   f"dcp_size consecutive TP ranks, so dcp_rank = tp_rank % dcp_size = "
                                   f"{tp_rank % dcp_size}")
         fl = tuple(full_layers)
-        if not fl:
-            raise LayoutError("full_layers is empty: a layout needs at least one full-attention layer")
+        if not fl and not mamba_layers:
+            raise LayoutError("full_layers and mamba_layers are both empty: a layout needs at least "
+                              "one full-attention or recurrent layer")
         if len(set(fl)) != len(fl) or any(
                 not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in fl):
             raise LayoutError(f"full_layers must be distinct non-negative ints, got {fl!r}")
@@ -208,6 +223,16 @@ class ModelLayout:
                 raise LayoutError("draft_row_shape is required when draft_layers > 0")
             d_shape = _shape("draft_row_shape", draft_row_shape)
             d_dtype = _to_dtype("draft_dtype", draft_dtype if draft_dtype is not None else kv_dtype)
+        if fl:
+            if kv_row_shape is None:
+                raise LayoutError("kv_row_shape is required when full_layers is given")
+            row_shape = _shape("kv_row_shape", kv_row_shape)
+            row_dtype = _to_dtype("kv_dtype", kv_dtype)
+        else:  # state-only: no FULL pool, no bytes per token
+            if kv_row_shape is not None and tuple(kv_row_shape):
+                raise LayoutError(f"kv_row_shape={tuple(kv_row_shape)!r} without full_layers: a "
+                                  "state-only layout holds no KV rows")
+            row_shape, row_dtype = (), _STATE_ONLY_KV_DTYPE
         rep: set[PoolKind] = set()
         for r in replicated:
             try:
@@ -218,8 +243,8 @@ class ModelLayout:
             page_size=page_size,
             chunk_size=chunk_size,
             full_layers=fl,
-            kv_row_shape=_shape("kv_row_shape", kv_row_shape),
-            kv_dtype=_to_dtype("kv_dtype", kv_dtype),
+            kv_row_shape=row_shape,
+            kv_dtype=row_dtype,
             mamba_layers=tuple(specs),
             draft_layers=draft_layers,
             draft_row_shape=d_shape,
@@ -250,13 +275,18 @@ class ModelLayout:
         return self.dcp_size > 1 and pool is not PoolKind.MAMBA
 
     @property
+    def state_only(self) -> bool:
+        """No full-attention layer: the store holds only MAMBA states (a purely recurrent model)."""
+        return not self.full_layers
+
+    @property
     def grid(self) -> int:
         """Token granularity of restorable boundaries (the tree page for pure attention)."""
         return checkpoint_grid(self.chunk_size, self.tree_page) if self.is_hybrid else self.tree_page
 
     @property
     def pools(self) -> tuple[PoolKind, ...]:
-        out = [PoolKind.FULL]
+        out = [] if self.state_only else [PoolKind.FULL]
         if self.is_hybrid:
             out.append(PoolKind.MAMBA)
         if self.draft_layers:

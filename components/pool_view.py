@@ -321,17 +321,22 @@ class PoolSet(Mapping[PoolKind, PoolView]):
             if v.kind in self._views:
                 raise PoolViewError(f"two views for pool {v.kind.value}")
             self._views[v.kind] = v
-        if PoolKind.FULL not in self._views:
-            raise PoolViewError("a pool set needs a FULL (KV) view")
-        full = self._views[PoolKind.FULL]
+        if not self._views:
+            raise PoolViewError("a pool set needs at least one view")
+        full = self._views.get(PoolKind.FULL)
         draft = self._views.get(PoolKind.DRAFT)
-        if draft is not None and (draft.capacity != full.capacity or draft.unit != full.unit):
+        if draft is not None and full is None:
+            raise PoolViewError("draft KV lies on the KV rows: a pool set with a DRAFT view needs a FULL view")
+        if PoolKind.MAMBA not in self._views and full is None:
+            raise PoolViewError("a pool set needs a FULL (KV) view, or a MAMBA view alone (state-only)")
+        if draft is not None and full is not None and (
+                draft.capacity != full.capacity or draft.unit != full.unit):
             raise PoolViewError(f"draft KV must lie on the KV rows: {draft.capacity} rows of {draft.unit}-row "
                                 f"pages vs {full.capacity} of {full.unit}")
         devices = {v.device for v in self._views.values()}
         if len(devices) != 1:
             raise PoolViewError(f"pools on several devices: {sorted(map(str, devices))}")
-        self.device = full.device
+        self.device = next(iter(devices))
 
     def __getitem__(self, kind: PoolKind) -> PoolView:
         return self._views[kind]
@@ -343,8 +348,10 @@ class PoolSet(Mapping[PoolKind, PoolView]):
         return len(self._views)
 
     @property
-    def page_size(self) -> int:
-        return self._views[PoolKind.FULL].unit
+    def page_size(self) -> int | None:
+        """Rows per page object (``None`` for a state-only set, which has no pages)."""
+        full = self._views.get(PoolKind.FULL)
+        return None if full is None else full.unit
 
     def fingerprint(self, namespace: bytes | str = b"") -> bytes:
         """SHA-256 over the views' geometry and ``namespace`` (model, rank term): the tag every
@@ -363,7 +370,7 @@ class PoolSet(Mapping[PoolKind, PoolView]):
             if v.payload_bytes != layout.payload_bytes(kind):
                 raise PoolViewError(f"{kind.value}: views hold {v.payload_bytes} bytes per object, the layout "
                                     f"{layout.payload_bytes(kind)}")
-        if self.page_size != layout.page_size:
+        if self.page_size is not None and self.page_size != layout.page_size:
             raise PoolViewError(f"views use {self.page_size}-row pages, the layout {layout.page_size}")
 
 

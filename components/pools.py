@@ -91,6 +91,9 @@ class KVPool:
     (``p*W .. p*W+W-1``, ``W = layout.tree_page``); this rank holds every ``dcp_size``-th of
     them, in ``page_size`` tensor rows (:func:`dcp_fold` maps slots to rows). Without DCP slots
     and tensor rows coincide.
+
+    For a state-only layout the tensor has no layers (zero bytes): the pool still hands out
+    rows, which the tree uses as page accounting for the tokens it keys.
     """
 
     def __init__(self, layout: ModelLayout, capacity_pages: int, device: torch.device | str = "cpu") -> None:
@@ -197,8 +200,10 @@ class HybridPools:
     def views(self) -> PoolSet:
         """Views over these pools' own tensors: the same objects an engine's borrowed pools
         give (``components.pool_view``); the runtime moves data only through views."""
-        views: list[PoolView] = [stacked_kv_view(
-            self.kv.tensor, layer_ids=self.layout.full_layers, page_size=self.layout.page_size)]
+        views: list[PoolView] = []
+        if not self.layout.state_only:  # a state-only layout's KV pool only counts pages
+            views.append(stacked_kv_view(
+                self.kv.tensor, layer_ids=self.layout.full_layers, page_size=self.layout.page_size))
         if self.mamba is not None:
             views.append(state_view([[c] for c in self.mamba.conv], list(self.mamba.temporal),
                                     layer_ids=[s.layer_id for s in self.layout.mamba_layers]))

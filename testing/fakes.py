@@ -393,7 +393,8 @@ class SyntheticContent:
         return True
 
     def _page_tensors(self) -> list[tuple[int, torch.Tensor]]:
-        out = [(1, self.pools.kv.tensor)]
+        # a state-only layout's KV tensor has no layers: its rows hold nothing to check
+        out = [] if self.layout.state_only else [(1, self.pools.kv.tensor)]
         if self.pools.draft is not None:
             out.append((2, self.pools.draft.tensor))
         return out

@@ -29,7 +29,6 @@ OWN_CACHE = "uses cache of its own"
 STATE_OUTSIDE_CACHE = "left empty after a forward"
 NO_CAUSAL_LM = "no causal-LM class"
 # hylinker's limits
-PURELY_RECURRENT = "purely recurrent"
 INDEXED_ATTENTION = "indexed (sparse) attention"
 
 UPSTREAM = {STATE_IGNORED, OWN_CACHE, STATE_OUTSIDE_CACHE, NO_CAUSAL_LM}
@@ -52,7 +51,7 @@ EXPECTED: dict[str, str] = {
     "lfm3": PASS,
     "lfm3_vl_vision": NO_CAUSAL_LM,
     "mamba": STATE_IGNORED,
-    "mamba2": PURELY_RECURRENT,
+    "mamba2": PASS,
     "minimax": OWN_CACHE,
     "nemotron_h": PASS,
     "olmo_hybrid": PASS,
@@ -235,6 +234,39 @@ async def test_layers_with_both_kv_and_a_state_restore_exactly() -> None:
     layout = engine.layout(page_size=16)
     assert set(layout.full_layers) == {s.layer_id for s in layout.mamba_layers}
     await _demo(engine, turns=2)
+
+
+async def test_a_purely_recurrent_model_restores_through_a_state_only_layout() -> None:
+    # Mamba2 has no attention layer: no KV rows, no draft to ride on them. Its multi-token
+    # forward honours the cached state (unlike the Mamba1 torch path above), so the layout is
+    # state-only: the tree pages the tokens, the store holds only MAMBA states
+    from hylinker.components.layout import PoolKind
+    from hylinker.tools.reference import ReferenceEngine, build_draft_model
+
+    model = build_model("mamba2", seed=0)
+    ids = torch.randint(3, 512, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    recurrent = _recurrent_layers(model)
+    assert recurrent and len(recurrent) == len(_new_cache(model).layers)
+
+    def second_half(zero: bool) -> torch.Tensor:
+        cache = _new_cache(model)
+        _forward(model, cache, ids[:64], 0)
+        if zero:
+            for i in recurrent:
+                cache.get_recurrent_state(i).zero_()
+        return _forward(model, cache, ids[64:], 64)
+
+    assert not torch.equal(second_half(False), second_half(True))  # the state is read
+    with pytest.raises(UnsupportedModelError, match="has none"):
+        ReferenceEngine(model, build_draft_model(seed=1), chunk_tokens=64)
+    engine = ReferenceEngine(model, None, chunk_tokens=64)
+    g = engine.geometry
+    assert g.kv is None and not g.full_layers and len(g.linear) == g.num_layers
+    layout = engine.layout(page_size=16)
+    assert layout.state_only and layout.pools == (PoolKind.MAMBA,)
+    report = await _demo(engine, turns=2)
+    turns = report["turns"]
+    assert isinstance(turns, list) and turns[1]["restored_tokens"] > 0
 
 
 def test_several_conv_states_travel_as_one_conv_tensor() -> None:

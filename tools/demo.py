@@ -182,8 +182,13 @@ async def run_demo(
 
     t_build = time.perf_counter()
     if engine is None:
-        engine = ReferenceEngine(build_model(arch, seed=seed), build_draft_model(seed=seed + 1),
-                                 chunk_tokens=CHUNK_TOKENS)
+        from .reference import cache_geometry
+
+        model = build_model(arch, seed=seed)
+        # the draft model's KV rides on the target's attention rows: none for a purely
+        # recurrent model (a state-only layout), which runs without a draft
+        draft = build_draft_model(seed=seed + 1) if cache_geometry(model).kv is not None else None
+        engine = ReferenceEngine(model, draft, chunk_tokens=CHUNK_TOKENS)
     build_s = time.perf_counter() - t_build
     if not engine.geometry.linear:
         from .reference import UnsupportedModelError

@@ -370,10 +370,8 @@ def layout_for(
     full-attention layer. ``layout_fields`` go to :meth:`ModelLayout.create` (tp sizes, ...).
     """
     g = cache_geometry(model)
-    if g.kv is None:
-        raise UnsupportedModelError(
-            f"{g.model_type}: no attention layer holds KV (a purely recurrent model); a hylinker "
-            "layout needs at least one attention layer, whose pages key the prefix tree")
+    if g.kv is None and not g.linear:
+        raise UnsupportedModelError(f"{g.model_type}: no layer caches anything (no KV, no state)")
     draft_layers = 0
     draft_row: tuple[int, ...] | None = None
     draft_dtype: torch.dtype | None = None
@@ -391,8 +389,8 @@ def layout_for(
         page_size=page_size,
         chunk_size=chunk_size,
         full_layers=g.full_layers,
-        kv_row_shape=g.kv.row_shape,
-        kv_dtype=g.kv.dtype,
+        kv_row_shape=None if g.kv is None else g.kv.row_shape,
+        kv_dtype=torch.uint8 if g.kv is None else g.kv.dtype,
         mamba_layers=[
             MambaLayerSpec(s.layer_id, s.conv_shape, s.conv_dtype, s.temporal_shape, s.temporal_dtype)
             for s in g.linear
@@ -411,7 +409,8 @@ def layout_for(
 class BoundaryState:
     """A restorable state after ``length`` tokens, as plain tensors (owned, not cache views).
 
-    ``kv``: ``[n_full_layers, length, *kv_row_shape]``; ``conv[i]`` / ``temporal[i]``: layer
+    ``kv``: ``[n_full_layers, length, *kv_row_shape]`` (``[0, length]`` uint8 for a purely
+    recurrent model: it has no attention layer); ``conv[i]`` / ``temporal[i]``: layer
     ``i`` of the linear layers (layout order), no batch dim, ``None`` when absent (``conv`` and
     ``temporal`` are ``None`` together when the state carries no linear-attention part);
     ``draft``: ``[n_draft_layers, length, *draft_row_shape]`` or ``None``.
@@ -478,13 +477,15 @@ class ReferenceEngine:
         self.draft_model = draft_model
         self.chunk_tokens = chunk_tokens
         self.geometry = cache_geometry(model)
-        if self.geometry.kv is None:
+        if self.geometry.kv is None and not self.geometry.linear:
             raise UnsupportedModelError(
-                f"{self.geometry.model_type}: no attention layer holds KV (a purely recurrent "
-                "model); a hylinker layout needs at least one attention layer, whose pages key "
-                "the prefix tree")
+                f"{self.geometry.model_type}: no layer caches anything (no KV, no state)")
         self.draft_geometry: CacheGeometry | None = None
         if draft_model is not None:
+            if self.geometry.kv is None:
+                raise UnsupportedModelError(
+                    f"{self.geometry.model_type}: a draft model's KV rides on the target's "
+                    "attention layers (its rows), and this model has none (purely recurrent)")
             self.draft_geometry = _draft_geometry(draft_model)
             config: Any = model.config
             draft_config: Any = draft_model.config
@@ -649,7 +650,8 @@ def _export_rows(cache: Any, g: CacheGeometry, length: int) -> torch.Tensor:
     ``window - 1`` tokens; rows of tokens before that are zero. They are never read: a restore
     at any boundary replays every row into the layer, which keeps only its window, and the
     window's rows were written from a state that still held them."""
-    assert g.kv is not None
+    if g.kv is None:  # purely recurrent: no rows, the shape a state-only layout's pool has
+        return torch.empty((0, length), dtype=torch.uint8)
     rows = []
     windows = g.kv_windows or (None,) * len(g.full_layers)
     for i, window in zip(g.full_layers, windows, strict=True):
@@ -667,7 +669,9 @@ def _export_rows(cache: Any, g: CacheGeometry, length: int) -> torch.Tensor:
 
 def _import_rows(cache: Any, g: CacheGeometry, rows: torch.Tensor, length: int,
                  device: torch.device, name: str) -> None:
-    assert g.kv is not None
+    if g.kv is None:
+        _check(name, rows, (0, length), torch.uint8)
+        return
     _check(name, rows, (len(g.full_layers), length, *g.kv.row_shape), g.kv.dtype)
     for j, i in enumerate(g.full_layers):
         k, v = g.kv.decode(rows[j].to(device))
