@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -28,8 +29,6 @@ STATE_IGNORED = "ignores the recurrent state held in its cache"
 OWN_CACHE = "uses cache of its own"
 STATE_OUTSIDE_CACHE = "left empty after a forward"
 NO_CAUSAL_LM = "no causal-LM class"
-# hylinker's limits
-INDEXED_ATTENTION = "indexed (sparse) attention"
 
 UPSTREAM = {STATE_IGNORED, OWN_CACHE, STATE_OUTSIDE_CACHE, NO_CAUSAL_LM}
 
@@ -58,7 +57,7 @@ EXPECTED: dict[str, str] = {
     "qwen3_5_moe_text": PASS,
     "qwen3_5_text": PASS,
     "qwen3_next": PASS,
-    "qwen4_exp_text": INDEXED_ATTENTION,
+    "qwen4_exp_text": PASS,
     "recurrent_gemma": STATE_OUTSIDE_CACHE,
     "zamba": STATE_IGNORED,
     "zamba2": PASS,
@@ -267,6 +266,44 @@ async def test_a_purely_recurrent_model_restores_through_a_state_only_layout() -
     report = await _demo(engine, turns=2)
     turns = report["turns"]
     assert isinstance(turns, list) and turns[1]["restored_tokens"] > 0
+
+
+def test_indexer_keys_travel_on_the_kv_rows_and_decide_the_continuation() -> None:
+    # Qwen4-Exp's indexed (QSA) attention caches one indexer key per token beside K/V and,
+    # on its first indexed layer, the 3-D position history its indexer reads. The keys ride
+    # on the layer's KV row (K ‖ V ‖ indexer key); the history is rebuilt from the positions
+    from types import SimpleNamespace
+
+    from hylinker.tools.reference import ReferenceEngine
+    from hylinker.tools.reference.engine import _position_history
+
+    engine = ReferenceEngine(build_model("qwen4_exp_text", seed=0), None, chunk_tokens=64)
+    g = engine.geometry
+    assert g.kv is not None and g.kv.indexer_dim == 32 and g.full_layers == (3,)
+    assert g.kv.row_shape == (2 * 2 * 32 + 32,)
+    assert g.position_history_layers == (3,) and g.position_history_dims == 3
+    ids = torch.randint(3, 512, (96,), generator=torch.Generator().manual_seed(2)).tolist()
+    seq = engine.new_sequence()
+    engine.extend(seq, ids[:64])
+    state = engine.export(seq)
+    restored = engine.restore(state, ids[:64])
+    held, got = seq.cache.layers[3], restored.cache.layers[3]
+    assert torch.equal(got.indexer_keys, held.indexer_keys)
+    assert torch.equal(got.indexer_position_ids, held.indexer_position_ids)
+    want = engine.extend(seq, ids[64:]).logprobs
+    assert torch.equal(engine.extend(restored, ids[64:]).logprobs, want)
+    # the same state with its indexer keys zeroed: the indexer picks other blocks (a budget of
+    # 16 of 64+ tokens), so the continuation changes
+    kv = state.kv.clone()
+    kv[..., -32:] = 0
+    blind = engine.restore(attrs.evolve(state, kv=kv), ids[:64])
+    assert not torch.equal(engine.extend(blind, ids[64:]).logprobs, want)
+    # a history that is not the tokens' positions (a multimodal prompt's) cannot be rebuilt
+    history = torch.arange(4).view(1, 1, 4).expand(3, 1, 4).clone()
+    history[1] += 7
+    cache = SimpleNamespace(layers=[SimpleNamespace(indexer_position_ids=history)])
+    with pytest.raises(UnsupportedModelError, match="not the tokens' positions"):
+        _position_history("m", cache, 4)
 
 
 def test_several_conv_states_travel_as_one_conv_tensor() -> None:

@@ -63,39 +63,62 @@ LinearStateMode = Literal["load", "zero", "skip"]
 # ---------------------------------------------------------------------------------------------
 @attrs.frozen
 class KVRowSpec:
-    """How one full-attention layer's cached keys/values map to one row per token."""
+    """How one attention layer's cached keys/values map to one row per token.
+
+    ``indexer_dim``: an indexed (sparse) attention layer (Qwen4-Exp QSA) also caches one
+    indexer key per token (``[1, T, indexer_dim]``); its row is then flat,
+    ``K ‖ V ‖ indexer key`` (``H*Dk + H*Dv + indexer_dim`` values), so the indexer keys travel
+    on the same KV rows and pages as the layer's K/V.
+    """
 
     heads: int
     key_dim: int
     value_dim: int
     dtype: torch.dtype
+    indexer_dim: int = 0
 
     @property
     def stacked(self) -> bool:
-        return self.key_dim == self.value_dim
+        return self.key_dim == self.value_dim and not self.indexer_dim
 
     @property
     def row_shape(self) -> tuple[int, ...]:
+        if self.indexer_dim:
+            return (self.heads * (self.key_dim + self.value_dim) + self.indexer_dim,)
         if self.stacked:
             return (2, self.heads, self.key_dim)
         return (self.heads, self.key_dim + self.value_dim)
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """``keys [1, H, T, Dk]``, ``values [1, H, T, Dv]`` -> rows ``[T, *row_shape]``."""
+    def encode(self, keys: torch.Tensor, values: torch.Tensor,
+               indexer: torch.Tensor | None = None) -> torch.Tensor:
+        """``keys [1, H, T, Dk]``, ``values [1, H, T, Dv]`` (and ``indexer [1, T, Di]``) ->
+        rows ``[T, *row_shape]``."""
         k = keys[0].transpose(0, 1)  # [T, H, Dk]
         v = values[0].transpose(0, 1)
+        if self.indexer_dim:
+            if indexer is None or tuple(indexer.shape[::2]) != (1, self.indexer_dim):
+                raise ValueError(f"an indexed layer's rows need its indexer keys [1, T, {self.indexer_dim}]")
+            t = k.shape[0]
+            return torch.cat([k.reshape(t, -1), v.reshape(t, -1), indexer[0]], dim=-1).contiguous()
         if self.stacked:
             return torch.stack([k, v], dim=1).contiguous()
         return torch.cat([k, v], dim=-1).contiguous()
 
-    def decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``[T, *row_shape]`` -> ``keys [1, H, T, Dk]``, ``values [1, H, T, Dv]``."""
-        if self.stacked:
+    def decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows ``[T, *row_shape]`` -> ``keys [1, H, T, Dk]``, ``values [1, H, T, Dv]`` and
+        the indexer keys ``[1, T, Di]`` (``None`` unless the layer is indexed)."""
+        indexer = None
+        if self.indexer_dim:
+            t, nk = rows.shape[0], self.heads * self.key_dim
+            k = rows[:, :nk].reshape(t, self.heads, self.key_dim)
+            v = rows[:, nk: nk + self.heads * self.value_dim].reshape(t, self.heads, self.value_dim)
+            indexer = rows[:, nk + self.heads * self.value_dim:].unsqueeze(0).contiguous()
+        elif self.stacked:
             k, v = rows[:, 0], rows[:, 1]
         else:
             k, v = rows[..., : self.key_dim], rows[..., self.key_dim:]
         return (k.transpose(0, 1).unsqueeze(0).contiguous(),
-                v.transpose(0, 1).unsqueeze(0).contiguous())
+                v.transpose(0, 1).unsqueeze(0).contiguous(), indexer)
 
 
 @attrs.frozen
@@ -130,6 +153,11 @@ class CacheGeometry:
     stateless_layers: tuple[int, ...]
     # per attention layer (``full_layers`` order): its sliding window, ``None`` for full attention
     kv_windows: tuple[int | None, ...] = ()
+    # indexed layers whose cache also keeps the position history its indexer reads
+    # (``indexer_position_ids [dims, 1, T]``; Qwen4-Exp keeps it on the first indexed layer),
+    # and ``dims``. Not carried: it is rebuilt from the token positions on restore.
+    position_history_layers: tuple[int, ...] = ()
+    position_history_dims: int = 0
 
     @property
     def both_layers(self) -> tuple[int, ...]:
@@ -164,14 +192,10 @@ def _forward(model: torch.nn.Module, cache: Any, ids: Sequence[int], start: int)
 
 def _attention_part(model_type: str, i: int, layer: Any) -> tuple[KVRowSpec, int | None] | None:
     """The per-token KV rows a layer caches (and its sliding window), or ``None``."""
-    from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer
+    from transformers.cache_utils import CacheLayerMixin
 
     if not isinstance(layer, CacheLayerMixin):
         return None
-    if isinstance(layer, DynamicIndexedLayer):
-        raise UnsupportedModelError(
-            f"{model_type} layer {i}: indexed (sparse) attention caches indexer keys beside K/V, "
-            "which hylinker's KV rows do not carry")
     keys, values = layer.keys, layer.values
     if keys is None or values is None or keys.dim() != 4 or keys.shape[-2] == 0:
         return None  # an attention layer the model never wrote (shared KV, ...)
@@ -183,8 +207,56 @@ def _attention_part(model_type: str, i: int, layer: Any) -> tuple[KVRowSpec, int
             f"{model_type} layer {i}: keys {tuple(keys.shape)} and values "
             f"{tuple(values.shape)} differ in heads/length/dtype")
     window = getattr(layer, "sliding_window", None)
-    return (KVRowSpec(int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3]), keys.dtype),
+    indexer_dim = _indexer_dim(model_type, i, layer, keys)
+    if indexer_dim and window is not None:
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: an indexed (sparse) attention layer with a sliding window")
+    return (KVRowSpec(int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3]), keys.dtype,
+                      indexer_dim),
             None if window is None else int(window))
+
+
+def _indexer_dim(model_type: str, i: int, layer: Any, keys: torch.Tensor) -> int:
+    """Width of the indexer key an indexed (sparse) attention layer caches per token (0: none).
+
+    Refused: indexer keys that are not one row per cached token of the layer's dtype."""
+    from transformers.cache_utils import DynamicIndexedLayer
+
+    if not isinstance(layer, DynamicIndexedLayer):
+        return 0
+    idx = layer.indexer_keys
+    if idx is None or idx.dim() != 3 or idx.shape[1] != keys.shape[-2] or idx.dtype != keys.dtype:
+        got = None if idx is None else (tuple(idx.shape), idx.dtype)
+        raise UnsupportedModelError(
+            f"{model_type} layer {i}: indexed (sparse) attention whose indexer keys {got} are not "
+            f"one {keys.dtype} row per cached token; hylinker carries them on the KV rows")
+    return int(idx.shape[2])
+
+
+def _position_history(model_type: str, cache: Any, length: int) -> tuple[tuple[int, ...], int]:
+    """Layers whose cache keeps an indexer's position history after ``length`` tokens at
+    positions ``0..length-1``, and its number of position dims. Refused unless it is exactly
+    those positions on every dim (text positions), which a restore rebuilds."""
+    layers: list[int] = []
+    dims: set[int] = set()
+    for i, layer in enumerate(cache.layers):
+        history = getattr(layer, "indexer_position_ids", None)
+        if history is None:
+            continue
+        if not torch.equal(history, _rebuilt_positions(int(history.shape[0]), length, history.device)):
+            raise UnsupportedModelError(
+                f"{model_type} layer {i}: the indexer's position history {tuple(history.shape)} is "
+                "not the tokens' positions on every dim; hylinker rebuilds it from them")
+        layers.append(i)
+        dims.add(int(history.shape[0]))
+    if len(dims) > 1:
+        raise UnsupportedModelError(f"{model_type}: position histories of {sorted(dims)} dims")
+    return tuple(layers), dims.pop() if dims else 0
+
+
+def _rebuilt_positions(dims: int, length: int, device: torch.device) -> torch.Tensor:
+    """The position history ``[dims, 1, length]`` of a text sequence (positions ``0..length-1``)."""
+    return torch.arange(length, dtype=torch.long, device=device).view(1, 1, length).expand(dims, 1, length)
 
 
 def _linear_part(model_type: str, i: int, layer: Any) -> LinearStateSpec | None:
@@ -334,6 +406,7 @@ def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
     if kv_specs and any(s != kv_specs[0] for s in kv_specs):
         raise UnsupportedModelError(
             f"{model_type}: attention layers cache different row shapes: {sorted(set(kv_specs), key=str)}")
+    history_layers, history_dims = _position_history(model_type, cache, 2)
     geometry = CacheGeometry(
         model_type=model_type,
         num_layers=len(cache.layers),
@@ -342,6 +415,8 @@ def cache_geometry(model: torch.nn.Module) -> CacheGeometry:
         linear=tuple(linear),
         stateless_layers=tuple(stateless),
         kv_windows=tuple(windows),
+        position_history_layers=history_layers,
+        position_history_dims=history_dims,
     )
     _GEOMETRY[model] = geometry
     return geometry
@@ -573,6 +648,11 @@ class ReferenceEngine:
         if seq.length <= 0:
             raise ValueError("nothing to export: the sequence is empty")
         g = self.geometry
+        if g.position_history_layers:  # what a restore rebuilds must be what the cache holds
+            layers, _ = _position_history(g.model_type, seq.cache, seq.length)
+            if layers != g.position_history_layers:
+                raise RuntimeError(f"position history on layers {layers}, expected "
+                                   f"{g.position_history_layers}")
         kv = _export_rows(seq.cache, g, seq.length)
         conv: list[torch.Tensor] = []
         temporal: list[torch.Tensor | None] = []
@@ -660,7 +740,7 @@ def _export_rows(cache: Any, g: CacheGeometry, length: int) -> torch.Tensor:
         if layer.keys is None or layer.keys.shape[-2] != held:
             got = None if layer.keys is None else layer.keys.shape[-2]
             raise RuntimeError(f"layer {i} caches {got} tokens, expected {held} of {length}")
-        enc = g.kv.encode(layer.keys, layer.values)
+        enc = g.kv.encode(layer.keys, layer.values, getattr(layer, "indexer_keys", None))
         if held < length:
             enc = torch.cat([enc.new_zeros((length - held, *enc.shape[1:])), enc])
         rows.append(enc)
@@ -674,8 +754,13 @@ def _import_rows(cache: Any, g: CacheGeometry, rows: torch.Tensor, length: int,
         return
     _check(name, rows, (len(g.full_layers), length, *g.kv.row_shape), g.kv.dtype)
     for j, i in enumerate(g.full_layers):
-        k, v = g.kv.decode(rows[j].to(device))
+        k, v, indexer = g.kv.decode(rows[j].to(device))
         cache.update(k, v, i)
+        if indexer is not None:
+            cache.update_indexer(indexer, i)
+    for i in g.position_history_layers:  # not carried: the tokens' positions, rebuilt
+        cache.layers[i].indexer_position_ids = _rebuilt_positions(
+            g.position_history_dims, length, device).clone()
 
 
 # ---------------------------------------------------------------------------------------------
