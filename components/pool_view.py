@@ -310,7 +310,8 @@ def state_view(conv: Sequence[torch.Tensor] | Sequence[Sequence[torch.Tensor]],
 
 class PoolSet(Mapping[PoolKind, PoolView]):
     """The views of one rank, by pool. Checks what ties pools together: DRAFT lies on the
-    FULL rows (same capacity, same rows per page), every pool on one device."""
+    FULL rows (same capacity, same rows per page), every pool on one device. A MAMBA view
+    alone is a state-only set (a purely recurrent model)."""
 
     def __init__(self, views: Mapping[PoolKind, PoolView] | Sequence[PoolView]) -> None:
         items = list(views.values()) if isinstance(views, Mapping) else list(views)
@@ -327,8 +328,6 @@ class PoolSet(Mapping[PoolKind, PoolView]):
         draft = self._views.get(PoolKind.DRAFT)
         if draft is not None and full is None:
             raise PoolViewError("draft KV lies on the KV rows: a pool set with a DRAFT view needs a FULL view")
-        if PoolKind.MAMBA not in self._views and full is None:
-            raise PoolViewError("a pool set needs a FULL (KV) view, or a MAMBA view alone (state-only)")
         if draft is not None and full is not None and (
                 draft.capacity != full.capacity or draft.unit != full.unit):
             raise PoolViewError(f"draft KV must lie on the KV rows: {draft.capacity} rows of {draft.unit}-row "
