@@ -89,7 +89,13 @@ class FlopAwareEviction:
             raise ValueError(f"alpha and attention_ratio must be >= 0, got {self.alpha}, {self.attention_ratio}")
 
     def efficiency(self, node: Node, layout: ModelLayout) -> float:
-        """Compute saved per byte held if ``node`` stays."""
+        """Compute saved per byte held if ``node`` stays.
+
+        In a hybrid layout a prefix resumes only from a state, so a node without one (a
+        candidate leaf whose state went) saves nothing: 0, whatever little it holds (on a
+        state-only layout it holds no bytes at all)."""
+        if layout.is_hybrid and node.mamba_slot is None:
+            return 0.0
         P = layout.tree_page
         if layout.is_hybrid:
             start = _resume_page(node) * P

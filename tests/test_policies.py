@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ from hylinker.components.admission import (
 )
 from hylinker.components.eviction import FlopAwareEviction, LRUEviction, eviction_policy
 from hylinker.components.keys import as_tokens, namespace_seed, page_keys
-from hylinker.components.layout import ModelLayout
+from hylinker.components.layout import MambaLayerSpec, ModelLayout
 from hylinker.components.pools import HybridPools
 from hylinker.components.radix import RadixTree
 from hylinker.runtime.config import LinkerConfig
@@ -173,6 +174,35 @@ def test_flop_aware_eviction_with_alpha_zero_is_lru() -> None:
     _insert(tree, pools, short)
     tree.evict_pages(1)
     assert tree.match(deep).pages == 0 and tree.match(short).pages == 1
+
+
+def test_flop_aware_eviction_values_a_stateless_node_at_nothing_on_a_hybrid_layout() -> None:
+    """A hybrid prefix resumes only from a state: a leaf without one saves no compute, even on a
+    state-only layout where it holds no bytes (it must not look like infinite value per byte)."""
+    layout = ModelLayout.create(page_size=P, chunk_size=P, full_layers=[],
+                                mamba_layers=[MambaLayerSpec(0, (3, 8), torch.float32)])
+    pools = HybridPools(layout, kv_pages=16, mamba_slots=2)
+    policy = FlopAwareEviction(alpha=4.0)
+    tree = RadixTree(layout, pools, namespace_seed(layout), policy)
+    with_state, without = keys_of(2, variant=1), keys_of(6, variant=2)
+    assert pools.mamba is not None
+    slot = pools.mamba.slots.alloc(1)
+    assert slot is not None
+    _insert_with(tree, pools, with_state, slot[0])
+    _insert_with(tree, pools, without, None)
+    nodes = {len(n.keys): n for n in tree.nodes()}
+    assert policy.efficiency(nodes[6], layout) == 0.0
+    assert policy.efficiency(nodes[2], layout) > 0.0
+    # the newer stateless leaf still goes first: what it holds cannot be resumed from
+    tree.evict_pages(1)
+    assert tree.match(without).pages == 0 and tree.match(with_state).pages == 2
+    tree.check_consistent()
+
+
+def _insert_with(tree: RadixTree, pools: HybridPools, keys: list[bytes], slot: int | None) -> None:
+    rows = pools.kv.alloc_rows(len(keys))
+    assert rows is not None
+    tree.insert(keys, rows, mamba_slot=slot)
 
 
 # ---- the Linker uses them ----------------------------------------------------------------------
