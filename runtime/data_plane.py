@@ -32,6 +32,16 @@ Contract (what the caller keeps, what the data plane guarantees):
   object feeding that layer (every pool, every layer group) arrived and its checksum and
   header were verified. A failed object is reported (``outcome.ok`` false, faults counted);
   its rows may hold partial bytes, so the engine must not use them (recompute or abort).
+* *Verify all, then land* (``load(..., verify_all=True)``, per submission): every object of
+  the submission (every pool, every layer group) is read into private staging and verified
+  before any row is written; only then are the rows written, job by job in group order, each
+  layer reported as its rows are written. A failed load writes no row at all, and no layer of
+  it is ever reported landed. Its ``outcome.objects[pool][i]`` then says whether object ``i``
+  *verified* (none landed; ``ok`` is false). This is for an engine that runs the forward on
+  reported layers and cannot take a layer back (SGLang: a failed load aborts the request, so
+  a half-landed load would have run the forward on layers of a request that is then thrown
+  away). It costs the overlap of the first layers' compute with later objects' transfer and
+  the in-place path (objects always go through staging).
 * An offload reads its rows only after its ``fence`` completed (the forward wrote them).
 * :meth:`LoadTicket.cancel` succeeds only before any of the load's jobs started; the rows
   are then untouched. :meth:`DataPlane.reset` cancels queued loads and waits for every
@@ -211,8 +221,11 @@ class LoadTicket(_Ticket):
     """A submitted load: await it whole (:meth:`wait`) or per model layer (:meth:`wait_layer`)."""
 
     def __init__(self, plane: DataPlane, ticket_id: int, request_id: str,
-                 jobs: list[tuple[PoolKind, int, TransferJob]], sizes: dict[PoolKind, int]) -> None:
+                 jobs: list[tuple[PoolKind, int, TransferJob]], sizes: dict[PoolKind, int], *,
+                 verify_all: bool = False) -> None:
         super().__init__(plane, ticket_id, request_id, jobs, sizes)
+        self.verify_all = verify_all
+        self._land_error: BaseException | None = None
         self._feeds: dict[int, int] = {}  # layer -> jobs feeding it still pending
         for pool, group, _job in jobs:
             for layer in plane.codecs[pool][group].layer_ids:
@@ -267,14 +280,47 @@ class LoadTicket(_Ticket):
             fn(layer, landed)
 
     def _job_ended(self, pool: PoolKind, group: int, job: TransferJob) -> None:
-        res = job.completion.value
-        good = job.completion.error is None and isinstance(res, LoadResult) and res.all_ok and not job.cancelled
-        if good:  # a layer lands when every job feeding it (pools, groups) landed verified
+        if self.verify_all:
+            self._left -= 1
+            if self._left == 0:  # every job verified (or failed): land all or nothing
+                if self._good(job) and all(self._good(j) for _, _, j in self.jobs) and self.plane._tg is not None:
+                    self.plane._tg.start_soon(self._land)
+                else:
+                    self._release()
+                    self._finish()
+            return
+        if self._good(job):  # a layer lands when every job feeding it (pools, groups) landed verified
             for layer in self.plane.codecs[pool][group].layer_ids:
-                self._feeds[layer] -= 1
-                if self._feeds[layer] == 0:
-                    self._settle_layer(layer, True)
+                self._feed(layer)
         super()._job_ended(pool, group, job)
+
+    @staticmethod
+    def _good(job: TransferJob) -> bool:
+        res = job.completion.value
+        return job.completion.error is None and isinstance(res, LoadResult) and res.all_ok and not job.cancelled
+
+    def _feed(self, layer: int) -> None:
+        self._feeds[layer] -= 1
+        if self._feeds[layer] == 0:
+            self._settle_layer(layer, True)
+
+    async def _land(self) -> None:
+        """verify_all: every object verified; write the rows job by job (group-major, so the
+        first layers land first), each layer reported as its rows are written."""
+        try:
+            with anyio.CancelScope(shield=True):  # rows are never left half written by a cancel
+                for pool, _group, job in self.jobs:
+                    await self.plane.actors[pool].land_held(job, self._feed)
+        except Exception as exc:  # a bug or a device error: the load fails, the engine recomputes
+            self._land_error = exc
+            trace("data.load.land_error", request_id=self.request_id, error=repr(exc))
+        finally:
+            self._release()
+            self._finish()
+
+    def _release(self) -> None:
+        for pool, _group, job in self.jobs:
+            self.plane.actors[pool].release_held(job)
 
     def _finish(self) -> None:
         super()._finish()
@@ -284,6 +330,8 @@ class LoadTicket(_Ticket):
     def _per_object(self, pool: PoolKind, job: TransferJob) -> tuple[list[bool], dict[str, int]]:
         if job.cancelled:
             return [False] * len(job.keys), {CANCELLED: len(job.keys)}
+        if self._land_error is not None:
+            return [False] * len(job.keys), {"land_error": len(job.keys)}
         res = job.completion.value
         if job.completion.error is not None or not isinstance(res, LoadResult):
             return [False] * len(job.keys), {"error": len(job.keys)}
@@ -434,8 +482,8 @@ class DataPlane:
         return out
 
     # ---- submissions ---------------------------------------------------------------------------
-    def _jobs(self, transfers: Sequence[Transfer], fence: DeviceEvent | None, request_id: str
-              ) -> tuple[list[tuple[PoolKind, int, TransferJob]], dict[PoolKind, int]]:
+    def _jobs(self, transfers: Sequence[Transfer], fence: DeviceEvent | None, request_id: str,
+              hold: bool = False) -> tuple[list[tuple[PoolKind, int, TransferJob]], dict[PoolKind, int]]:
         seen: set[PoolKind] = set()
         jobs: list[tuple[PoolKind, int, TransferJob]] = []
         sizes: dict[PoolKind, int] = {}
@@ -459,14 +507,18 @@ class DataPlane:
             groups = len(self.codecs[pool])
             for g in range(groups):
                 names = [group_key(k, g, groups) for k in keys]
-                jobs.append((pool, g, TransferJob(names, index, fence=fence, request_id=request_id, group=g)))
+                jobs.append((pool, g, TransferJob(names, index, fence=fence, request_id=request_id, group=g,
+                                                  hold=hold)))
         # group-major: every pool's group 0 first, so the first layers land first
         jobs.sort(key=lambda item: item[1])
         return jobs, sizes
 
-    async def load(self, transfers: Sequence[Transfer], *, request_id: str = "") -> LoadTicket:
-        """Queue a load (rows are written only by this load until its ticket is done)."""
-        ticket = self.prepare_load(transfers, request_id=request_id)
+    async def load(self, transfers: Sequence[Transfer], *, request_id: str = "",
+                   verify_all: bool = False) -> LoadTicket:
+        """Queue a load (rows are written only by this load until its ticket is done).
+        ``verify_all``: verify every object of the submission before any row is written
+        (module docstring)."""
+        ticket = self.prepare_load(transfers, request_id=request_id, verify_all=verify_all)
         await self.submit(ticket)
         return ticket
 
@@ -477,14 +529,15 @@ class DataPlane:
         await self.submit(ticket)
         return ticket
 
-    def prepare_load(self, transfers: Sequence[Transfer], *, request_id: str = "") -> LoadTicket:
+    def prepare_load(self, transfers: Sequence[Transfer], *, request_id: str = "",
+                     verify_all: bool = False) -> LoadTicket:
         """Validate a load and build its ticket without queueing it (then :meth:`submit`):
         a caller holds the ticket before the first await, so a cancelled submission still
         leaves it a ticket that ends."""
         self._check_running()
-        jobs, sizes = self._jobs(transfers, None, request_id)
+        jobs, sizes = self._jobs(transfers, None, request_id, hold=verify_all)
         self._c["loads"] += 1
-        return LoadTicket(self, next(self._ids), request_id, jobs, sizes)
+        return LoadTicket(self, next(self._ids), request_id, jobs, sizes, verify_all=verify_all)
 
     def prepare_offload(self, transfers: Sequence[Transfer], *, fence: DeviceEvent | None = None,
                         request_id: str = "") -> OffloadTicket:

@@ -25,6 +25,8 @@ from functools import partial
 from typing import Generic, TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.to_thread
 import attrs
 import numpy as np
 import torch
@@ -134,6 +136,11 @@ class TransferJob:
     group: int = 0  # which layer group's codec moves this job's objects
     started: bool = False  # a worker took it: it can no longer be cancelled
     cancelled: bool = False  # cancelled before it started: it ends without touching rows
+    #: verify-all-then-land (a load): the worker gets and verifies into ``staged`` and writes
+    #: no row; the load's ticket lands every job's ``staged`` once all of them verified
+    hold: bool = False
+    staged: torch.Tensor | None = None  # [n, stride] verified frames of a held load
+    staged_in_arena: bool = False  # ``staged`` is the actor's registered held arena
 
 
 def cancel_job(job: TransferJob) -> None:
@@ -261,6 +268,9 @@ class PoolActor:
             return buf.fill_(0)
 
         self._arenas = {d: new_arena() for d in ("offload", "load")}
+        self._new_arena = new_arena
+        self._held_arena: torch.Tensor | None = None  # verify-all-then-land loads; made on first use
+        self._held_busy = False  # it carries a verified load waiting to land
         self._arenas_np = {d: a.numpy() for d, a in self._arenas.items()}
         for arena in self._arenas.values():
             store.register(arena)
@@ -449,6 +459,8 @@ class PoolActor:
         faults: dict[str, int] = {}
         t0 = time.perf_counter()
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]
+        if job.hold:
+            return await self._load_held(job, codec, size, t0)
         if self.in_place_groups[job.group] and codec.host_path(job.index):
             return await self._load_in_place(job, codec, size, t0)
         batches = self._batches(len(job.keys))
@@ -662,6 +674,111 @@ class PoolActor:
             for layer in codec.layer_ids:
                 job.on_layer(layer)
         return self._loaded(job, ok, faults, size, t0)
+
+    # ---- verify all, then land: the rows are written only once the whole load verified ------
+    def _held_frames(self, job: TransferJob) -> torch.Tensor:
+        """``[n, stride]`` private frames for a held job: the registered held arena when it is
+        free and large enough, else fresh memory (the store copies through its own buffers)."""
+        n = len(job.keys)
+        if self._held_arena is None:
+            self._held_arena = self._new_arena()
+            self.store.register(self._held_arena)
+        arena = self._held_arena
+        if not self._held_busy and n * self.stride <= arena.numel():
+            self._held_busy = True
+            job.staged_in_arena = True
+            return arena[: n * self.stride].view(n, self.stride)
+        if self.copies is not None:
+            return self.copies.staging(n * self.stride).view(n, self.stride)
+        return torch.empty((n, self.stride), dtype=torch.uint8)
+
+    async def _load_held(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
+        """Get every object of the job into private frames and verify it; write no row.
+        Sub-batch k is verified while k+1 is in flight. The ticket lands the frames
+        (:meth:`land_held`) once every job of the load verified, or drops them
+        (:meth:`release_held`)."""
+        faults: dict[str, int] = {}
+        grid = self._held_frames(job)
+        job.staged = grid
+        batches = self._batches(len(job.keys))
+        good: list[list[bool]] = [[] for _ in batches]
+
+        async def get(k: int) -> list[GetResult]:
+            lo, hi = batches[k]
+            frames = [grid[i, :size] for i in range(lo, hi)]
+            start = time.perf_counter()
+            try:
+                results = await self.store.get(job.keys[lo:hi], frames)
+            except StoreError:
+                results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
+            if len(results) != hi - lo:  # a store that breaks the protocol: trust nothing
+                results = [GetResult(Outcome.FAILED)] * (hi - lo)
+            self.latency.observe(time.perf_counter() - start)
+            return results
+
+        def verify(k: int, results: list[GetResult]) -> None:
+            lo, hi = batches[k]
+            frames = grid.numpy()
+            ok: list[bool] = []
+            for i, r in zip(range(lo, hi), results):
+                if r.outcome is not Outcome.OK:
+                    faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
+                    ok.append(False)
+                    continue
+                try:
+                    framing.verify_array(frames[i, :size], r.nbytes, job.keys[i], self.fingerprint)
+                except framing.FrameError as exc:
+                    faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
+                    ok.append(False)
+                    continue
+                ok.append(True)
+            good[k] = ok
+
+        async def verify_async(k: int, results: list[GetResult]) -> None:
+            if self._inline(batches[k], size):
+                verify(k, results)
+            else:
+                await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
+
+        fetched: tuple[int, list[GetResult]] | None = None
+        for k in range(len(batches)):
+            async with anyio.create_task_group() as tg:
+                if fetched is not None:
+                    tg.start_soon(verify_async, *fetched)
+                results = await get(k)
+            fetched = (k, results)
+        if fetched is not None:
+            await verify_async(*fetched)
+        ok = [g for batch in good for g in batch]
+        return self._loaded(job, ok, faults, size, t0)
+
+    async def land_held(self, job: TransferJob, on_layer: Callable[[int], None]) -> None:
+        """Write a held job's verified frames into its rows; ``on_layer(layer_id)`` (on the
+        loop) once each layer's rows hold them (device pools: once the copies completed)."""
+        assert job.staged is not None, "land_held needs a verified held job"
+        codec, size = self.codecs[job.group], self.frame_sizes[job.group]
+        payload = job.staged[:, framing.HEADER_BYTES: size]
+        if self.copies is not None:
+            with self.copies.on_stream():
+                codec.scatter(payload, job.index, None)
+                ev = self.copies.record()
+            await wait_fence(ev, timeout_s=self.fence_timeout_s)
+            for layer in codec.layer_ids:
+                on_layer(layer)
+        elif self._inline((0, len(job.keys)), size):
+            codec.scatter(payload, job.index, on_layer)
+        else:
+            def landed(layer: int) -> None:
+                anyio.from_thread.run_sync(on_layer, layer)
+
+            await anyio.to_thread.run_sync(codec.scatter, payload, job.index, landed, limiter=self.limiter)
+
+    def release_held(self, job: TransferJob) -> None:
+        """Drop a held job's frames (landed, or its load failed)."""
+        job.staged = None
+        if job.staged_in_arena:
+            job.staged_in_arena = False
+            self._held_busy = False
 
     def statistics(self) -> PoolActorStatistics:
         return PoolActorStatistics(

@@ -120,11 +120,14 @@ class SyncDataPlane:
         self._check()
         return self._portal.start_task_soon(self.plane.exists, keys)
 
-    def load(self, transfers: Sequence[Transfer], *, request_id: str = "", start: bool = True) -> SyncLoad:
+    def load(self, transfers: Sequence[Transfer], *, request_id: str = "", start: bool = True,
+             verify_all: bool = False) -> SyncLoad:
         """Queue a load; bad input raises here (in the caller's thread).
 
         ``start=False`` keeps it held until :meth:`start` (SGLang's ``load`` then
         ``start_layer_wise_loading``); a held load can be cancelled and never touches a row.
+        ``verify_all``: no row is written until every object of the load verified
+        (:class:`~hylinker.runtime.data_plane.DataPlane`, "verify all, then land").
         """
         self._check()
         # validate in the caller's thread: misuse raises where it happened
@@ -143,7 +146,7 @@ class SyncDataPlane:
         async def run() -> None:
             try:
                 # the ticket exists before the first await: a cancel from now on goes to it
-                ticket = self.plane.prepare_load(transfers, request_id=request_id)
+                ticket = self.plane.prepare_load(transfers, request_id=request_id, verify_all=verify_all)
             except BaseException as exc:
                 handle._settle_all()
                 result.set_exception(exc)

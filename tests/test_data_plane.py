@@ -567,3 +567,117 @@ def test_in_place_min_bytes_is_a_non_negative_int(bad: object) -> None:
         DataPlaneConfig(in_place_min_bytes=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="in_place_min_bytes"):
         LinkerConfig(in_place_min_bytes=bad)  # type: ignore[arg-type]
+
+
+# ---- verify all, then land (load(..., verify_all=True)): no row written until every object
+# of the load verified; a failed one writes no row at all
+
+
+def unchanged(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(before, after))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+async def test_verified_load_lands_every_row_exactly(groups: int) -> None:
+    store = PartsCountingStore(16 << 20)
+    a, b = EnginePools(1), EnginePools(2)
+    async with plane(a, store, groups, in_place=False) as dp:
+        assert (await (await dp.offload(transfers("x", pages(3, 0, 9), 4))).wait()).ok
+    async with plane(b, store, groups) as dp:
+        assert all(actor.scatter for actor in dp.actors.values())  # in place is on...
+        ticket = await dp.load(transfers("x", pages(1, 12, 5), 2), verify_all=True)
+        out = await ticket.wait()
+        assert out.ok and all([await ticket.wait_layer(layer) for layer in ticket.layer_ids])
+    assert store.in_place == []  # ...but a verified load is staged: checked before rows are written
+    assert all(torch.equal(x, y) for x, y in zip(b.rows(pages(1, 12, 5)), a.rows(pages(3, 0, 9))))
+    assert all(torch.equal(x, y) for x, y in zip(b.slot(2), a.slot(4)))
+    await store.close()
+
+
+async def test_one_bad_object_leaves_every_pool_untouched() -> None:
+    store = EmbeddedStore(16 << 20)
+    a, b = EnginePools(1), EnginePools(2)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload(transfers("z", pages(0, 1), 0))).wait()).ok
+    frame = torch.zeros(a.views()[PoolKind.FULL].payload_bytes + 64, dtype=torch.uint8)
+    await store.get(["zk-1"], [frame])
+    await store.remove(["zk-1"])
+    frame[-5] ^= 0x40
+    await store.put(["zk-1"], [frame])
+    before = b.snapshot()
+    settled: list[tuple[int, bool]] = []
+    async with plane(b, store) as dp:
+        ticket = await dp.load(transfers("z", pages(2, 3), 1), verify_all=True)
+        ticket.add_layer_callback(lambda layer, landed: settled.append((layer, landed)))
+        out = await ticket.wait()
+        assert not out.ok and out.faults == {"bad_checksum": 1}
+        # which objects verified (none landed): the caller removes only the bad one
+        assert out.objects[PoolKind.FULL] == [True, False] and out.objects[PoolKind.MAMBA] == [True]
+        assert settled and all(not landed for _, landed in settled)
+        assert [await ticket.wait_layer(layer) for layer in [*FULL_IDS, *MAMBA_IDS]] == [False] * 6
+    assert unchanged(before, b.snapshot())  # the good KV page, the draft and the state too
+    # the default (land as verified) writes the good pool's rows: what verify_all prevents
+    async with plane(b, store) as dp:
+        out = await (await dp.load(transfers("z", pages(2, 3), 1))).wait()
+        assert not out.ok
+    assert not unchanged(before, b.snapshot())
+    await store.close()
+
+
+async def test_no_layer_is_reported_before_every_group_verified() -> None:
+    store = EmbeddedStore(16 << 20)
+    a, b = EnginePools(1), EnginePools(2)
+    async with plane(a, store, 2) as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, keys("k", 2), pages(0, 1))])).wait()).ok
+    gated = GatedStore(store, hold_gets=True)
+    settled: list[int] = []
+    before = b.snapshot()
+    async with plane(b, gated, 2) as dp, opened_on_exit(gated):
+        ticket = await dp.load([Transfer(PoolKind.FULL, keys("k", 2), pages(4, 5))], verify_all=True)
+        ticket.add_layer_callback(lambda layer, landed: settled.append(layer))
+        with anyio.fail_after(5):
+            await gated.wait_held(1)
+            assert gated.release(1) == 1  # layer group 0 arrives and verifies
+            await gated.wait_held(1)  # group 1 is at the gate
+        assert settled == [] and not ticket.done
+        assert unchanged(before, b.snapshot())  # group 0 verified, but nothing written yet
+        gated.open()
+        with anyio.fail_after(5):
+            assert (await ticket.wait()).ok
+        assert sorted(settled) == FULL_IDS
+    assert torch.equal(b.k[3][16:24].view(torch.uint8), a.k[3][0:8].view(torch.uint8))
+    await store.close()
+
+
+def test_sync_facade_verify_all_missing_object_writes_nothing() -> None:
+    a = EnginePools(1)
+    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20)) as dp:
+        assert dp.offload(transfers("s", pages(0), 0)).result(timeout=10).ok
+        before = a.snapshot()
+        load = dp.load([Transfer(PoolKind.FULL, ["sk-0", "gone"], pages(6, 7)),
+                        Transfer(PoolKind.MAMBA, ["ss"], [[3]])], verify_all=True, start=False)
+        dp.start(load)
+        out = load.result.result(timeout=10)
+        assert not out.ok and out.faults == {"missing": 1}
+        assert all(load.layer(layer).result(timeout=1) is False for layer in load.layer_ids)
+        assert unchanged(before, a.snapshot())
+        ok = dp.load(transfers("s", pages(6), 3), verify_all=True)
+        assert ok.result.result(timeout=10).ok
+        assert all(ok.layer(layer).result(timeout=1) for layer in ok.layer_ids)
+        assert all(torch.equal(x, y) for x, y in zip(a.rows(pages(6)), a.rows(pages(0))))
+
+
+async def test_held_arena_is_freed_once_a_verified_load_landed() -> None:
+    store = EmbeddedStore(64 << 20)
+    a, b = EnginePools(1), EnginePools(2)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, keys("r", 8), pages(*range(8)))])).wait()).ok
+    async with DataPlane(b.views(), store, namespace="test") as dp:
+        actor = dp.actors[PoolKind.FULL]
+        for _ in range(2):  # back to back: the arena is free again once a load landed
+            out = await (await dp.load([Transfer(PoolKind.FULL, keys("r", 8), pages(*range(8, 16)))],
+                                       verify_all=True)).wait()
+            assert out.ok and not actor._held_busy
+    kv = 2 * len(FULL_IDS)  # K and V rows (no draft in this load)
+    assert all(torch.equal(x, y) for x, y in zip(b.rows(pages(*range(8, 16)))[:kv], a.rows(pages(*range(8)))[:kv]))
+    await store.close()
