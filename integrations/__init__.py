@@ -2,13 +2,12 @@
 
 * :mod:`hylinker.integrations.sglang` — ``HylinkerLinker``, SGLang 0.5.23's external cache
   linker (imports SGLang; load it through SGLang's dynamic linker factory).
-* :mod:`hylinker.integrations.sglang_config` — its ``linker_extra_config`` keys (no SGLang import).
-* :mod:`hylinker.integrations.sglang_pools` — views over SGLang's device pools and the codec
-  that moves page and state objects between them and staging frames.
-* :mod:`hylinker.integrations.page_mover` — the plugin's data path: verified, retried loads
-  and pipelined offloads of those objects through the store bridge.
-* :mod:`hylinker.integrations.store_bridge` — the synchronous bridge from an engine thread to
-  hylinker's async stores.
+  Its data path is the project's one: ``runtime.sync_data_plane.SyncDataPlane`` (verify-all-
+  then-land loads) over a ``stores.resilient.ResilientStore``.
+* :mod:`hylinker.integrations.sglang_config` — its ``linker_extra_config`` keys: ``PluginConfig``
+  plus the SGLang-only ones (no SGLang import).
+* :mod:`hylinker.integrations.sglang_pools` — SGLang's device pools as the data plane's pool
+  views (``components.pool_view``), and what is not supported yet.
 * :mod:`hylinker.integrations.config` — ``PluginConfig``: the shared ``extra_config`` keys
   (``store``, ``master``, ``segment_mb``, ``capacity_mb``, ``salt``, ``faults``, ...) and the
   store they open, with the engine's key named in errors; imports no engine. The vLLM

@@ -11,7 +11,7 @@ This module imports no engine and no store client, so it can be checked anywhere
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -49,7 +49,14 @@ _positive, _non_negative = range_validators(PluginConfigError)
 
 @attrs.frozen
 class PluginConfig:
-    """A plugin's settings; build with :meth:`from_extra_config`."""
+    """A plugin's settings; build with :meth:`from_extra_config`. An engine plugin that needs
+    more keys subclasses it (``integrations/sglang_config.py``)."""
+
+    #: the stores this plugin may name in ``store``
+    stores: ClassVar[tuple[str, ...]] = STORES
+    #: Mooncake: ask the master whether a key exists before a put (reports EXISTS); without it
+    #: an existing key counts as stored and a put costs one master round trip less
+    mooncake_detect_exists: ClassVar[bool] = True
 
     store: str = "embedded"  # "embedded" (in this process) | "mooncake"
     master: str | None = None  # Mooncake master "HOST:PORT" (store="mooncake")
@@ -89,8 +96,8 @@ class PluginConfig:
         return config
 
     def _check(self, where: str) -> None:
-        if self.store not in STORES:
-            raise PluginConfigError(f"{where}['store'] must be one of {list(STORES)}, got {self.store!r}")
+        if self.store not in self.stores:
+            raise PluginConfigError(f"{where}['store'] must be one of {list(self.stores)}, got {self.store!r}")
         if self.store == "mooncake":
             if not self.master:
                 raise PluginConfigError(f'store "mooncake" needs {where}["master"] = "HOST:PORT"')
@@ -118,6 +125,10 @@ class PluginConfig:
             from ..stores.embedded import EmbeddedStore
 
             store = EmbeddedStore(self.capacity_mb * MIB)
+        elif self.store == "umbp":
+            from ..stores.umbp import UmbpStore
+
+            store = UmbpStore()
         else:
             from ..stores.mooncake import MooncakeConfig, MooncakeStore
 
@@ -125,7 +136,8 @@ class PluginConfig:
             store = await MooncakeStore.open(MooncakeConfig(
                 master_address=self.master, local_hostname=self.local_hostname,
                 metadata_server=self.metadata_server, protocol=self.protocol,
-                rdma_devices=self.rdma_devices, segment_bytes=self.segment_mb * MIB))
+                rdma_devices=self.rdma_devices, segment_bytes=self.segment_mb * MIB,
+                detect_exists=self.mooncake_detect_exists))
         plan = self.fault_plan
         if plan is not None:
             from ..stores.faulty import FaultyStore

@@ -8,53 +8,52 @@ version is refused at construction). Launch::
         "linker_module_path": "hylinker.integrations.sglang",
         "linker_extra_config": {"store": "mooncake", "master": "127.0.0.1:50051"}}'
 
-SGLang owns the prefix tree, the allocators, the locks and COMMIT; this linker moves pages and
-states between SGLang's device pools and a hylinker store, and says what the store can restore.
-What it adds over SGLang's own Mooncake linker:
+SGLang owns the prefix tree, the allocators, the locks and COMMIT; this linker says what the
+store can restore and moves pages and states between SGLang's device pools and the store over
+the project's one data path: a :class:`~hylinker.runtime.sync_data_plane.SyncDataPlane` over
+pool views of SGLang's tensors (``sglang_pools.py``), its store wrapped in a
+:class:`~hylinker.stores.resilient.ResilientStore`. What it adds over SGLang's own linker:
 
-* **integrity**: every object is framed (layout fingerprint, key digest, XXH3 checksum); a
-  corrupt, torn, mis-keyed or other-model object fails its load before a byte lands, and is
-  removed from the store so the next lookup recomputes instead of failing again;
-* **transient store errors are retried** (``load_retries``, exponential backoff) before a load
+* **integrity**: every object is framed (layout fingerprint, key, XXH3 checksum). Loads are
+  *verify all, then land*: every object of a request's load is read and verified before any
+  row is written, so a corrupt, torn, mis-keyed or other-model object fails its load with the
+  request's rows untouched and no layer reported; it is removed from the store before the
+  failure is reported, so the next lookup recomputes instead of failing again;
+* **transient store errors are retried** per key (``load_retries``, backoff) before a load
   fails — in SGLang a failed load aborts the request (503);
-* **bounded waits**: no scheduler-thread call waits on the store longer than ``lookup_timeout_s``;
-  no store call holds a load or offload longer than ``store_timeout_s``; a store that hangs
-  makes later offloads report False at once (their nodes unlock) until it answers again;
+* **bounded waits**: a lookup waits at most ``lookup_timeout_s``; a store transfer ends within
+  ``store_timeout_s``; after repeated silence the store's circuit breaker answers at once
+  (offloads report False, nodes unlock) until the store answers a probe again;
 * **no re-offload of restored pages**: what a load just restored is not written back when the
   request's insert offloads it;
 * MHA full-attention pools (SGLang's linker takes MLA only) and a draft sidecar pool.
 
-Threads: SGLang calls every method on its scheduler thread; one load thread and one offload
-thread do the copies; the store lives on the :class:`~hylinker.integrations.store_bridge.StoreBridge`
-loop. Offload results are reported one per accepted offload, in submission order.
+Threads: SGLang calls every method on its scheduler thread; the data plane's loop thread runs
+the transfers. Offload results are reported one per accepted offload, in submission order.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
+import functools
 import hashlib
 import logging
-import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-import numpy as np
+import anyio
 import torch
 
-from ..stores.base import Store
-from .page_mover import LoadFailedError, PageMover, Part
+from ..components.layout import PoolKind
+from ..components.pool_view import PoolSet, PoolViewError
+from ..runtime.data_plane import DataPlaneConfig, SyncDataPlane, SyncLoad, Transfer, TransferOutcome
+from ..stores.base import Store, StoreError
+from ..stores.resilient import ResilientStore
 from .sglang_config import SGLangLinkerConfig
-from .sglang_pools import (
-    PoolLayoutError,
-    PoolView,
-    draft_view,
-    full_view,
-    layout_fingerprint,
-    mamba_view,
-)
-from .store_bridge import StoreBridge
+from .sglang_pools import PoolLayoutError, SGLangPool, draft_pool, full_pool, mamba_pool
 
 try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
     import sglang
@@ -70,24 +69,70 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
-_ALIGN = 64
+_RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
+_KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, mamba, draft
 
 
-@attrs.define
-class _LoadJob:
-    index: int
-    parts: list[Part]
-    ready: Any = None  # a device event the load waits on before writing
+class LoadFailedError(RuntimeError):
+    """A load could not restore its objects; SGLang aborts the request (503)."""
 
 
-@attrs.define
-class _OffloadJob:
-    parts: list[Part]
-    ready: list[Any]
+class _AllEvents:
+    """One fence over several device events (SGLang's ``record_offload_ready``)."""
+
+    def __init__(self, events: Sequence[Any]) -> None:
+        self.events = list(events)
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
+
+
+class _LoadBatch:
+    """The loads one ``start_layer_wise_loading`` started, behind one counter index: a layer
+    completes once every load of the batch landed it; any failure fails the index."""
+
+    def __init__(self, linker: HylinkerLinker, index: int, loads: list[tuple[SyncLoad, list[str]]]) -> None:
+        self.linker = linker
+        self.index = index
+        self.loads = loads
+        self._lock = threading.Lock()
+        self._waiting: dict[int, int] = collections.defaultdict(int)  # layer -> loads still landing it
+        self._left = len(loads)
+        for load, _ in loads:
+            for layer in load.layer_ids:
+                self._waiting[layer] += 1
+        self._open = len(self._waiting)  # layers some load still has to land
+        with self._lock:  # layers no load feeds (a load without a state) need nothing
+            for layer in range(linker.num_layers):
+                if layer not in self._waiting:
+                    linker._complete(index, layer)
+        for load, keys in loads:
+            for layer in load.layer_ids:
+                load.layer(layer).add_done_callback(functools.partial(self._layer, layer))
+            load.result.add_done_callback(functools.partial(self._ended, keys))
+
+    def _layer(self, layer: int, future: concurrent.futures.Future[bool]) -> None:
+        if not future.result():
+            return  # the load failed: _ended fails the index
+        with self._lock:
+            self._waiting[layer] -= 1
+            if self._waiting[layer] == 0:
+                self._open -= 1
+                if self._open == 0:  # every load landed whole: remembered before SGLang can insert
+                    self.linker._remember([k for _, keys in self.loads for k in keys])
+                self.linker._complete(self.index, layer)
+
+    def _ended(self, keys: list[str], future: concurrent.futures.Future[TransferOutcome]) -> None:
+        try:
+            outcome: TransferOutcome | None = future.result()
+        except Exception as exc:  # a bug in the data plane: fail the load, never hang it
+            log.error("HylinkerLinker load raised: %r", exc)
+            outcome = None
+        self.linker._load_ended(self.index, outcome, keys)
 
 
 class HylinkerLinker(UnifiedCacheLinker):
-    """SGLang 0.5.23 ``UnifiedCacheLinker`` over a hylinker store; see the module docstring."""
+    """SGLang 0.5.23 ``UnifiedCacheLinker`` over hylinker's data plane; see the module docstring."""
 
     def __init__(self, server_args: Any, params: Any, *, components: Any,
                  extra_config: dict[str, Any] | None = None, forward_stream: Any = None) -> None:
@@ -104,84 +149,61 @@ class HylinkerLinker(UnifiedCacheLinker):
             raise PoolLayoutError(f"HylinkerLinker supports FULL and MAMBA components, not {sorted(unsupported)}")
         if getattr(params, "mtp_draft_device_pools", None):
             raise PoolLayoutError("packed MTP draft KV is not supported yet")
-        views: dict[str, PoolView] = {"kv": full_view(kvcache)}
+        pools: dict[PoolKind, SGLangPool] = {PoolKind.FULL: full_pool(kvcache)}
         if "MAMBA" in names:
-            views["mamba"] = mamba_view(params.req_to_token_pool, int(getattr(kvcache, "start_layer", 0) or 0))
-        draft = draft_view(getattr(params, "sidecar_draft_device_pools", None) or (), self.page_size)
+            pools[PoolKind.MAMBA] = mamba_pool(params.req_to_token_pool,
+                                               int(getattr(kvcache, "start_layer", 0) or 0))
+        draft = draft_pool(getattr(params, "sidecar_draft_device_pools", None) or (), self.page_size)
         if draft is not None:
-            views["draft"] = draft
-        self._views = views
-        self.pools: dict[Any, PoolView] = {PoolName(name): view for name, view in views.items()}
-        self.num_layers = max(max(v.counter_layers) for v in views.values()) + 1
+            pools[PoolKind.DRAFT] = draft
+        views = PoolSet([p.view for p in pools.values()])
+        self._kinds = set(pools)
+        self.pools: dict[Any, Any] = {PoolName(kind.value): pool.view for kind, pool in pools.items()}
+        self.num_layers = max(max(p.view.layer_ids) for p in pools.values()) + 1
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
-        if "mamba" in views:
+        if PoolKind.MAMBA in pools:
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
 
         tp_rank = _tp_rank(params)
         cp_rank, pp_rank = int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "pp_rank", 0) or 0)
         model = str(getattr(server_args, "model_path", "") or "")
-        self.fingerprint = layout_fingerprint(views.values(), page_size=self.page_size, model=model)
-        ns = hashlib.blake2b(self.fingerprint + b"\0salt\0" + self.config.salt.encode(), digest_size=8).hexdigest()
+        self.fingerprint = views.fingerprint(f"sglang|model={model}|page={self.page_size}|salt={self.config.salt}")
+        ns = hashlib.blake2b(self.fingerprint, digest_size=8).hexdigest()
         self._suffix = {
-            name: f":{ns}:{name}:{'rep' if v.replicated else f'tp{tp_rank}'}cp{cp_rank}pp{pp_rank}"
-            for name, v in views.items()}
-        self._writes = {name: not v.replicated or tp_rank == 0 for name, v in views.items()}
+            kind: f":{ns}:{kind.value}:{'rep' if p.replicated else f'tp{tp_rank}'}cp{cp_rank}pp{pp_rank}"
+            for kind, p in pools.items()}
+        self._writes = {kind: not p.replicated or tp_rank == 0 for kind, p in pools.items()}
         self.tp_rank = tp_rank
 
-        self._pending: dict[str, list[Part]] = {}
-        self._results: collections.deque[bool] = collections.deque()
+        self._lock = threading.Lock()  # counters and the restored set: scheduler and loop threads
+        self._c: collections.Counter[str] = collections.Counter()
+        self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
+        self._results: collections.deque[concurrent.futures.Future[bool]] = collections.deque()
         self._closed = False
-        self._on_device = any(v.device.type != "cpu" for v in views.values())
-        self.bridge = StoreBridge(self._open_store, name=f"hylinker-store-tp{tp_rank}")
-        try:
-            self._mover = PageMover(self.bridge, self.config, self.fingerprint, num_layers=self.num_layers,
-                                    writes=self._writes, on_device=self._on_device)
-        except BaseException:
-            self.bridge.close()
-            raise
-        self._load_q: queue.Queue[_LoadJob | None] = queue.Queue()
-        self._offload_q: queue.Queue[_OffloadJob | None] = queue.Queue()
-        self._load_thread = threading.Thread(target=self._serve, args=(self._load_q, self._run_load),
-                                             name=f"hylinker-load-tp{tp_rank}", daemon=True)
-        self._offload_thread = threading.Thread(target=self._serve, args=(self._offload_q, self._run_offload),
-                                                name=f"hylinker-offload-tp{tp_rank}", daemon=True)
-        self._load_thread.start()
-        self._offload_thread.start()
-        log.info("HylinkerLinker: store=%s pools=%s tp_rank=%d layers=%d",
-                 self.config.store, {n: v.payload_bytes for n, v in views.items()}, tp_rank, self.num_layers)
+        self._on_device = views.device.type != "cpu"
+        staging = max(self.config.staging_mb << 20, 4 * max(v.payload_bytes for v in views.values()))
+        self.data = SyncDataPlane(views, self._open_store, DataPlaneConfig(staging_bytes_per_pool=staging),
+                                  fingerprint=self.fingerprint)
+        store = self.data.store
+        assert isinstance(store, ResilientStore)
+        self.store: ResilientStore = store
+        log.info("HylinkerLinker: store=%s pools=%s tp_rank=%d layers=%d", self.config.store,
+                 {k.value: v.payload_bytes for k, v in views.items()}, tp_rank, self.num_layers)
 
     async def _open_store(self) -> Store:
-        c = self.config
-        inner: Store
-        if c.store == "embedded":
-            from ..stores.embedded import EmbeddedStore
-
-            inner = EmbeddedStore(c.capacity_mb << 20)
-        elif c.store == "mooncake":
-            from ..stores.mooncake import MooncakeConfig, MooncakeStore
-
-            assert c.master is not None
-            inner = await MooncakeStore.open(MooncakeConfig(
-                master_address=c.master, segment_bytes=c.segment_mb << 20, protocol=c.protocol,
-                rdma_devices=c.rdma_devices, metadata_server=c.metadata_server,
-                local_hostname=c.local_hostname,
-                detect_exists=False))  # an existing key counts as stored: skip one master RPC per put
-        else:
-            from ..stores.umbp import UmbpStore
-
-            inner = UmbpStore()
-        plan = c.fault_plan
-        if plan is None:
-            return inner
-        from ..stores.faulty import FaultyStore
-
-        return FaultyStore(inner, plan, seed=c.fault_seed)
+        """The configured store (fault plan wrapped around it) under the one retry rule."""
+        return ResilientStore(await self.config.open_store(), self.config.resilience())
 
     # ---- keys -------------------------------------------------------------------------
     def object_keys(self, pool: str, page_keys: Sequence[str]) -> list[str]:
         """Store keys of ``pool``'s objects for SGLang's page keys (on this rank)."""
-        suffix = self._suffix[pool]
+        suffix = self._suffix[_KINDS[pool]]
         return [k + suffix for k in page_keys]
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
 
     # ---- lookup -----------------------------------------------------------------------
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
@@ -190,98 +212,110 @@ class HylinkerLinker(UnifiedCacheLinker):
         if kv is None or not kv.keys or self._closed:
             return []
         pages = list(kv.keys)
-        m = len(pages)
-        probe = self.object_keys("kv", pages)
-        with_state = "mamba" in by_name and "mamba" in self._views
-        with_draft = "draft" in self._views
-        if with_draft:
-            probe += self.object_keys("draft", pages)
+        probe = {PoolKind.FULL: self.object_keys("kv", pages)}
+        with_state = "mamba" in by_name and PoolKind.MAMBA in self._kinds
+        if PoolKind.DRAFT in self._kinds:
+            probe[PoolKind.DRAFT] = self.object_keys("draft", pages)
         if with_state:
-            probe += self.object_keys("mamba", pages)
-        self._mover.count("lookups", 1)
+            probe[PoolKind.MAMBA] = self.object_keys("mamba", pages)
+        self._count("lookups")
+        future = self.data.exists(probe)
         try:
-            present = self.bridge.wait(self.bridge.exists(probe), self.config.lookup_timeout_s)
+            present = future.result(timeout=self.config.lookup_timeout_s)
         except Exception as exc:  # a store that fails or hangs: a miss (every rank's MIN agrees)
-            self._mover.count("lookup_errors", 1)
-            log.warning("HylinkerLinker lookup failed (a miss): %s", exc)
+            future.cancel()
+            self._count("lookup_errors")
+            log.warning("HylinkerLinker lookup failed (a miss): %r", exc)
             return []
-        if len(present) != len(probe):
-            self._mover.count("lookup_errors", 1)
-            return []
-        kv_ok = np.asarray(present[:m], dtype=bool)
-        if with_draft:
-            kv_ok &= np.asarray(present[m:2 * m], dtype=bool)
-        prefix = int(m if kv_ok.all() else np.argmin(kv_ok))  # KV pages [0, prefix) all present
+        kv_ok = present[PoolKind.FULL]
+        if PoolKind.DRAFT in present:
+            kv_ok = [a and b for a, b in zip(kv_ok, present[PoolKind.DRAFT])]
+        prefix = kv_ok.index(False) if False in kv_ok else len(kv_ok)  # KV pages [0, prefix) present
         if with_state:
-            state = present[-m:]
+            state = present[PoolKind.MAMBA]
             counts = [n for n in range(1, prefix + 1) if state[n - 1]]
         else:
             counts = list(range(1, prefix + 1))
         if counts:
-            self._mover.count("lookup_hits", 1)
+            self._count("lookup_hits")
             self._touch(pages[:counts[-1]], with_state)
         return counts
 
     def _touch(self, pages: list[str], with_state: bool) -> None:
-        if not self.config.touch or not self.bridge.capabilities.touch:
+        if not self.config.touch or not self.store.capabilities.touch:
             return
         keys = self.object_keys("kv", pages)
-        if "draft" in self._views:
+        if PoolKind.DRAFT in self._kinds:
             keys += self.object_keys("draft", pages)
         if with_state:
             keys += self.object_keys("mamba", pages[-1:])
-        self.bridge.touch(keys)  # fire and forget: recency only
-        self._mover.count("touches", 1)
+        future = self.data.call_store(self.store.touch, keys)  # fire and forget: recency only
+        future.add_done_callback(_retrieve)
+        self._count("touches")
 
     # ---- load -------------------------------------------------------------------------
+    def _transfers(self, transfers: Sequence[PoolTransfer], *, offload: bool
+                   ) -> tuple[list[Transfer], list[str]]:
+        """SGLang's transfers as the data plane's (DRAFT derived from the KV rows), and every
+        object key they name. Raises :class:`PoolViewError` for malformed transfers."""
+        by_name = {str(getattr(t.name, "value", t.name)): t for t in transfers}
+        unknown = set(by_name) - {k.value for k in self._kinds}
+        if unknown:
+            raise PoolLayoutError(f"transfers for pools this linker does not hold: {sorted(unknown)}")
+        kv = by_name.get("kv")
+        if kv is None or not kv.keys or kv.device_indices is None:
+            return [], []
+        pages = list(kv.keys)
+        named = [(PoolKind.FULL, self.object_keys("kv", pages), kv.device_indices)]
+        if PoolKind.DRAFT in self._kinds:
+            named.append((PoolKind.DRAFT, self.object_keys("draft", pages), kv.device_indices))
+        state = by_name.get("mamba")
+        if state is not None and state.keys:
+            if state.device_indices is None:
+                raise PoolLayoutError("a MAMBA transfer without a slot")
+            named.append((PoolKind.MAMBA, self.object_keys("mamba", list(state.keys)), state.device_indices))
+        out: list[Transfer] = []
+        every: list[str] = []
+        for kind, keys, indices in named:
+            index = self.data.plane.pools[kind].objects(indices.detach().reshape(-1).to("cpu", torch.int64))
+            every += keys
+            if offload:  # a rank-replicated pool is written by rank 0; restored objects not again
+                if not self._writes[kind]:
+                    continue
+                with self._lock:
+                    keep = [i for i, k in enumerate(keys) if k not in self._restored]
+                    self._c["objects_skipped_restored"] += len(keys) - len(keep)
+                if len(keep) < len(keys):
+                    keys, index = [keys[i] for i in keep], index[keep]
+            if keys:
+                out.append(Transfer(kind, keys, index))
+        return out, every
+
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         if self._closed:
             return False
         if rid in self._pending:
             raise RuntimeError(f"HylinkerLinker: a load for rid={rid} is already queued")
         try:
-            parts = self._parts(transfers)
-        except PoolLayoutError as exc:  # malformed transfers: the same on every rank
+            trs, keys = self._transfers(transfers, offload=False)
+            if not trs:
+                return False
+            # held until start_layer_wise_loading; verified whole before a row is written
+            self._pending[rid] = (self.data.load(trs, request_id=rid, start=False, verify_all=True), keys)
+        except PoolViewError as exc:  # malformed transfers: the same on every rank
             log.error("HylinkerLinker refuses load rid=%s: %s", rid, exc)
             return False
-        if not parts:
-            return False
-        self._pending[rid] = parts
         return True
-
-    def _parts(self, transfers: Sequence[PoolTransfer]) -> list[Part]:
-        by_name = {str(getattr(t.name, "value", t.name)): t for t in transfers}
-        unknown = set(by_name) - set(self._views)
-        if unknown:
-            raise PoolLayoutError(f"transfers for pools this linker does not hold: {sorted(unknown)}")
-        kv = by_name.get("kv")
-        if kv is None or not kv.keys or kv.device_indices is None:
-            return []
-        pages = list(kv.keys)
-        parts = [Part(self._views["kv"], self.object_keys("kv", pages),
-                       self._views["kv"].object_rows(kv.device_indices, len(pages)))]
-        if "draft" in self._views:
-            parts.append(Part(self._views["draft"], self.object_keys("draft", pages), parts[0].rows))
-        state = by_name.get("mamba")
-        if state is not None and state.keys:
-            if state.device_indices is None:
-                raise PoolLayoutError("a MAMBA transfer without a slot")
-            parts.append(Part(self._views["mamba"], self.object_keys("mamba", list(state.keys)),
-                               self._views["mamba"].object_rows(state.device_indices, len(state.keys))))
-        return parts
 
     def start_layer_wise_loading(self) -> int:
         if not self._pending:
             return -1
-        parts = [p for ps in self._pending.values() for p in ps]
+        loads = list(self._pending.values())
         self._pending = {}
         index: int = self.layer_done_counter.update_producer()
-        ready = None
-        if self._on_device:
-            ready = torch.cuda.Event()
-            ready.record()
-        self._load_q.put(_LoadJob(index, parts, ready))
-        self._mover.count("load_batches", 1)
+        self._count("load_batches")
+        _LoadBatch(self, index, loads)
+        self.data.start(*(load for load, _ in loads))
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
@@ -289,94 +323,151 @@ class HylinkerLinker(UnifiedCacheLinker):
         return landed
 
     def cancel_queued_load(self, rid: str) -> bool:
-        cancelled = self._pending.pop(rid, None) is not None
-        if cancelled:
-            self._mover.count("loads_cancelled", 1)
-        return cancelled
+        held = self._pending.pop(rid, None)
+        if held is None:
+            return False
+        self.data.cancel(held[0])  # held, never started: it ends here, untouched
+        self._count("loads_cancelled")
+        return True
 
-    def _run_load(self, job: _LoadJob) -> None:
+    def _remember(self, keys: list[str]) -> None:
+        """Objects a load restored: the request's insert does not write them again."""
+        with self._lock:
+            for k in keys:
+                self._restored[k] = None
+                self._restored.move_to_end(k)
+            while len(self._restored) > _RESTORED_MEMORY:
+                self._restored.popitem(last=False)
+
+    def _complete(self, index: int, layer: int) -> None:
+        # reset may have dropped the index, or the load already failed it
+        with contextlib.suppress(KeyError, concurrent.futures.InvalidStateError):
+            self.layer_done_counter.complete(index, layer)
+
+    def _load_ended(self, index: int, outcome: TransferOutcome | None, keys: list[str]) -> None:
+        """On the data plane's loop: remember what landed, or remove what did not and fail."""
+        if outcome is not None and outcome.ok:
+            self._count("loads_ok")
+            return
+        self._count("loads_failed")
+        error = LoadFailedError(f"load failed: {outcome.faults if outcome is not None else 'error'}")
+        log.error("HylinkerLinker load batch %d: %s", index, error)
+        bad: list[str] = []
+        if outcome is not None and not outcome.cancelled:
+            verified = [ok for kind in (PoolKind.FULL, PoolKind.DRAFT, PoolKind.MAMBA)
+                        for ok in outcome.objects.get(kind, [])]
+            bad = [k for k, ok in zip(keys, verified) if not ok]
+        if not bad or not self.store.capabilities.remove:
+            self._fail(index, error)
+            return
+        # gone before the failure reports: the next lookup misses it (a recompute, not a second 503)
+        self._count("bad_objects_removed", len(bad))
+        self.data.call_store(self._remove_then_fail, bad, index, error).add_done_callback(_retrieve)
+
+    async def _remove_then_fail(self, keys: list[str], index: int, error: BaseException) -> None:
         try:
-            if job.ready is not None:
-                job.ready.synchronize()
-            self._mover.load(job.parts, lambda layer: self.layer_done_counter.complete(job.index, layer))
-            self._mover.count("loads_ok", 1)
-        except BaseException as exc:
-            self._mover.count("loads_failed", 1)
-            log.error("HylinkerLinker load batch %d failed: %s", job.index, exc)
-            self.layer_done_counter.fail(job.index, exc)
+            with anyio.move_on_after(self.config.store_timeout_s):
+                await self.store.remove(keys)
+        except StoreError as exc:
+            log.warning("HylinkerLinker could not remove %d damaged objects: %s", len(keys), exc)
+        finally:
+            self._fail(index, error)
+
+    def _fail(self, index: int, error: BaseException) -> None:
+        self.layer_done_counter.fail(index, error)
 
     # ---- offload ----------------------------------------------------------------------
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
-        try:
-            parts = [] if self._closed else self._parts(transfers)
-        except PoolLayoutError as exc:
-            log.error("HylinkerLinker offload with malformed transfers: %s", exc)
-            parts = []
-        ready: list[Any] = []
-        if self._on_device and parts:
-            ready = list(self.record_offload_ready())
+        result: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._results.append(result)
         if self._closed:
-            self._results.append(False)
+            result.set_result(False)
             return True
-        self._offload_q.put(_OffloadJob(parts, ready))
+        try:
+            trs, keys = self._transfers(transfers, offload=True)
+        except PoolViewError as exc:
+            log.error("HylinkerLinker offload with malformed transfers: %s", exc)
+            trs, keys = [], []
+        if not keys:
+            self._offloaded(result, False)
+            return True
+        fence = _AllEvents(self.record_offload_ready()) if self._on_device and trs else None
+        done = self.data.offload(trs, fence=fence)
+        done.add_done_callback(lambda f: self._offloaded(result, _ok(f)))
         return True
 
-    def _run_offload(self, job: _OffloadJob) -> None:
-        try:
-            ok = self._offload_job(job)
-        except BaseException as exc:
-            log.error("HylinkerLinker offload failed: %s", exc)
-            ok = False
-        self._mover.count("offloads_ok" if ok else "offloads_failed")
-        self._results.append(ok)
-
-    def _offload_job(self, job: _OffloadJob) -> bool:
-        for event in job.ready:
-            event.synchronize()
-        return self._mover.offload(job.parts)
+    def _offloaded(self, result: concurrent.futures.Future[bool], ok: bool) -> None:
+        self._count("offloads_ok" if ok else "offloads_failed")
+        result.set_result(ok)
 
     def num_completed_offloads(self) -> int:
-        return len(self._results)
+        self.data.pop_completed_offloads()  # ours are the futures in self._results
+        n = 0
+        for f in self._results:
+            if not f.done():
+                break
+            n += 1
+        return n
 
     def pop_completed_offload(self) -> bool:
-        return self._results.popleft()
+        return self._results.popleft().result()
 
     # ---- life cycle -------------------------------------------------------------------
-    def _serve(self, jobs: queue.Queue[Any], work: Any) -> None:
-        while True:
-            job = jobs.get()
-            try:
-                if job is None:
-                    return
-                work(job)
-            finally:
-                jobs.task_done()
-
     def reset(self) -> None:
         """Quiesce: drop queued loads, wait for started transfers, forget their results."""
+        for held, _ in self._pending.values():
+            self.data.cancel(held)
         self._pending.clear()
-        self._load_q.join()
-        self._offload_q.join()
+        if not self._closed:
+            self.data.reset()
+        concurrent.futures.wait(list(self._results), timeout=self.config.store_timeout_s * 2)
         self._results.clear()
         self.layer_done_counter.reset()
-        self._mover.forget_restored()
+        with self._lock:
+            self._restored.clear()
 
     def close(self) -> None:
         if self._closed:
             return
+        pending = [f for f in self._results if not f.done()]
+        if pending:  # writes in flight get drain_timeout_s, then the store fails fast
+            concurrent.futures.wait(pending, timeout=self.config.drain_timeout_s)
+        try:
+            self.data.call_store(self.store.shutdown).result(timeout=self.store.policy.close_grace_s + 5)
+        except Exception as exc:
+            log.warning("HylinkerLinker: store shutdown: %r", exc)
         self.reset()
         self._closed = True
-        self._load_q.put(None)
-        self._offload_q.put(None)
-        self._load_thread.join(timeout=self.config.store_timeout_s + 5)
-        self._offload_thread.join(timeout=self.config.store_timeout_s + 5)
-        self.bridge.close(timeout_s=self.config.store_timeout_s + 5)
-        log.info("HylinkerLinker closed: %s", self.statistics())
+        self.data.close()
+        log.info("HylinkerLinker closed: %s", self._c)
 
     def statistics(self) -> dict[str, int]:
-        """Counters: lookups, hits, loads, retries, verify failures, offloads, skipped objects,
-        and the time spent per phase (``*_us``)."""
-        return self._mover.statistics()
+        """Counters: the linker's (lookups, hits, loads, offloads, skipped objects), the data
+        plane's per-pool transfers summed, and the store's retry rule (retries, exhausted keys,
+        timeouts, breaker trips)."""
+        with self._lock:
+            out = dict(self._c)
+        for stats in self.data.pool_statistics().values():
+            for name in ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
+                         "bytes_loaded", "load_misses", "verify_failures", "offload_failures"):
+                out[name] = out.get(name, 0) + int(getattr(stats, name))
+        res = self.store.resilience()
+        for name in ("retries", "retried_keys", "recovered_keys", "exhausted_keys", "timeouts",
+                     "breaker_trips", "rejected_calls"):
+            out[f"store_{name}"] = int(getattr(res, name))
+        return out
+
+
+def _ok(future: concurrent.futures.Future[TransferOutcome]) -> bool:
+    try:
+        return bool(future.result().ok)
+    except Exception:
+        return False
+
+
+def _retrieve(future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: never logged as unhandled
 
 
 def _tp_rank(params: Any) -> int:

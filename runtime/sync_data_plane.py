@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import inspect
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -33,6 +34,9 @@ from .data_plane import (
 )
 from .events import DeviceEvent
 from .pool_actor import CANCELLED
+from .statistics import PoolActorStatistics
+
+T = TypeVar("T")
 
 
 class SyncLoad:
@@ -81,13 +85,15 @@ class SyncDataPlane:
     thread-safe and returns at once with a ``concurrent.futures.Future`` (or a
     :class:`SyncLoad`), except :meth:`reset` and :meth:`close`, which block until every
     transfer is quiesced. ``store_factory`` builds the store on the loop thread (stores bind to
-    the loop that uses them); the facade closes it on :meth:`close` when ``own_store``.
+    the loop that uses them; it may be a coroutine function); the facade closes it on
+    :meth:`close` when ``own_store``.
 
     Offload outcomes also queue in submission order: :meth:`pop_completed_offloads` returns
     the outcomes of the oldest offloads that ended, stopping at the first still running.
     """
 
-    def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView], store_factory: Callable[[], Store],
+    def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView],
+                 store_factory: Callable[[], Store] | Callable[[], Awaitable[Store]],
                  config: DataPlaneConfig | None = None, *, fingerprint: bytes | None = None,
                  namespace: bytes | str = b"", own_store: bool = True) -> None:
         self._stack = contextlib.ExitStack()
@@ -101,6 +107,7 @@ class SyncDataPlane:
         except BaseException:
             self._stack.close()
             raise
+        self._loop_thread = self._portal.call(threading.get_ident)
         self._fifo: deque[concurrent.futures.Future[TransferOutcome]] = deque()
         self._fifo_lock = threading.Lock()
         self._closed = False
@@ -238,8 +245,32 @@ class SyncDataPlane:
                     out.append(TransferOutcome(False, {}, {type(exc).__name__: 1}))
         return out
 
+    def call_store(self, fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+        """Run ``await fn(*args)`` on the data plane's loop (a store call: ``touch``,
+        ``remove``...); the caller waits on the future with its own deadline. Callable from
+        any thread, the loop's own included (a transfer's done callback)."""
+        self._check()
+        if threading.get_ident() != self._loop_thread:
+            return self._portal.start_task_soon(fn, *args)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        async def run() -> None:
+            try:
+                future.set_result(await fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+
+        assert self.plane._tg is not None
+        self.plane._tg.start_soon(run)
+        return future
+
     def statistics(self) -> dict[str, int]:
         return dict(self._portal.call(self.plane.statistics))
+
+    def pool_statistics(self) -> dict[str, PoolActorStatistics]:
+        return dict(self._portal.call(self.plane.pool_statistics))
 
     def reset(self) -> None:
         """Cancel loads that have not started and wait for every transfer in flight."""
@@ -257,8 +288,11 @@ class SyncDataPlane:
             self._stack.close()  # leaves the DataPlane, closes an owned store, stops the thread
 
 
-def _call(fn: Callable[[], Store]) -> Store:
-    return fn()
+async def _call(fn: Callable[[], Store] | Callable[[], Awaitable[Store]]) -> Store:
+    store = fn()
+    if inspect.isawaitable(store):
+        return await store
+    return store
 
 
 __all__ = ["SyncDataPlane", "SyncLoad"]

@@ -1,4 +1,4 @@
-"""The SGLang plugin's parts that need no SGLang: its config keys and its pool codec.
+"""The SGLang plugin's parts that need no SGLang: its config keys and its pool views.
 
 The plugin itself runs against SGLang's real cache in `tests_sglang/` (its own environment).
 """
@@ -10,14 +10,13 @@ import types
 import pytest
 import torch
 
+from hylinker.components.layout import PoolKind
+from hylinker.components.pool_view import PoolSet
+from hylinker.integrations.config import PluginConfig
 from hylinker.integrations.sglang_config import LinkerConfigError, SGLangLinkerConfig
-from hylinker.integrations.sglang_pools import (
-    PoolLayoutError,
-    draft_view,
-    full_view,
-    layout_fingerprint,
-    mamba_view,
-)
+from hylinker.integrations.sglang_pools import PoolLayoutError, draft_pool, full_pool, mamba_pool
+from hylinker.runtime.data_plane import SyncDataPlane, Transfer
+from hylinker.stores.embedded import EmbeddedStore
 
 
 def test_config_defaults_and_keys() -> None:
@@ -28,6 +27,12 @@ def test_config_defaults_and_keys() -> None:
          "faults": "fail=0.1,latency_ms=2", "store_timeout_s": 2})
     assert c.master == "127.0.0.1:50051" and c.store_timeout_s == 2.0
     assert c.fault_plan is not None and c.fault_plan.fail == 0.1
+    # one parser: the shared PluginConfig keys, plus SGLang's own; its retry rule is the store's
+    assert isinstance(c, PluginConfig) and c.resilience().attempts == c.load_retries + 1
+    assert c.resilience().deadline_s == 2.0
+    assert SGLangLinkerConfig.from_extra_config({"store": "umbp"}).store == "umbp"
+    with pytest.raises(LinkerConfigError, match="must be one of"):
+        PluginConfig.from_extra_config({"store": "umbp"})  # vLLM's connector does not take it
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -59,53 +64,65 @@ def _hybrid(mla: bool, rows: int = 32, page: int = 4) -> types.SimpleNamespace:
                                  start_layer=0, page_size=page)
 
 
-@pytest.mark.parametrize("mla", [True, False])
-def test_full_view_round_trips_pages_layer_by_layer(mla: bool) -> None:
-    src, dst = _hybrid(mla), _hybrid(mla)
-    view, back = full_view(src), full_view(dst)
-    assert view.replicated is mla and view.counter_layers == [1, 3]
-    rows = view.object_rows(torch.tensor([8, 9, 10, 11, 20, 21, 22, 23]), 2)
-    out = torch.zeros(2, view.payload_bytes, dtype=torch.uint8)
-    view.gather(rows, out)
-    dest = back.object_rows(torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]), 2)
-    for layer in range(len(back.layers)):
-        back.scatter_layer(layer, out, dest)
-    for s, d in zip(view.layers, back.layers):
-        for sb, db in zip(s.buffers, d.buffers):
-            assert torch.equal(sb[8:12].view(torch.uint8), db[0:4].view(torch.uint8))
-            assert torch.equal(sb[20:24].view(torch.uint8), db[4:8].view(torch.uint8))
-    with pytest.raises(PoolLayoutError, match="indices for 3 objects"):
-        view.object_rows(torch.arange(8), 3)
-    with pytest.raises(PoolLayoutError, match="out of range"):
-        view.object_rows(torch.tensor([30, 31, 32, 33]), 1)
-
-
-def test_mamba_and_draft_views() -> None:
-    cache = types.SimpleNamespace(temporal=torch.randn(2, 6, 3, 4), conv=[torch.randn(2, 6, 5)])
-    pool = types.SimpleNamespace(mamba_pool=types.SimpleNamespace(mamba_cache=cache), mamba_map={0: 0, 2: 1},
+def _mamba(slots: int = 6) -> types.SimpleNamespace:
+    cache = types.SimpleNamespace(temporal=torch.randn(2, slots, 3, 4), conv=[torch.randn(2, slots, 5)])
+    return types.SimpleNamespace(mamba_pool=types.SimpleNamespace(mamba_cache=cache), mamba_map={0: 0, 2: 1},
                                  mamba_ckpt_pool=None)
-    view = mamba_view(pool)
-    assert view.rows_per_object == 1 and view.counter_layers == [0, 2]
-    assert view.payload_bytes == 2 * (3 * 4 + 5) * 4
-    out = torch.zeros(1, view.payload_bytes, dtype=torch.uint8)
-    view.gather(view.object_rows(torch.tensor([4]), 1), out)
-    before = cache.temporal[:, 4].clone(), cache.conv[0][:, 4].clone()
-    view.scatter_layer(0, out, view.object_rows(torch.tensor([1]), 1))
-    view.scatter_layer(1, out, view.object_rows(torch.tensor([1]), 1))
-    assert torch.equal(cache.temporal[:, 1], before[0]) and torch.equal(cache.conv[0][:, 1], before[1])
-    draft = draft_view([types.SimpleNamespace(page_size=4, k_buffer=[torch.zeros(8, 1, 2)],
+
+
+@pytest.mark.parametrize("mla", [True, False])
+def test_sglang_pools_round_trip_through_the_data_plane(mla: bool) -> None:
+    src, dst = _hybrid(mla), _hybrid(mla)
+    ms, md = _mamba(), _mamba()
+    full, state = full_pool(src), mamba_pool(ms)
+    assert full.replicated is mla and full.view.layer_ids == [1, 3] and state.view.layer_ids == [0, 2]
+    assert state.view.payload_bytes == 2 * (3 * 4 + 5) * 4
+    pages = torch.tensor([8, 9, 10, 11, 20, 21, 22, 23])  # SGLang's flat device indices
+    with SyncDataPlane(PoolSet([full.view, state.view]), lambda: EmbeddedStore(16 << 20)) as dp:
+        out = dp.offload([Transfer(PoolKind.FULL, ["p0", "p1"], pages),
+                          Transfer(PoolKind.MAMBA, ["s"], torch.tensor([4]))]).result(timeout=10)
+        assert out.ok
+        store = dp.store
+        with SyncDataPlane(PoolSet([full_pool(dst).view, mamba_pool(md).view]), lambda: store,
+                           own_store=False) as back:
+            load = back.load([Transfer(PoolKind.FULL, ["p0", "p1"], torch.arange(8)),
+                              Transfer(PoolKind.MAMBA, ["s"], torch.tensor([1]))], verify_all=True)
+            assert load.result.result(timeout=10).ok
+            assert all(load.layer(layer).result(timeout=1) for layer in (0, 1, 2, 3))
+    buffers = ("kv_buffer",) if mla else ("k_buffer", "v_buffer")
+    for name in buffers:
+        for s, d in zip(getattr(src.full_kv_pool, name), getattr(dst.full_kv_pool, name)):
+            assert torch.equal(s[8:12].view(torch.uint8), d[0:4].view(torch.uint8))
+            assert torch.equal(s[20:24].view(torch.uint8), d[4:8].view(torch.uint8))
+    sc, dc = ms.mamba_pool.mamba_cache, md.mamba_pool.mamba_cache
+    assert torch.equal(sc.temporal[:, 4], dc.temporal[:, 1]) and torch.equal(sc.conv[0][:, 4], dc.conv[0][:, 1])
+
+
+def test_unsupported_pools_are_refused_by_name() -> None:
+    draft = draft_pool([types.SimpleNamespace(page_size=4, k_buffer=[torch.zeros(8, 1, 2)],
                                               v_buffer=[torch.zeros(8, 1, 2)])], 4)
-    assert draft is not None and draft.counter_layers == [0] and not draft.replicated
-    assert draft_view([], 4) is None
+    assert draft is not None and draft.view.kind is PoolKind.DRAFT and draft.view.layer_ids == [0]
+    assert draft_pool([], 4) is None
     with pytest.raises(PoolLayoutError, match="page size"):
-        draft_view([types.SimpleNamespace(page_size=2, k_buffer=[], v_buffer=[])], 4)
+        draft_pool([types.SimpleNamespace(page_size=2, k_buffer=[], v_buffer=[])], 4)
+    pool = _mamba()
     pool.mamba_ckpt_pool = object()
     with pytest.raises(PoolLayoutError, match="int8"):
-        mamba_view(pool)
+        mamba_pool(pool)
+    pool = _mamba()
+    pool.mamba_map = {0: 0}
+    with pytest.raises(PoolLayoutError, match="layer map"):
+        mamba_pool(pool)
+    scaled = _hybrid(False)
+    scaled.full_kv_pool.k_scale_buffer = [torch.zeros(1)]
+    with pytest.raises(PoolLayoutError, match="scaled"):
+        full_pool(scaled)
 
 
 def test_fingerprint_names_the_geometry() -> None:
-    a = layout_fingerprint([full_view(_hybrid(True))], page_size=4, model="m")
-    assert a == layout_fingerprint([full_view(_hybrid(True))], page_size=4, model="m")
-    assert a != layout_fingerprint([full_view(_hybrid(False))], page_size=4, model="m")
-    assert a != layout_fingerprint([full_view(_hybrid(True))], page_size=4, model="other")
+    def fp(mla: bool, ns: str = "m") -> bytes:
+        return PoolSet([full_pool(_hybrid(mla)).view]).fingerprint(ns)
+
+    assert fp(True) == fp(True)
+    assert fp(True) != fp(False)
+    assert fp(True) != fp(True, "other")

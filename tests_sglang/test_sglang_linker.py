@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hylinker.stores import framing
-from hylinker.stores.base import GetResult, Outcome
+from hylinker.stores.base import GetResult, Outcome, Store
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.testing.sglang_cache import CacheSpec, Served, SGLangCache
 
@@ -52,21 +52,31 @@ def page_keys(tokens: list[int]) -> list[str]:
     return list(get_storage_hash_str(RadixKey(array("q", tokens)), None, page_size=1))
 
 
-def raw(cache: SGLangCache) -> Any:
-    return cache.linker.bridge
+def call(cache: SGLangCache, fn: Any, *args: Any) -> Any:
+    """``await fn(*args)`` on the plugin's data-plane loop (stores bind to their loop)."""
+    return cache.linker.data.call_store(fn, *args).result(timeout=10)
+
+
+def store(cache: SGLangCache) -> Any:
+    """The plugin's store: the one retry rule (ResilientStore) around the configured store."""
+    return cache.linker.store
+
+
+def swap_inner(cache: SGLangCache, inner: Store) -> None:
+    """Put ``inner`` under the plugin's retry rule from now on (to inject faults mid-test)."""
+    store(cache)._inner = inner
 
 
 def store_get(cache: SGLangCache, key: str, nbytes: int) -> bytes | None:
     buf = torch.zeros(nbytes, dtype=torch.uint8)
-    res: list[GetResult] = raw(cache).wait(raw(cache).get([key], [buf]), 10)
+    res: list[GetResult] = call(cache, store(cache).get, [key], [buf])
     return bytes(buf[: res[0].nbytes].numpy()) if res[0].outcome is Outcome.OK else None
 
 
 def store_replace(cache: SGLangCache, key: str, data: bytes) -> None:
-    bridge = raw(cache)
-    bridge.wait(bridge.remove([key]), 10)
+    call(cache, store(cache).remove, [key])
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    assert bridge.wait(bridge.put([key], [buf]), 10) == [Outcome.OK]
+    assert call(cache, store(cache).put, [key], [buf]) == [Outcome.OK]
 
 
 def kv_key(cache: SGLangCache, tokens: list[int], page: int, pool: str = "kv") -> str:
@@ -164,7 +174,7 @@ def test_page_evicted_from_the_store_gives_a_shorter_hit(caches: list[SGLangCach
     cache.serve(A + B)
     cache.flush()
     gone = kv_key(cache, A + B, len(A) + 3)
-    assert raw(cache).wait(raw(cache).remove([gone]), 10) == 1
+    assert call(cache, store(cache).remove, [gone]) == 1
     restored_ok(cache.serve(A + B + C), len(A))
     assert_clean(cache)
 
@@ -216,9 +226,8 @@ def test_damaged_objects_are_never_restored(caches: list[SGLangCache], core: str
 
 # ---- transient faults, failures, retries ----------------------------------------------------
 def _wrap_store(cache: SGLangCache, plan: FaultPlan, seed: int = 7) -> FaultyStore:
-    bridge = raw(cache)
-    faulty = FaultyStore(bridge.store, plan, seed=seed)
-    bridge.store = faulty
+    faulty = FaultyStore(store(cache).inner, plan, seed=seed)
+    swap_inner(cache, faulty)
     return faulty
 
 
@@ -227,16 +236,17 @@ def test_transient_store_errors_are_retried_then_restored(caches: list[SGLangCac
     cache = build(caches, core, load_retries=8, retry_backoff_ms=1)
     cache.serve(A + B)
     cache.flush()
-    inner = raw(cache).store
-    faulty = FaultyStore(inner, FaultPlan(fail=0.3), seed=7)
+    faulty = FaultyStore(store(cache).inner, FaultPlan(fail=0.3), seed=7)
 
     def flaky_store(req: Any) -> None:  # after the lookup: the load meets the failing store
-        raw(cache).store = faulty
+        swap_inner(cache, faulty)
 
     restored_ok(cache.serve(A + B + C, before_forward=flaky_store), len(A + B))
     assert faulty.statistics().failed_keys > 0
-    assert cache.linker.statistics()["load_retries"] >= 1
-    raw(cache).store = faulty.inner
+    stats = cache.linker.statistics()
+    assert stats["store_retried_keys"] >= 1 and stats["store_recovered_keys"] >= 1
+    assert stats.get("store_exhausted_keys", 0) == 0
+    swap_inner(cache, faulty.inner)
     assert_clean(cache)
 
 
@@ -250,20 +260,24 @@ def test_retries_are_bounded_then_the_load_fails(caches: list[SGLangCache]) -> N
     assert cache.linker.lookup("p", [PoolTransfer(name=pool_name("kv"), keys=keys),
                                      PoolTransfer(name=pool_name("mamba"), keys=keys[-1:],
                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)])
-    faulty = _wrap_store(cache, FaultPlan(fail=1.0))
-    # lookups now fail closed (a miss), so drive the failing load through a clean lookup first
-    raw(cache).store = faulty.inner
+    faulty = FaultyStore(store(cache).inner, FaultPlan(fail=1.0), seed=7)
+    # lookups would fail closed (a miss), so drive the failing load through a clean lookup first
     served_hit: dict[str, int] = {}
+    before = cache.linker.statistics()
 
     def break_store(req: Any) -> None:
         served_hit["hit"] = req.host_loaded_length
-        raw(cache).store = faulty
+        swap_inner(cache, faulty)
 
     served = cache.serve(A + B + C, before_forward=break_store)
-    raw(cache).store = faulty.inner
+    swap_inner(cache, faulty.inner)
     assert served_hit["hit"] == len(A + B) and served.aborted
     stats = cache.linker.statistics()
-    assert stats["load_retries"] == 2 and stats["load_retries_exhausted"] == 1
+    objects = len(A + B) + 1  # KV pages and the state
+    # every object was tried 1 + load_retries times, then given up on: bounded
+    assert stats["store_exhausted_keys"] - before.get("store_exhausted_keys", 0) == objects
+    assert stats["store_retried_keys"] - before.get("store_retried_keys", 0) == 2 * objects
+    assert stats["loads_failed"] == 1
     assert_clean(cache)
 
 
@@ -273,7 +287,7 @@ def test_offload_failure_then_retry_on_the_next_hit(caches: list[SGLangCache], c
     faulty = _wrap_store(cache, FaultPlan(fail=1.0))
     cache.serve(A + B)
     assert cache.linker.statistics()["offloads_failed"] >= 1
-    raw(cache).store = faulty.inner
+    swap_inner(cache, faulty.inner)
     # the node was not marked stored: the next request that hits it offloads it again
     hit = cache.serve(A + B + C)
     assert hit.device_hit == len(A + B)
@@ -292,7 +306,7 @@ def test_reset_with_transfers_in_flight(caches: list[SGLangCache]) -> None:
     cache.flush()  # SGLang's flush: the linker quiesces, pending offloads are released
     assert not cache.cache.linker.pending_offloads
     assert cache.linker.num_completed_offloads() == 0
-    raw(cache).store = faulty.inner
+    swap_inner(cache, faulty.inner)
     restored_ok(cache.serve(A + B + C), len(A + B))
     assert_clean(cache)
 
@@ -376,7 +390,7 @@ def test_two_ranks_agree(caches: list[SGLangCache], mooncake_master: Any,
     assert r1.statistics().get("objects_offloaded", 0) == 1  # its state only
     # rank 1 loses its state: its answer changes, rank 0's does not; SGLang's MIN takes the common set
     state1 = r1.object_keys("mamba", [keys[len(A + B) - 1]])
-    r1.bridge.wait(r1.bridge.remove(state1), 10)
+    r1.data.call_store(r1.store.remove, state1).result(timeout=10)
     assert r0.lookup("x", transfers) == [len(A + B)] and r1.lookup("x", transfers) == []
     for cache in ranks:
         served = cache.serve(A + B + C, settle=True)
@@ -398,7 +412,7 @@ def test_damaged_object_is_gone_before_the_failed_load_reports(caches: list[SGLa
     assert good is not None
     store_replace(cache, key, _flip(good, len(good) - 3))
     assert cache.serve(A + B + C).aborted
-    assert raw(cache).wait(raw(cache).exists([key]), 10) == [False]
+    assert call(cache, store(cache).exists, [key]) == [False]
     after = cache.serve(A + B + C + [5])
     assert not after.aborted and after.loaded < len(A + B)
     assert_clean(cache)
@@ -408,12 +422,12 @@ def test_faults_key_wraps_the_store(caches: list[SGLangCache]) -> None:
     # linker_extra_config["faults"]: every key fails -> offloads report False, lookups miss,
     # requests recompute; nothing leaks
     cache = build(caches, faults="fail=1.0", fault_seed=3)
-    assert isinstance(raw(cache).store, FaultyStore)
+    assert isinstance(store(cache).inner, FaultyStore)
     cache.serve(A + B)
     cache.flush()
     again = cache.serve(A + B + C)
     assert again.loaded == 0 and not again.aborted
     stats = cache.linker.statistics()
     assert stats["offloads_failed"] == 2 and stats.get("offloads_ok", 0) == 0
-    assert raw(cache).store.statistics().failed_keys > 0
+    assert store(cache).inner.statistics().failed_keys > 0
     assert_clean(cache)
