@@ -119,7 +119,9 @@ class SGLangCache:
     """One SGLang cache (one rank) with an external linker; see the module docstring."""
 
     def __init__(self, spec: CacheSpec, linker_config: dict[str, Any] | None, *,
-                 backend: str = "dynamic") -> None:
+                 backend: str = "dynamic", tp_group: Any = None) -> None:
+        """``tp_group``: a ``torch.distributed`` group of this cache's TP ranks (gloo on CPU);
+        SGLang then reduces lookups and load/offload results over it, as its scheduler does."""
         install_cpu_shims()
         import sglang
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
@@ -173,7 +175,8 @@ class SGLangCache:
         self.params = CacheInitParams(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             page_size=P, disable=False, tree_components=(ComponentType.FULL, ComponentType.MAMBA),
-            enable_mamba_extra_buffer=False, eviction_policy="lru")
+            enable_mamba_extra_buffer=False, eviction_policy="lru",
+            tp_cache_group=tp_group, attn_tp_cache_group=tp_group)
         with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(spec.tree_core):
             self.cache = UnifiedRadixCache(params=self.params)
         self.linker: Any = None
