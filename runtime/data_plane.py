@@ -111,15 +111,19 @@ class DataPlaneConfig:
     #: per-object work (buffer checks, piece views, one streaming hash each) would dominate
     #: (docs/figures.md, "Data plane: in place vs staged"); 0 moves every size in place
     in_place_min_bytes: int = 256 << 10
+    #: staging per pool for verify-all loads (a whole load is held there until it verified),
+    #: allocated and registered with the store at start; 0: ``staging_bytes_per_pool``,
+    #: allocated on the first verify-all load. A larger load gets fresh, unregistered memory.
+    verify_all_staging_bytes: int = 0
 
     def __attrs_post_init__(self) -> None:
         for f in attrs.fields(DataPlaneConfig):
             if f.name == "in_place":
                 continue
-            if f.name == "in_place_min_bytes":
-                v = self.in_place_min_bytes
+            if f.name in ("in_place_min_bytes", "verify_all_staging_bytes"):
+                v = getattr(self, f.name)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise ValueError(f"DataPlaneConfig.in_place_min_bytes must be an int >= 0, got {v!r}")
+                    raise ValueError(f"DataPlaneConfig.{f.name} must be an int >= 0, got {v!r}")
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
@@ -383,7 +387,8 @@ class DataPlane:
                 queue_depth=self.config.queue_depth, latency=self.latency, thread_limiter=self._limiter,
                 inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s,
                 in_place=self.config.in_place,
-                in_place_min_bytes=self.config.in_place_min_bytes, copies=None if copies is None else copies.get(kind))
+                in_place_min_bytes=self.config.in_place_min_bytes, copies=None if copies is None else copies.get(kind),
+                held_bytes=self.config.verify_all_staging_bytes)
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)

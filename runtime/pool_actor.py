@@ -240,6 +240,7 @@ class PoolActor:
         in_place: bool = True,
         in_place_min_bytes: int = 0,
         copies: DeviceCopies | None = None,
+        held_bytes: int = 0,
     ) -> None:
         if not codecs:
             raise ValueError("a pool actor needs at least one codec")
@@ -262,15 +263,18 @@ class PoolActor:
         # objects per sub-batch: two halves, double buffered, at most 32 MiB each
         self.batch = max(1, min(self.frames // 2, (32 << 20) // stride))
         # filled once here so first use does not pay page faults on the hot path
-        def new_arena() -> torch.Tensor:
-            n = self.frames * stride
+        def new_arena(nbytes: int = 0) -> torch.Tensor:
+            n = nbytes or self.frames * stride
             buf = self.copies.staging(n) if self.copies is not None else torch.empty(n, dtype=torch.uint8)
             return buf.fill_(0)
 
         self._arenas = {d: new_arena() for d in ("offload", "load")}
         self._new_arena = new_arena
-        self._held_arena: torch.Tensor | None = None  # verify-all-then-land loads; made on first use
+        self._held_arena: torch.Tensor | None = None  # verify-all-then-land loads
         self._held_busy = False  # it carries a verified load waiting to land
+        if held_bytes:  # sized by the engine, ready before the first load
+            self._held_arena = new_arena(-(-held_bytes // stride) * stride)
+            store.register(self._held_arena)
         self._arenas_np = {d: a.numpy() for d, a in self._arenas.items()}
         for arena in self._arenas.values():
             store.register(arena)
