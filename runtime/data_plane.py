@@ -32,16 +32,19 @@ Contract (what the caller keeps, what the data plane guarantees):
   object feeding that layer (every pool, every layer group) arrived and its checksum and
   header were verified. A failed object is reported (``outcome.ok`` false, faults counted);
   its rows may hold partial bytes, so the engine must not use them (recompute or abort).
-* *Verify all, then land* (``load(..., verify_all=True)``, per submission): every object of
-  the submission (every pool, every layer group) is read into private staging and verified
-  before any row is written; only then are the rows written, job by job in group order, each
-  layer reported as its rows are written. A failed load writes no row at all, and no layer of
-  it is ever reported landed. Its ``outcome.objects[pool][i]`` then says whether object ``i``
-  *verified* (none landed; ``ok`` is false). This is for an engine that runs the forward on
-  reported layers and cannot take a layer back (SGLang: a failed load aborts the request, so
-  a half-landed load would have run the forward on layers of a request that is then thrown
-  away). It costs the overlap of the first layers' compute with later objects' transfer and
-  the in-place path (objects always go through staging).
+* *Verify all, then land* (``load(..., verify_all=True)``, per submission): no layer of the
+  load is reported landed before every object of it (every pool, every layer group) arrived
+  and verified. Staged objects are read into private staging and verified there, and their
+  rows are written only then (job by job in group order, each layer reported as its rows are
+  written); objects that move in place (host pools, from ``in_place_min_bytes`` up) are
+  written into their rows by the store and verified there, and only their report waits. A
+  failed load reports no layer at all; it writes no staged object's rows, while in-place
+  objects may have left bytes in theirs (never reported, so never used). Its
+  ``outcome.objects[pool][i]`` then says whether object ``i`` *verified* (``ok`` is false).
+  This is for an engine that runs the forward on reported layers and cannot take a layer back
+  (SGLang: a failed load aborts the request, so a half-reported load would have run the
+  forward on layers of a request that is then thrown away). It costs the overlap of the
+  first layers' compute with later objects' transfer.
 * An offload reads its rows only after its ``fence`` completed (the forward wrote them).
 * :meth:`LoadTicket.cancel` succeeds only before any of the load's jobs started; the rows
   are then untouched. :meth:`DataPlane.reset` cancels queued loads and waits for every

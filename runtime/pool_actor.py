@@ -141,6 +141,7 @@ class TransferJob:
     hold: bool = False
     staged: torch.Tensor | None = None  # [n, stride] verified frames of a held load
     staged_in_arena: bool = False  # ``staged`` is the actor's registered held arena
+    in_rows: bool = False  # a held job moved in place: its rows hold it, verified, not reported
 
 
 def cancel_job(job: TransferJob) -> None:
@@ -700,7 +701,14 @@ class PoolActor:
         """Get every object of the job into private frames and verify it; write no row.
         Sub-batch k is verified while k+1 is in flight. The ticket lands the frames
         (:meth:`land_held`) once every job of the load verified, or drops them
-        (:meth:`release_held`)."""
+        (:meth:`release_held`). Objects that move in place go straight into their rows and
+        are verified there; only their report waits for the rest of the load."""
+        if self.in_place_groups[job.group] and codec.host_path(job.index):
+            # in place: the store writes the rows and they are verified there; nothing is
+            # reported until the whole load verified (a failed load may leave partial bytes
+            # in its rows, never reported landed)
+            job.in_rows = True
+            return await self._load_in_place(job, codec, size, t0)
         faults: dict[str, int] = {}
         grid = self._held_frames(job)
         job.staged = grid
@@ -759,8 +767,12 @@ class PoolActor:
     async def land_held(self, job: TransferJob, on_layer: Callable[[int], None]) -> None:
         """Write a held job's verified frames into its rows; ``on_layer(layer_id)`` (on the
         loop) once each layer's rows hold them (device pools: once the copies completed)."""
-        assert job.staged is not None, "land_held needs a verified held job"
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]
+        if job.in_rows:  # already written and verified in place
+            for layer in codec.layer_ids:
+                on_layer(layer)
+            return
+        assert job.staged is not None, "land_held needs a verified held job"
         payload = job.staged[:, framing.HEADER_BYTES: size]
         if self.copies is not None:
             with self.copies.on_stream():

@@ -577,24 +577,25 @@ def unchanged(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(before, after))
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 @pytest.mark.parametrize("groups", [1, 2])
-async def test_verified_load_lands_every_row_exactly(groups: int) -> None:
+async def test_verified_load_lands_every_row_exactly(groups: int, in_place: bool) -> None:
     store = PartsCountingStore(16 << 20)
     a, b = EnginePools(1), EnginePools(2)
     async with plane(a, store, groups, in_place=False) as dp:
         assert (await (await dp.offload(transfers("x", pages(3, 0, 9), 4))).wait()).ok
-    async with plane(b, store, groups) as dp:
-        assert all(actor.scatter for actor in dp.actors.values())  # in place is on...
+    async with plane(b, store, groups, in_place=in_place) as dp:
         ticket = await dp.load(transfers("x", pages(1, 12, 5), 2), verify_all=True)
         out = await ticket.wait()
         assert out.ok and all([await ticket.wait_layer(layer) for layer in ticket.layer_ids])
-    assert store.in_place == []  # ...but a verified load is staged: checked before rows are written
+    assert bool(store.in_place) is in_place  # either path, the same bytes
     assert all(torch.equal(x, y) for x, y in zip(b.rows(pages(1, 12, 5)), a.rows(pages(3, 0, 9))))
     assert all(torch.equal(x, y) for x, y in zip(b.slot(2), a.slot(4)))
     await store.close()
 
 
-async def test_one_bad_object_leaves_every_pool_untouched() -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in-place"])
+async def test_one_bad_object_fails_the_load_before_any_layer(in_place: bool) -> None:
     store = EmbeddedStore(16 << 20)
     a, b = EnginePools(1), EnginePools(2)
     async with plane(a, store) as dp:
@@ -606,18 +607,21 @@ async def test_one_bad_object_leaves_every_pool_untouched() -> None:
     await store.put(["zk-1"], [frame])
     before = b.snapshot()
     settled: list[tuple[int, bool]] = []
-    async with plane(b, store) as dp:
+    async with plane(b, store, in_place=in_place) as dp:
         ticket = await dp.load(transfers("z", pages(2, 3), 1), verify_all=True)
         ticket.add_layer_callback(lambda layer, landed: settled.append((layer, landed)))
         out = await ticket.wait()
         assert not out.ok and out.faults == {"bad_checksum": 1}
-        # which objects verified (none landed): the caller removes only the bad one
+        # which objects verified (none is reported landed): the caller removes only the bad one
         assert out.objects[PoolKind.FULL] == [True, False] and out.objects[PoolKind.MAMBA] == [True]
         assert settled and all(not landed for _, landed in settled)
         assert [await ticket.wait_layer(layer) for layer in [*FULL_IDS, *MAMBA_IDS]] == [False] * 6
-    assert unchanged(before, b.snapshot())  # the good KV page, the draft and the state too
+    if in_place:  # the store wrote the rows it moved in place; never reported, so never used
+        assert not unchanged(before, b.snapshot())
+        return
+    assert unchanged(before, b.snapshot())  # staged: the good KV page, the draft and the state too
     # the default (land as verified) writes the good pool's rows: what verify_all prevents
-    async with plane(b, store) as dp:
+    async with plane(b, store, in_place=False) as dp:
         out = await (await dp.load(transfers("z", pages(2, 3), 1))).wait()
         assert not out.ok
     assert not unchanged(before, b.snapshot())
@@ -632,15 +636,15 @@ async def test_no_layer_is_reported_before_every_group_verified() -> None:
     gated = GatedStore(store, hold_gets=True)
     settled: list[int] = []
     before = b.snapshot()
-    async with plane(b, gated, 2) as dp, opened_on_exit(gated):
+    async with plane(b, gated, 2) as dp, opened_on_exit(gated):  # staged: the gate has no get_parts
         ticket = await dp.load([Transfer(PoolKind.FULL, keys("k", 2), pages(4, 5))], verify_all=True)
         ticket.add_layer_callback(lambda layer, landed: settled.append(layer))
         with anyio.fail_after(5):
             await gated.wait_held(1)
             assert gated.release(1) == 1  # layer group 0 arrives and verifies
             await gated.wait_held(1)  # group 1 is at the gate
-        assert settled == [] and not ticket.done
-        assert unchanged(before, b.snapshot())  # group 0 verified, but nothing written yet
+        assert settled == [] and not ticket.done  # group 0 verified, but not reported...
+        assert unchanged(before, b.snapshot())  # ...nor written
         gated.open()
         with anyio.fail_after(5):
             assert (await ticket.wait()).ok
