@@ -182,12 +182,12 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._results: collections.deque[concurrent.futures.Future[bool]] = collections.deque()
         self._closed = False
         self._on_device = views.device.type != "cpu"
-        # staging_mb per direction: the copies of pages waiting for the store, and (registered
-        # once, up front) the frames a whole load is verified in before its rows are written
+        # staging_mb per pool, for each direction and for the frames a whole load is verified
+        # in (registered once, up front). Its size also sets how many objects one store call
+        # moves (half of it, at most 32 MiB): fewer, larger calls cost fewer master round trips
         biggest = max(v.payload_bytes for v in views.values())
         staging = max(self.config.staging_mb << 20, 4 * biggest)
-        plane_config = DataPlaneConfig(staging_bytes_per_pool=max(16 << 20, staging // 4),
-                                       verify_all_staging_bytes=staging)
+        plane_config = DataPlaneConfig(staging_bytes_per_pool=staging, verify_all_staging_bytes=staging)
         self.data = SyncDataPlane(views, self._open_store, plane_config, fingerprint=self.fingerprint)
         store = self.data.store
         assert isinstance(store, ResilientStore)
