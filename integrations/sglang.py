@@ -442,7 +442,15 @@ class HylinkerLinker(UnifiedCacheLinker):
             log.warning("HylinkerLinker: store shutdown: %r", exc)
         self.reset()
         self._closed = True
-        self.data.close()
+        # the store client's own close may wait on a dead master (Mooncake's segment unmount
+        # RPC): the scheduler thread waits at most store_timeout_s + 5, the rest finishes in
+        # the background
+        closer = threading.Thread(target=self.data.close, name="hylinker-close", daemon=True)
+        closer.start()
+        closer.join(timeout=self.config.store_timeout_s + 5)
+        if closer.is_alive():
+            log.warning("HylinkerLinker: the store is still closing after %.1f s; not waiting",
+                        self.config.store_timeout_s + 5)
         log.info("HylinkerLinker closed: %s", self._c)
 
     def statistics(self) -> dict[str, int]:

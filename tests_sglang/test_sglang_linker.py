@@ -361,7 +361,7 @@ def test_dead_mooncake_master_no_hang_no_leak(caches: list[SGLangCache], mooncak
     t0 = time.monotonic()
     cache.close()
     caches.remove(cache)
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 3.0 + 5 + 2  # store_timeout_s + 5, and some slack
 
 
 @pytest.mark.mooncake
