@@ -94,7 +94,68 @@ def _page_keys(tokens: list[int]) -> list[str]:
     return list(get_storage_hash_str(RadixKey(array("q", tokens)), None, page_size=1))
 
 
-def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str) -> dict[str, Any]:
+class _Phases:
+    """``--phases``: where the plugin's time goes, by wrapping its hot calls (hylinker only):
+    the checksum (``framing`` seal/verify), the copy from staging into the rows
+    (``PoolCodec.scatter``) and the store calls under the retry rule. Seconds summed over
+    threads, so phases that overlap add up to more than the wall time."""
+
+    FRAMING = ("seal_array", "seal_parts", "verify_array", "verify_parts")
+    STORE = ("put", "get", "put_parts", "get_parts")
+
+    def __init__(self) -> None:
+        import threading
+
+        self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._undo: list[Callable[[], None]] = []
+
+    def _add(self, name: str, t0: float) -> None:
+        with self._lock:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def _wrap(self, owner: Any, attr: str, label: str, *, instance: bool = False) -> None:
+        import inspect
+
+        fn = getattr(owner, attr)
+        timed: Any
+        if inspect.iscoroutinefunction(fn):
+            async def timed(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    self._add(label, t0)
+        else:
+            def timed(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._add(label, t0)
+        setattr(owner, attr, timed)
+        self._undo.append((lambda: delattr(owner, attr)) if instance else (lambda: setattr(owner, attr, fn)))
+
+    def install(self, cache: Any) -> None:
+        from ..runtime.transfer import PoolCodec
+        from ..stores import framing
+
+        for name in self.FRAMING:
+            self._wrap(framing, name, f"checksum.{name}")
+        self._wrap(PoolCodec, "scatter", "copy.staging_to_rows")
+        inner = cache.linker.store.inner
+        for name in self.STORE:
+            if hasattr(inner, name):
+                self._wrap(inner, name, f"store.{name}", instance=True)
+
+    def remove(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str,
+             phases: bool = False) -> dict[str, Any]:
     from ..stores.mooncake_master import MooncakeMaster
     from ..testing.sglang_cache import SGLangCache
 
@@ -107,6 +168,9 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
             state_bytes = _views(cache)["mamba"].payload_bytes
             cache.serve(list(range(7, 7 + 8)))  # warm the client and the tree
             cache.flush()
+            profile = _Phases() if phases and linker == "hylinker" else None
+            if profile is not None:
+                profile.install(cache)
             offload_gbps, load_gbps, mismatches = [], [], 0
             for r in range(repeats):
                 prompt = [10_000 * (r + 1) + i for i in range(tokens)]
@@ -120,8 +184,9 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
                 mismatches += len(again.restore_mismatches)
                 load_gbps.append(nbytes / again.load_s / 1e9)
                 cache.flush()
-            if linker == "hylinker":  # where the plugin's time went (summed over the runs above)
-                out["phases_us"] = {k: v for k, v in cache.linker.statistics().items() if k.endswith("_us")}
+            if profile is not None:  # per offload + load pair, summed over threads
+                profile.remove()
+                out["phases_ms_per_run"] = {k: round(v * 1e3 / repeats, 2) for k, v in sorted(profile.seconds.items())}
             out.update(offload_gbps=statistics.median(offload_gbps), load_gbps=statistics.median(load_gbps),
                        offload_runs=offload_gbps, load_runs=load_gbps, restore_mismatches=mismatches,
                        kv_object_bytes=kv_bytes, state_object_bytes=state_bytes)
@@ -210,6 +275,8 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--linkers", nargs="+", choices=LINKERS, default=list(LINKERS))
     parser.add_argument("--tree-core", choices=("python", "rust"), default="python")
+    parser.add_argument("--phases", action="store_true",
+                        help="time the plugin's checksum, copy and store calls (hylinker; adds overhead)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     from ..testing.sglang_cache import install_cpu_shims
@@ -218,7 +285,7 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     results = []
     for kib in args.object_kib:
         for linker in args.linkers:  # side by side: the same sizes, one after the other
-            results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core))
+            results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core, args.phases))
             print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_runs")}), flush=True)
     print(table(results))
     if args.json is not None:
