@@ -50,6 +50,7 @@ import torch
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolViewError
 from ..runtime.data_plane import DataPlaneConfig, SyncDataPlane, SyncLoad, Transfer, TransferOutcome
+from ..runtime.events import record_fence
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
 from .sglang_config import SGLangLinkerConfig
@@ -181,6 +182,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
         self._results: collections.deque[concurrent.futures.Future[bool]] = collections.deque()
         self._closed = False
+        self._device = views.device
         self._on_device = views.device.type != "cpu"
         # staging_mb per pool, for each direction and for the frames a whole load is verified
         # in (registered once, up front). Its size also sets how many objects one store call
@@ -319,7 +321,9 @@ class HylinkerLinker(UnifiedCacheLinker):
         index: int = self.layer_done_counter.update_producer()
         self._count("load_batches")
         _LoadBatch(self, index, loads)
-        self.data.start(*(load for load, _ in loads))
+        # on a device: no row is written before the forward stream is past the rows' last use
+        fence = record_fence(self._device) if self._on_device else None
+        self.data.start(*(load for load, _ in loads), fence=fence)
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:

@@ -46,6 +46,8 @@ Contract (what the caller keeps, what the data plane guarantees):
   forward on layers of a request that is then thrown away). It costs the overlap of the
   first layers' compute with later objects' transfer.
 * An offload reads its rows only after its ``fence`` completed (the forward wrote them).
+* A load with a ``fence`` writes no row before it completed (the engine's stream is past the
+  rows' last use).
 * :meth:`LoadTicket.cancel` succeeds only before any of the load's jobs started; the rows
   are then untouched. :meth:`DataPlane.reset` cancels queued loads and waits for every
   transfer in flight; :meth:`DataPlane.close` does the same and refuses new work.
@@ -341,7 +343,8 @@ class LoadTicket(_Ticket):
             return [False] * len(job.keys), {"land_error": len(job.keys)}
         res = job.completion.value
         if job.completion.error is not None or not isinstance(res, LoadResult):
-            return [False] * len(job.keys), {"error": len(job.keys)}
+            reason = "fence" if isinstance(job.completion.error, FenceError) else "error"
+            return [False] * len(job.keys), {reason: len(job.keys)}
         return list(res.ok), dict(res.faults)
 
 
@@ -522,11 +525,12 @@ class DataPlane:
         return jobs, sizes
 
     async def load(self, transfers: Sequence[Transfer], *, request_id: str = "",
-                   verify_all: bool = False) -> LoadTicket:
+                   verify_all: bool = False, fence: DeviceEvent | None = None) -> LoadTicket:
         """Queue a load (rows are written only by this load until its ticket is done).
         ``verify_all``: verify every object of the submission before any row is written
-        (module docstring)."""
-        ticket = self.prepare_load(transfers, request_id=request_id, verify_all=verify_all)
+        (module docstring). ``fence``: no row is written before it completed (the engine's
+        stream is past every use of the rows the load reuses)."""
+        ticket = self.prepare_load(transfers, request_id=request_id, verify_all=verify_all, fence=fence)
         await self.submit(ticket)
         return ticket
 
@@ -538,12 +542,12 @@ class DataPlane:
         return ticket
 
     def prepare_load(self, transfers: Sequence[Transfer], *, request_id: str = "",
-                     verify_all: bool = False) -> LoadTicket:
+                     verify_all: bool = False, fence: DeviceEvent | None = None) -> LoadTicket:
         """Validate a load and build its ticket without queueing it (then :meth:`submit`):
         a caller holds the ticket before the first await, so a cancelled submission still
         leaves it a ticket that ends."""
         self._check_running()
-        jobs, sizes = self._jobs(transfers, None, request_id, hold=verify_all)
+        jobs, sizes = self._jobs(transfers, fence, request_id, hold=verify_all)
         self._c["loads"] += 1
         return LoadTicket(self, next(self._ids), request_id, jobs, sizes, verify_all=verify_all)
 

@@ -461,6 +461,8 @@ class PoolActor:
 
     async def _load(self, job: TransferJob) -> LoadResult:
         """Get sub-batch k while sub-batch k-1 is verified and scattered in a thread."""
+        # the engine's stream must be past every use of the rows this load reuses
+        await wait_fence(job.fence, timeout_s=self.fence_timeout_s)
         faults: dict[str, int] = {}
         t0 = time.perf_counter()
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]

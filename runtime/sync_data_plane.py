@@ -53,6 +53,7 @@ class SyncLoad:
         self._ticket: LoadTicket | None = None
         self._cancel_requested = False
         self._run: Callable[[], Any] | None = None  # held until SyncDataPlane.start
+        self._fence: DeviceEvent | None = None  # rows are written only after it completed
         self._cancelled: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
@@ -128,13 +129,15 @@ class SyncDataPlane:
         return self._portal.start_task_soon(self.plane.exists, keys)
 
     def load(self, transfers: Sequence[Transfer], *, request_id: str = "", start: bool = True,
-             verify_all: bool = False) -> SyncLoad:
+             verify_all: bool = False, fence: DeviceEvent | None = None) -> SyncLoad:
         """Queue a load; bad input raises here (in the caller's thread).
 
         ``start=False`` keeps it held until :meth:`start` (SGLang's ``load`` then
         ``start_layer_wise_loading``); a held load can be cancelled and never touches a row.
         ``verify_all``: no row is written until every object of the load verified
         (:class:`~hylinker.runtime.data_plane.DataPlane`, "verify all, then land").
+        ``fence``: no row is written before it completed; a held load may get it at
+        :meth:`start` instead (recorded when the engine starts the loads).
         """
         self._check()
         # validate in the caller's thread: misuse raises where it happened
@@ -142,6 +145,7 @@ class SyncDataPlane:
         layers = sorted({layer for tr in transfers for layer in self.plane.pools[tr.pool].layer_ids})
         result: concurrent.futures.Future[TransferOutcome] = concurrent.futures.Future()
         handle = SyncLoad(layers, result)
+        handle._fence = fence
 
         def cancelled() -> None:
             self.plane._c["loads_cancelled"] += 1
@@ -153,7 +157,8 @@ class SyncDataPlane:
         async def run() -> None:
             try:
                 # the ticket exists before the first await: a cancel from now on goes to it
-                ticket = self.plane.prepare_load(transfers, request_id=request_id, verify_all=verify_all)
+                ticket = self.plane.prepare_load(transfers, request_id=request_id, verify_all=verify_all,
+                                                 fence=handle._fence)
             except BaseException as exc:
                 handle._settle_all()
                 result.set_exception(exc)
@@ -179,11 +184,14 @@ class SyncDataPlane:
             handle._run = run
         return handle
 
-    def start(self, *loads: SyncLoad) -> None:
-        """Queue held loads (``load(..., start=False)``), in the order given."""
+    def start(self, *loads: SyncLoad, fence: DeviceEvent | None = None) -> None:
+        """Queue held loads (``load(..., start=False)``), in the order given; ``fence`` (if
+        given) replaces theirs: no row of them is written before it completed."""
         self._check()
         for load in loads:
             with load._lock:
+                if fence is not None:
+                    load._fence = fence
                 run, load._run = load._run, None
             if run is not None:
                 self._portal.start_task_soon(run)

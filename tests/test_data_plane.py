@@ -74,6 +74,11 @@ def pages(*ids: int) -> torch.Tensor:
     return torch.tensor(ids)[:, None] * P + torch.arange(P)
 
 
+def kv_rows(engine: EnginePools, page: int) -> list[torch.Tensor]:
+    """The K and V rows of one page (what a FULL transfer moves; the draft rows are not in it)."""
+    return engine.rows(pages(page))[:2 * len(FULL_IDS)]
+
+
 def keys(prefix: str, n: int) -> list[str]:
     return [f"{prefix}-{i}" for i in range(n)]
 
@@ -244,6 +249,59 @@ async def test_an_offload_reads_rows_only_after_its_fence(store: EmbeddedStore) 
     async with plane(b, store) as dp:
         assert (await (await dp.load([Transfer(PoolKind.FULL, ["f"], pages(1))])).wait()).ok
     assert all(bool((t[4:8] == 3.0).all()) for t in b.k)
+
+
+@pytest.mark.parametrize("verify_all", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+async def test_a_load_writes_rows_only_after_its_fence(store: EmbeddedStore, verify_all: bool,
+                                                       in_place: bool) -> None:
+    """The rows a load reuses may still be read by the engine's stream: nothing lands in them
+    before the load's fence completed, then the stored bytes do."""
+    a = EnginePools(1)
+    async with plane(a, store, in_place=in_place) as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, ["lf"], pages(0))])).wait()).ok
+    b = EnginePools(2)
+    before = b.rows(pages(1))
+    fence = FakeDeviceEvent(polls=None)
+    async with plane(b, store, in_place=in_place) as dp:
+        ticket = await dp.load([Transfer(PoolKind.FULL, ["lf"], pages(1))], verify_all=verify_all, fence=fence)
+        await anyio.sleep(0.05)
+        assert not ticket.done
+        assert all(torch.equal(x, y) for x, y in zip(b.rows(pages(1)), before))
+        fence.set()
+        assert (await ticket.wait()).ok
+    assert all(torch.equal(x, y) for x, y in zip(kv_rows(b, 1), kv_rows(a, 0)))
+
+
+async def test_a_failing_load_fence_fails_the_load_and_writes_nothing(store: EmbeddedStore) -> None:
+    a = EnginePools(1)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, ["lg"], pages(0))])).wait()).ok
+    b = EnginePools(2)
+    before = b.rows(pages(1))
+    async with plane(b, store) as dp:
+        out = await (await dp.load([Transfer(PoolKind.FULL, ["lg"], pages(1))],
+                                   fence=FakeDeviceEvent(error="boom"))).wait()
+        assert not out.ok and out.faults == {"fence": 1}
+        assert (await (await dp.load([Transfer(PoolKind.FULL, ["lg"], pages(2))])).wait()).ok
+    assert all(torch.equal(x, y) for x, y in zip(b.rows(pages(1)), before))
+
+
+def test_the_sync_facade_starts_held_loads_behind_a_fence() -> None:
+    b = EnginePools(2)
+    source = kv_rows(b, 0)
+    before = kv_rows(b, 1)
+    fence = FakeDeviceEvent(polls=None)
+    with SyncDataPlane(b.views(), lambda: EmbeddedStore(16 << 20), namespace="t") as dp:
+        assert dp.offload([Transfer(PoolKind.FULL, ["sf"], pages(0))]).result(10).ok
+        load = dp.load([Transfer(PoolKind.FULL, ["sf"], pages(1))], start=False, verify_all=True)
+        dp.start(load, fence=fence)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            load.result.result(0.1)
+        assert all(torch.equal(x, y) for x, y in zip(kv_rows(b, 1), before))
+        fence.set()
+        assert load.result.result(10).ok
+    assert all(torch.equal(x, y) for x, y in zip(kv_rows(b, 1), source))
 
 
 async def test_a_failing_fence_fails_the_offload_not_the_plane(store: EmbeddedStore) -> None:
