@@ -176,9 +176,9 @@ def test_flop_aware_eviction_with_alpha_zero_is_lru() -> None:
     assert tree.match(deep).pages == 0 and tree.match(short).pages == 1
 
 
-def test_flop_aware_eviction_values_a_stateless_node_at_nothing_on_a_hybrid_layout() -> None:
-    """A hybrid prefix resumes only from a state: a leaf without one saves no compute, even on a
-    state-only layout where it holds no bytes (it must not look like infinite value per byte)."""
+def test_flop_aware_eviction_values_a_node_holding_nothing_at_nothing() -> None:
+    """On a state-only layout a leaf without a state holds no bytes and saves no compute (a
+    prefix resumes only from a state): it must not look like infinite value per byte."""
     layout = ModelLayout.create(page_size=P, chunk_size=P, full_layers=[],
                                 mamba_layers=[MambaLayerSpec(0, (3, 8), torch.float32)])
     pools = HybridPools(layout, kv_pages=16, mamba_slots=2)
