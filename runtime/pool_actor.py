@@ -34,7 +34,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..components.layout import PoolKind
 from ..stores import framing
-from ..stores.base import GetResult, Outcome, Store, StoreError, supports_scatter
+from ..stores.base import (
+    GetResult,
+    Outcome,
+    Store,
+    StoreError,
+    supports_checksums,
+    supports_scatter,
+)
 from .device import DeviceCopies, copies_for
 from .events import DeviceEvent, wait_fence
 from .statistics import PoolActorStatistics, QueueStatistics
@@ -286,6 +293,9 @@ class PoolActor:
         able = supports_scatter(store) and self.codec.device.type == "cpu" and in_place and self.copies is None
         self.in_place_groups = [able and c.payload_bytes >= in_place_min_bytes for c in self.codecs]
         self.scatter = any(self.in_place_groups)
+        # in place over a store that checksums while it copies (framing.copy_checksummed): the
+        # rows cross memory once per transfer, no separate hash pass over them
+        self.store_checksums = self.scatter and supports_checksums(store)
         if self.scatter:
             moved = [c for c, yes in zip(self.codecs, self.in_place_groups, strict=True) if yes]
             for region in {id(t): t for c in moved for t in c.regions()}.values():
@@ -376,6 +386,17 @@ class PoolActor:
 
     def _batches(self, n: int) -> list[tuple[int, int]]:
         return [(lo, min(n, lo + self.batch)) for lo in range(0, n, self.batch)]
+
+    def _in_place_batches(self, n: int) -> list[tuple[int, int]]:
+        """Sub-batches of an in-place transfer. Over a store that checksums while copying,
+        nothing is left to overlap with the store's copy (no staging, no hash pass), so one
+        store call takes as many objects as the store handles well and a half arena has
+        headers for: each extra call is one more thread hop in the store."""
+        if not self.store_checksums:
+            return self._batches(n)
+        per = max(1, min(self.store.capabilities.max_batch,
+                         self.batch * self.stride // framing.HEADER_BYTES))
+        return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
     async def _offload(self, job: TransferJob) -> OffloadResult:
         """Gather + frame sub-batch k in a thread while sub-batch k-1 is being put."""
@@ -574,9 +595,12 @@ class PoolActor:
     async def _offload_in_place(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> OffloadResult:
         """Seal headers over the pool rows (checksum in place) for sub-batch k while k-1 is
         put straight from the rows: no staging copy."""
-        batches = self._batches(len(job.keys))
+        batches = self._in_place_batches(len(job.keys))
         results: list[list[Outcome]] = [[] for _ in batches]
         starts = job.index[:, 0].tolist()
+
+        checksums = self.store_checksums
+        payload = size - framing.HEADER_BYTES
 
         def pack(k: int) -> list[list[torch.Tensor]]:
             lo, hi = batches[k]
@@ -584,7 +608,10 @@ class PoolActor:
             parts: list[list[torch.Tensor]] = []
             for i, (key, r0) in enumerate(zip(job.keys[lo:hi], starts[lo:hi])):
                 pieces = codec.pieces(r0)
-                framing.seal_parts(heads_np[i], [p.numpy() for p in pieces], key, self.fingerprint)
+                if checksums:  # the store sets the checksum as it copies the rows
+                    framing.seal_header(heads_np[i], key, self.fingerprint, payload)
+                else:
+                    framing.seal_parts(heads_np[i], [p.numpy() for p in pieces], key, self.fingerprint)
                 parts.append([heads[i], *pieces])
             return parts
 
@@ -592,7 +619,10 @@ class PoolActor:
             lo, hi = batches[k]
             start = time.perf_counter()
             try:
-                got = await self.store.put_parts(job.keys[lo:hi], parts)  # type: ignore[attr-defined]
+                if checksums:
+                    got = await self.store.put_sealed(job.keys[lo:hi], parts)  # type: ignore[attr-defined]
+                else:
+                    got = await self.store.put_parts(job.keys[lo:hi], parts)  # type: ignore[attr-defined]
             except StoreError:
                 got = [Outcome.UNREACHABLE] * (hi - lo)
             if len(got) != hi - lo:
@@ -602,7 +632,7 @@ class PoolActor:
 
         ready: tuple[int, list[list[torch.Tensor]]] | None = None
         for k in range(len(batches)):
-            if self._inline(batches[k], size):
+            if checksums or self._inline(batches[k], size):  # headers only: no thread hop
                 parts = pack(k)
                 if ready is not None:
                     await put(*ready)
@@ -622,10 +652,11 @@ class PoolActor:
         A failed object may leave partial bytes in its rows; the load then reports it failed
         (and no layer of it landed), so the engine never uses those rows."""
         faults: dict[str, int] = {}
-        batches = self._batches(len(job.keys))
+        batches = self._in_place_batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
         starts = job.index[:, 0].tolist()
         pieces_of: dict[int, list[list[torch.Tensor]]] = {}
+        checksums = self.store_checksums
 
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
@@ -633,9 +664,9 @@ class PoolActor:
             pieces = [codec.pieces(r0) for r0 in starts[lo:hi]]
             pieces_of[k] = pieces
             start = time.perf_counter()
+            call = self.store.get_checked if checksums else self.store.get_parts  # type: ignore[attr-defined]
             try:
-                results = await self.store.get_parts(  # type: ignore[attr-defined]
-                    job.keys[lo:hi], [[h, *p] for h, p in zip(heads, pieces)])
+                results = await call(job.keys[lo:hi], [[h, *p] for h, p in zip(heads, pieces)])
             except StoreError:
                 results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
             if len(results) != hi - lo:
@@ -652,8 +683,13 @@ class PoolActor:
                     faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
                     ok.append(False)
                     continue
+                if checksums and r.checksum is None:  # a store that broke its word: trust nothing
+                    faults[Outcome.FAILED.value] = faults.get(Outcome.FAILED.value, 0) + 1
+                    ok.append(False)
+                    continue
                 try:
-                    framing.verify_parts(h, r.nbytes, [x.numpy() for x in p], key, self.fingerprint)
+                    framing.verify_parts(h, r.nbytes, [x.numpy() for x in p], key, self.fingerprint,
+                                         landed_checksum=r.checksum if checksums else None)
                 except framing.FrameError as exc:
                     faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
                     ok.append(False)
@@ -665,14 +701,14 @@ class PoolActor:
         for k in range(len(batches)):
             async with anyio.create_task_group() as tg:
                 if landed is not None:
-                    if self._inline(batches[landed[0]], size):
+                    if checksums or self._inline(batches[landed[0]], size):  # headers only
                         verify(*landed)
                     else:
                         tg.start_soon(partial(anyio.to_thread.run_sync, verify, *landed, limiter=self.limiter))
                 results = await get(k)
             landed = (k, results)
         if landed is not None:
-            if self._inline(batches[landed[0]], size):
+            if checksums or self._inline(batches[landed[0]], size):
                 verify(*landed)
             else:
                 await anyio.to_thread.run_sync(verify, *landed, limiter=self.limiter)

@@ -54,6 +54,9 @@ class GetResult:
 
     outcome: Outcome
     nbytes: int = 0
+    #: :meth:`ChecksumStore.get_checked` only: XXH3-64 of the payload bytes as they landed in
+    #: the caller's buffers (everything after the first part); None elsewhere
+    checksum: int | None = None
 
 
 @attrs.frozen
@@ -66,6 +69,7 @@ class StoreCapabilities:
     zero_copy: bool  # reads/writes registered buffers directly (no extra host copy)
     max_batch: int = 4096  # keys per call the backend handles well
     scatter: bool = False  # put_parts / get_parts: one object from / into several buffers
+    checksums: bool = False  # put_sealed / get_checked: checksums the payload while copying it
 
 
 @attrs.frozen
@@ -181,6 +185,31 @@ class ScatterStore(Store, Protocol):
     async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]: ...
 
     async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]: ...
+
+
+@runtime_checkable
+class ChecksumStore(ScatterStore, Protocol):
+    """A scatter-gather store that copies bytes itself and checksums a frame's payload while
+    it copies it (:func:`~hylinker.stores.framing.copy_checksummed`), so the runtime need not
+    read the pool rows a second time to seal or verify them. Declared by
+    ``capabilities.checksums``.
+
+    * :meth:`put_sealed`: like :meth:`put_parts`, but ``parts[i][0]`` is a 64-byte frame header
+      from :func:`~hylinker.stores.framing.seal_header` (checksum not set). The store copies
+      the payload parts, then writes the header with the checksum of the bytes that landed in
+      its memory. The stored object equals what ``seal_parts`` + ``put_parts`` store.
+    * :meth:`get_checked`: like :meth:`get_parts`, and each OK result carries ``checksum``, the
+      XXH3-64 of the bytes written into ``parts[i][1:]``, computed over those buffers right
+      after the copy. The caller compares it with the header's (``verify_parts``)."""
+
+    async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]: ...
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]: ...
+
+
+def supports_checksums(store: Store) -> bool:
+    """Whether ``store`` declares and implements :class:`ChecksumStore`."""
+    return bool(store.capabilities.checksums) and isinstance(store, ChecksumStore)
 
 
 def supports_scatter(store: Store) -> bool:

@@ -28,11 +28,12 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -49,6 +50,9 @@ from .base import (
     check_buffers,
     new_counters,
 )
+from .framing import HEADER_BYTES, copy_checksummed, set_checksum
+
+T = TypeVar("T")
 
 SLOT_ALIGN = 64
 """Slot sizes are multiples of this many bytes (keeps every object 64-byte aligned)."""
@@ -230,7 +234,7 @@ class EmbeddedStore:
         self._max_workers = max_workers
         self._limiter: anyio.CapacityLimiter | None = None
         self._capabilities = StoreCapabilities(name=name, touch=True, remove=True, zero_copy=False,
-                                               scatter=True)
+                                               scatter=True, checksums=True)
 
         self._lock = threading.Lock()
         self._classes: list[_SizeClass] = []
@@ -363,6 +367,79 @@ class EmbeddedStore:
                 self._finish_get(plan, copied)
             for i, loc in plan:
                 results[i] = GetResult(Outcome.OK, loc[2]) if copied else GetResult(Outcome.FAILED)
+            return results
+        finally:
+            self._calls.exit()
+
+    async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        """:meth:`put_parts` of frames whose header (``parts[i][0]``, 64 bytes, checksum not
+        set) is completed here: the payload parts are copied into the slot while their landed
+        bytes are checksummed, then the header is written with that checksum (see
+        :class:`~hylinker.stores.base.ChecksumStore`)."""
+        sized = _check_sealed(keys, parts)
+        self._calls.enter()
+        try:
+            outcomes, plan = self._plan_put(keys, sized)
+            if not plan:
+                return outcomes
+            frames: list[_Frame] = []
+            for i, _, loc in plan:
+                dst = self._view(loc)
+                targets: list[np.ndarray] = []
+                sources: list[np.ndarray] = []
+                off = HEADER_BYTES
+                for p in parts[i][1:]:
+                    n = p.numel()
+                    targets.append(dst[off:off + n])
+                    sources.append(p.numpy())
+                    off += n
+                frames.append((dst[:HEADER_BYTES], parts[i][0].numpy(), targets, sources))
+            copied = False
+            try:
+                copied, _ = await self._run_copy(functools.partial(_seal_all, frames),
+                                                 sum(loc[2] for _, _, loc in plan))
+            finally:
+                self._finish_put(plan, copied)
+            if not copied:
+                for i, _, _ in plan:
+                    outcomes[i] = Outcome.FAILED
+            return outcomes
+        finally:
+            self._calls.exit()
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        """:meth:`get_parts` into ``parts[i]`` = header (64 bytes) ‖ payload buffers; each OK
+        result carries the checksum of the payload bytes as they landed in the buffers."""
+        sized = _check_sealed(keys, parts)
+        self._calls.enter()
+        try:
+            results, plan = self._plan_get(keys, sized)
+            if not plan:
+                return results
+            frames: list[_Frame] = []
+            for i, loc in plan:
+                src = self._view(loc)
+                targets: list[np.ndarray] = []
+                sources: list[np.ndarray] = []
+                off = HEADER_BYTES
+                for p in parts[i][1:]:
+                    n = min(p.numel(), loc[2] - off)
+                    if n <= 0:
+                        break
+                    targets.append(p.numpy()[:n])
+                    sources.append(src[off:off + n])
+                    off += n
+                head = min(HEADER_BYTES, loc[2])
+                frames.append((parts[i][0].numpy()[:head], src[:head], targets, sources))
+            copied, digests = False, None
+            try:
+                copied, digests = await self._run_copy(functools.partial(_land_all, frames),
+                                                       sum(loc[2] for _, loc in plan))
+            finally:
+                self._finish_get(plan, copied)
+            for k, (i, loc) in enumerate(plan):
+                results[i] = (GetResult(Outcome.OK, loc[2], digests[k]) if digests is not None
+                              else GetResult(Outcome.FAILED))
             return results
         finally:
             self._calls.exit()
@@ -587,17 +664,20 @@ class EmbeddedStore:
         Returns False (and logs) if a copy raised; a cancelled caller still waits for the
         worker thread, so buffers and slots are never touched after this returns.
         """
+        copied, _ = await self._run_copy(functools.partial(_copy_all, targets, sources), nbytes)
+        return copied
+
+    async def _run_copy(self, copy: Callable[[], T], nbytes: int) -> tuple[bool, T | None]:
+        """Run ``copy()`` as :meth:`_copy` does: (True, its result), or (False, None) if it raised."""
         try:
             if nbytes <= self._thread_threshold:
-                _copy_all(targets, sources)
-            else:
-                if self._limiter is None:
-                    self._limiter = anyio.CapacityLimiter(self._max_workers)
-                await anyio.to_thread.run_sync(_copy_all, targets, sources, limiter=self._limiter)
+                return True, copy()
+            if self._limiter is None:
+                self._limiter = anyio.CapacityLimiter(self._max_workers)
+            return True, await anyio.to_thread.run_sync(copy, limiter=self._limiter)
         except Exception:
-            _log.exception("embedded store copy failed", objects=len(targets), nbytes=nbytes)
-            return False
-        return True
+            _log.exception("embedded store copy failed", nbytes=nbytes)
+            return False, None
 
 
 class _Sized:
@@ -621,6 +701,38 @@ def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -
         check_buffers([key] * len(ps), list(ps))
         sized.append(_Sized(sum(p.numel() for p in ps)))
     return sized
+
+
+def _check_sealed(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Any]:
+    """:func:`_check_parts`, and every object's first part is a 64-byte frame header."""
+    sized = _check_parts(keys, parts)
+    for key, ps in zip(keys, parts):
+        if ps[0].numel() != HEADER_BYTES:
+            raise ValueError(f"the first part for {key!r} must be a {HEADER_BYTES}-byte frame header, "
+                             f"got {ps[0].numel()} bytes")
+    return sized
+
+
+# (header target, header source, payload targets, payload sources) of one object
+_Frame = tuple[np.ndarray, np.ndarray, list[np.ndarray], list[np.ndarray]]
+
+
+def _seal_all(frames: list[_Frame]) -> None:
+    """Put side: copy each payload checksumming the landed bytes, then write its header with
+    that checksum (a reader never sees a checksum that the bytes before it do not match)."""
+    for head_dst, head_src, targets, sources in frames:
+        digest = copy_checksummed(targets, sources)
+        np.copyto(head_dst, head_src, casting="no")
+        set_checksum(head_dst, digest)
+
+
+def _land_all(frames: list[_Frame]) -> list[int]:
+    """Get side: copy each header and payload; the checksum of each payload as it landed."""
+    digests: list[int] = []
+    for head_dst, head_src, targets, sources in frames:
+        np.copyto(head_dst, head_src, casting="no")
+        digests.append(copy_checksummed(targets, sources))
+    return digests
 
 
 def _copy_all(targets: list[np.ndarray], sources: list[np.ndarray]) -> None:

@@ -53,6 +53,7 @@ from .base import (
     StoreError,
     StoreStatistics,
     StoreUnavailableError,
+    supports_checksums,
     supports_scatter,
 )
 
@@ -207,7 +208,8 @@ class ResilientStore:
         caps = inner.capabilities
         # scatter-gather only when the inner store really has it (a wrapper may forward the flag)
         self._capabilities = attrs.evolve(caps, name=f"resilient({caps.name})",
-                                          scatter=supports_scatter(inner))
+                                          scatter=supports_scatter(inner),
+                                          checksums=supports_checksums(inner))
         self._c = dict.fromkeys(("calls", "attempts", "retries", "retried_keys", "recovered_keys",
                                  "exhausted_keys", "timeouts", "unavailable",
                                  "cancelled_on_shutdown"), 0)
@@ -307,6 +309,35 @@ class ResilientStore:
 
         outcomes = await self._transfer(len(keys), Outcome.UNREACHABLE, one)
         return [GetResult(o, sizes.get(i, 0) if o is Outcome.OK else 0) for i, o in enumerate(outcomes)]
+
+    # checksum while copying: the same again, when the inner store has it
+    async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        keys, parts = list(keys), list(parts)
+        if len(keys) != len(parts):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
+        self._check_open()
+        inner = self._inner
+        return await self._transfer(
+            len(keys), Outcome.UNREACHABLE,
+            lambda idx: inner.put_sealed([keys[i] for i in idx], [parts[i] for i in idx]))  # type: ignore[attr-defined]
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        keys, parts = list(keys), list(parts)
+        if len(keys) != len(parts):
+            raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
+        self._check_open()
+        landed: dict[int, GetResult] = {}
+
+        async def one(idx: list[int]) -> list[Outcome]:
+            res = await self._inner.get_checked([keys[i] for i in idx], [parts[i] for i in idx])  # type: ignore[attr-defined]
+            if len(res) != len(idx):
+                raise StoreError(f"get_checked answered {len(res)} of {len(idx)} keys")
+            for i, r in zip(idx, res):
+                landed[i] = r
+            return [r.outcome for r in res]
+
+        outcomes = await self._transfer(len(keys), Outcome.UNREACHABLE, one)
+        return [landed[i] if o is Outcome.OK else GetResult(o) for i, o in enumerate(outcomes)]
 
     async def touch(self, keys: Sequence[str]) -> None:
         """One attempt (a hint is not worth a retry), skipped while the breaker is open."""

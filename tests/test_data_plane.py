@@ -564,7 +564,8 @@ def test_sync_facade_held_loads_start_in_order_or_cancel_untouched() -> None:
 
 
 class PartsCountingStore(EmbeddedStore):
-    """The embedded store, counting the objects it moved in place (``put_parts``/``get_parts``)."""
+    """The embedded store, counting the objects it moved in place (``put_parts``/``get_parts``,
+    or ``put_sealed``/``get_checked``, which checksum while copying)."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -577,6 +578,14 @@ class PartsCountingStore(EmbeddedStore):
     async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
         self.in_place.extend(keys)
         return await super().get_parts(keys, parts)
+
+    async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        self.in_place.extend(keys)
+        return await super().put_sealed(keys, parts)
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        self.in_place.extend(keys)
+        return await super().get_checked(keys, parts)
 
 
 @pytest.mark.parametrize("put_min, get_min", [("at", "above"), ("above", "at")])
