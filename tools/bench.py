@@ -6,8 +6,10 @@ printed; ``--json PATH`` writes one object::
     {"control_path": {"lookup_us": {"16k": {"p50", "p99"}, "128k": {...}},
                       "restore_us": {"16k": {...}, "128k": {...}}},
      "loop_lag_ms": {"p50", "p99", "offloaded_bytes", "seconds"},
-     "data_path": [{"store", "object_bytes", "objects", "direction", "runtime_gbps", "raw_gbps",
-                    "memcpy_gbps", "runtime_vs_raw"}...],
+     "data_path": [{"store", "object_bytes", "objects", "direction", "runtime_gbps",
+                    "in_place_gbps", "staged_gbps", "raw_gbps", "memcpy_gbps", "torch_copy_gbps",
+                    "runtime_vs_raw", "runtime_median_gbps", "raw_median_gbps",
+                    "runtime_vs_raw_median", "rounds", "load_average"}...],
      "key_hashing": {...}}
 """
 
@@ -41,6 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
     parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade"], action="append",
                         help="run only these sections (repeatable)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="data path: interleaved rounds, best and median kept (default 5, 3 with --quick)")
     parser.add_argument("--mooncake", choices=["auto", "yes", "no"], default="auto",
                         help="include Mooncake in the data path (auto: when importable)")
 
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         out["loop_lag_ms"] = anyio.run(loop_lag, args.quick)
         _print_section("event-loop lag while offloading", out["loop_lag_ms"])
     if "data" in sections:
-        out["data_path"] = data_path(args.quick, args.mooncake)
+        out["data_path"] = data_path(args.quick, args.mooncake, args.rounds)
         _print_data_path(out["data_path"])
     if "facade" in sections:
         out["sync_facade_us"] = sync_facade(args.quick)
@@ -239,9 +243,16 @@ async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
     return {"put": nbytes / t_put / 1e9, "get": nbytes / t_get / 1e9}
 
 
-def data_path(quick: bool, mooncake: str = "auto") -> list[dict[str, Any]]:
-    """Offload then load through the runtime, the store's raw batch API, and memcpy."""
+def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None) -> list[dict[str, Any]]:
+    """Offload then load through the runtime, the store's raw batch API, and memcpy.
+
+    ``memcpy_gbps`` is ``numpy.copyto`` per object between two preallocated buffers: the copy
+    routine the embedded store runs, so raw/memcpy compares like with like;
+    ``torch_copy_gbps`` is ``Tensor.copy_`` on one thread, for reference (slower here)."""
     import contextlib
+    import os
+
+    rounds = rounds if rounds is not None else (3 if quick else 5)
 
     from .bench_store import measure_raw_vs_memcpy
 
@@ -277,34 +288,49 @@ def data_path(quick: bool, mooncake: str = "auto") -> list[dict[str, Any]]:
 
                 # the default (in place from LinkerConfig.in_place_min_bytes up, staged below),
                 # in place forced at every size, staged forced, and the raw store API:
-                # interleaved, three rounds, best of each, so all four see the same machine
+                # interleaved in every round (the order rotates), so all four see the same
+                # machine; best and median over the rounds
                 paths: dict[str, Callable[[], Any]] = {
                     "runtime": _rt,
                     "in_place": functools.partial(_rt, in_place_min_bytes=0),
                     "staged": functools.partial(_rt, in_place=False)}
-                best: dict[str, dict[str, float]] = {p: {"put": 0.0, "get": 0.0} for p in paths}
-                raw: dict[str, dict[str, Any]] = {}
-                for _ in range(3):
-                    for r in measure_raw_vs_memcpy(factory, object_bytes, n, repeats=1):
-                        d = r["direction"]
-                        if d not in raw or r["raw_gbps"] > raw[d]["raw_gbps"]:
-                            raw[d] = {**r, "memcpy_gbps": max(r["memcpy_gbps"], raw.get(d, r)["memcpy_gbps"])}
-                    for p, run in paths.items():
-                        got = anyio.run(run)
-                        best[p] = {k: max(best[p][k], got[k]) for k in best[p]}
+                samples: dict[str, dict[str, list[float]]] = {
+                    p: {"put": [], "get": []} for p in ("raw", "memcpy", "torch_copy", *paths)}
+                load_before = os.getloadavg()[0]
+                order = ["raw", *paths]
+                for k in range(rounds):
+                    for p in order[k % len(order):] + order[:k % len(order)]:
+                        if p == "raw":
+                            for r in measure_raw_vs_memcpy(factory, object_bytes, n, repeats=1):
+                                d = r["direction"]
+                                samples["raw"][d].append(r["raw_gbps"])
+                                samples["memcpy"][d].append(r["numpy_gbps"])
+                                samples["torch_copy"][d].append(r["memcpy_gbps"])
+                        else:
+                            got = anyio.run(paths[p])
+                            for d in ("put", "get"):
+                                samples[p][d].append(got[d])
+                load_after = os.getloadavg()[0]
                 for direction in ("put", "get"):
-                    r = raw[direction]
+                    best = {p: max(v[direction]) for p, v in samples.items()}
+                    med = {p: float(np.median(v[direction])) for p, v in samples.items()}
                     rows.append({
                         "store": name,
                         "object_bytes": object_bytes,
                         "objects": n,
                         "direction": direction,
-                        "runtime_gbps": round(best["runtime"][direction], 2),
-                        "in_place_gbps": round(best["in_place"][direction], 2),
-                        "staged_gbps": round(best["staged"][direction], 2),
-                        "raw_gbps": round(r["raw_gbps"], 2),
-                        "memcpy_gbps": round(r["memcpy_gbps"], 2),
-                        "runtime_vs_raw": round(best["runtime"][direction] / r["raw_gbps"], 3) if r["raw_gbps"] else None,
+                        "runtime_gbps": round(best["runtime"], 2),
+                        "in_place_gbps": round(best["in_place"], 2),
+                        "staged_gbps": round(best["staged"], 2),
+                        "raw_gbps": round(best["raw"], 2),
+                        "memcpy_gbps": round(best["memcpy"], 2),
+                        "torch_copy_gbps": round(best["torch_copy"], 2),
+                        "runtime_vs_raw": round(best["runtime"] / best["raw"], 3) if best["raw"] else None,
+                        "runtime_median_gbps": round(med["runtime"], 2),
+                        "raw_median_gbps": round(med["raw"], 2),
+                        "runtime_vs_raw_median": round(med["runtime"] / med["raw"], 3) if med["raw"] else None,
+                        "rounds": rounds,
+                        "load_average": [round(load_before, 2), round(load_after, 2)],
                     })
     return rows
 
@@ -334,9 +360,11 @@ async def _maybe_await(x: Any) -> Any:
 def _print_data_path(rows: list[dict[str, Any]]) -> None:
     from .report import format_table
 
-    print("\n== data path (GB/s; best of 3)")
-    print(format_table(rows, ["store", "object_bytes", "objects", "direction", "runtime_gbps", "in_place_gbps",
-                              "staged_gbps", "raw_gbps", "memcpy_gbps", "runtime_vs_raw"]))
+    print(f"\n== data path (GB/s; best of {rows[0]['rounds'] if rows else 0} interleaved rounds, "
+          "ratios of the best and of the medians)")
+    print(format_table(rows, ["store", "object_bytes", "direction", "runtime_gbps", "in_place_gbps",
+                              "staged_gbps", "raw_gbps", "memcpy_gbps", "runtime_vs_raw",
+                              "runtime_vs_raw_median", "load_average"]))
 
 
 # ---- synchronous facade ----------------------------------------------------------------
