@@ -293,9 +293,10 @@ class PoolActor:
         able = supports_scatter(store) and self.codec.device.type == "cpu" and in_place and self.copies is None
         self.in_place_groups = [able and c.payload_bytes >= in_place_min_bytes for c in self.codecs]
         self.scatter = any(self.in_place_groups)
-        # in place over a store that checksums while it copies (framing.copy_checksummed): the
-        # rows cross memory once per transfer, no separate hash pass over them
-        self.store_checksums = self.scatter and supports_checksums(store)
+        # a store that checksums while it copies (framing.copy_checksummed): headers only on
+        # offload, the landed checksum on load; the bytes cross memory once less per transfer
+        # (in place: once in all), no separate hash pass over rows or staging
+        self.store_checksums = supports_checksums(store)
         if self.scatter:
             moved = [c for c, yes in zip(self.codecs, self.in_place_groups, strict=True) if yes]
             for region in {id(t): t for c in moved for t in c.regions()}.values():
@@ -418,11 +419,17 @@ class PoolActor:
                 codec.gather(job.index[lo:hi], grid[:, framing.HEADER_BYTES: size])
                 return self.copies.record()
 
+        checksums = self.store_checksums
+        payload = size - framing.HEADER_BYTES
+
         def seal(k: int) -> list[torch.Tensor]:
             lo, hi = batches[k]
             _, frames = self._views("offload", k % 2, hi - lo, size)
             for key, f in zip(job.keys[lo:hi], self._np_frames("offload", k % 2, hi - lo, size)):
-                framing.seal_array(f, key, self.fingerprint)
+                if checksums:  # the store sets the checksum as it copies the frame
+                    framing.seal_header(f, key, self.fingerprint, payload)
+                else:
+                    framing.seal_array(f, key, self.fingerprint)
             return frames
 
         def pack(k: int) -> list[torch.Tensor]:
@@ -441,7 +448,11 @@ class PoolActor:
             lo, hi = batches[k]
             start = time.perf_counter()
             try:
-                got = await self.store.put(job.keys[lo:hi], frames)
+                if checksums:
+                    got = await self.store.put_sealed(  # type: ignore[attr-defined]
+                        job.keys[lo:hi], [_split(f) for f in frames])
+                else:
+                    got = await self.store.put(job.keys[lo:hi], frames)
             except StoreError:
                 got = [Outcome.UNREACHABLE] * (hi - lo)
             if len(got) != hi - lo:  # a store that breaks the protocol: nothing is known stored
@@ -493,6 +504,7 @@ class PoolActor:
             return await self._load_in_place(job, codec, size, t0)
         batches = self._batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
+        checksums = self.store_checksums
 
         def unpack(k: int, results: list[GetResult]) -> DeviceEvent | None:
             """Verify sub-batch k in staging and land it; on a device, returns the event that
@@ -509,8 +521,13 @@ class PoolActor:
                     faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
                     ok.append(False)
                     continue
+                if checksums and r.checksum is None:  # a store that broke its word: trust nothing
+                    faults[Outcome.FAILED.value] = faults.get(Outcome.FAILED.value, 0) + 1
+                    ok.append(False)
+                    continue
                 try:
-                    payload = framing.verify_array(f, r.nbytes, key, self.fingerprint)
+                    payload = framing.verify_array(f, r.nbytes, key, self.fingerprint,
+                                                   landed_checksum=r.checksum if checksums else None)
                 except framing.FrameError as exc:
                     faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
                     ok.append(False)
@@ -541,7 +558,11 @@ class PoolActor:
             _, frames = self._views("load", k % 2, hi - lo, size)
             start = time.perf_counter()
             try:
-                results = await self.store.get(job.keys[lo:hi], frames)
+                if checksums:
+                    results = await self.store.get_checked(  # type: ignore[attr-defined]
+                        job.keys[lo:hi], [_split(f) for f in frames])
+                else:
+                    results = await self.store.get(job.keys[lo:hi], frames)
             except StoreError:
                 results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
             if len(results) != hi - lo:  # a store that breaks the protocol: trust nothing
@@ -842,3 +863,8 @@ class PoolActor:
             pending_states=self.pending_states,
             **self._c,
         )
+
+
+def _split(frame: torch.Tensor) -> list[torch.Tensor]:
+    """A staging frame as a checksumming store's parts: header, payload."""
+    return [frame[:framing.HEADER_BYTES], frame[framing.HEADER_BYTES:]]

@@ -118,8 +118,11 @@ def seal_array(frame: np.ndarray, key: str, layout_fingerprint: bytes) -> None:
     ), dtype=np.uint8)
 
 
-def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes) -> np.ndarray:
-    """:func:`verify` on a 1-D uint8 NumPy view; returns the payload view."""
+def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes,
+                 landed_checksum: int | None = None) -> np.ndarray:
+    """:func:`verify` on a 1-D uint8 NumPy view; returns the payload view. ``landed_checksum``:
+    the payload's checksum as computed by whoever wrote it into ``frame``
+    (:func:`copy_checksummed`); otherwise the payload is hashed here."""
     if nbytes < HEADER_BYTES or frame.shape[0] < HEADER_BYTES:
         raise FrameError(FrameFault.TRUNCATED, key, f"{nbytes} bytes, header needs {HEADER_BYTES}")
     magic, version, _flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(frame.data, 0)
@@ -139,7 +142,9 @@ def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: b
             f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}",
         )
     payload = frame[HEADER_BYTES: HEADER_BYTES + length]
-    if xxhash.xxh3_64_intdigest(payload.data) != checksum:
+    if landed_checksum is None:
+        landed_checksum = xxhash.xxh3_64_intdigest(payload.data)
+    if landed_checksum != checksum:
         raise FrameError(FrameFault.BAD_CHECKSUM, key)
     return payload
 

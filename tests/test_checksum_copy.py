@@ -174,17 +174,10 @@ async def test_resilient_store_forwards_checksums_only_when_the_inner_store_has_
         await wrapped.close()
 
 
-# ---- the data plane in place over a checksumming store --------------------------------------
+# ---- the data plane over a checksumming store, in place and staged ------------------------
 
 P = 4
 ROWS = 64
-
-
-class UncheckedStore(EmbeddedStore):
-    """Declares checksums but answers gets without one: a store that broke its word."""
-
-    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
-        return [GetResult(r.outcome, r.nbytes) for r in await super().get_checked(keys, parts)]
 
 
 def _pools(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -195,23 +188,58 @@ def _pools(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return k, v
 
 
-def _plane(k: list[torch.Tensor], v: list[torch.Tensor], store: EmbeddedStore) -> DataPlane:
+def _plane(k: list[torch.Tensor], v: list[torch.Tensor], store: EmbeddedStore, in_place: bool) -> DataPlane:
     return DataPlane(PoolSet([kv_view(k, v, layer_ids=[0, 1], page_size=P)]), store,
-                     DataPlaneConfig(in_place_min_bytes=0), namespace="cc")
+                     DataPlaneConfig(in_place_min_bytes=0, in_place=in_place), namespace="cc")
 
 
 def _rows(*pages: int) -> torch.Tensor:
     return torch.tensor(pages)[:, None] * P + torch.arange(P)
 
 
+class CallsStore(EmbeddedStore):
+    """Records which store calls moved objects."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.calls: set[str] = set()
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
+        self.calls.add("put")
+        return await super().put(keys, buffers)
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        self.calls.add("get")
+        return await super().get(keys, buffers)
+
+    async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        self.calls.add("put_sealed")
+        return await super().put_sealed(keys, parts)
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        self.calls.add("get_checked")
+        return await super().get_checked(keys, parts)
+
+
+class UncheckedStore(CallsStore):
+    """Declares checksums but answers gets without one: a store that broke its word."""
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        return [GetResult(r.outcome, r.nbytes) for r in await super().get_checked(keys, parts)]
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 @pytest.mark.parametrize("fault", ["none", "flip_payload", "unchecked"])
-async def test_in_place_over_a_checksumming_store_restores_exactly_or_reports_the_fault(fault: str) -> None:
-    store: EmbeddedStore = UncheckedStore(64 << 20) if fault == "unchecked" else EmbeddedStore(64 << 20)
+async def test_a_checksumming_store_restores_exactly_or_reports_the_fault(fault: str, in_place: bool) -> None:
+    """In place and staged alike, objects move through ``put_sealed`` / ``get_checked`` (no
+    hash pass of the runtime's own), restore byte-exactly, and a corrupt object or a missing
+    landed checksum is a counted fault, never a landed layer."""
+    store: CallsStore = UncheckedStore(64 << 20) if fault == "unchecked" else CallsStore(64 << 20)
     (ka, va), (kb, vb) = _pools(1), _pools(2)
     src, dst = _rows(3, 0, 9), _rows(1, 12, 5)
     try:
-        async with _plane(ka, va, store) as dp:
-            assert all(a.store_checksums for a in dp.actors.values())
+        async with _plane(ka, va, store, in_place) as dp:
+            assert all(a.store_checksums and a.scatter is in_place for a in dp.actors.values())
             assert (await (await dp.offload([Transfer(PoolKind.FULL, ["o0", "o1", "o2"], src)])).wait()).ok
         if fault == "flip_payload":
             size = HEADER_BYTES + 2 * 2 * P * (40 << 10)
@@ -221,7 +249,7 @@ async def test_in_place_over_a_checksumming_store_restores_exactly_or_reports_th
             await store.remove(["o1"])
             assert await store.put(["o1"], [frame]) == [Outcome.OK]
         before = [t.clone() for t in (*kb, *vb)]
-        async with _plane(kb, vb, store) as dp:
+        async with _plane(kb, vb, store, in_place) as dp:
             ticket = await dp.load([Transfer(PoolKind.FULL, ["o0", "o1", "o2"], dst)])
             out = await ticket.wait()
             if fault == "none":
@@ -237,5 +265,6 @@ async def test_in_place_over_a_checksumming_store_restores_exactly_or_reports_th
                 assert not out.ok and out.objects[PoolKind.FULL] == landed
                 assert out.faults == ({"bad_checksum": 1} if fault == "flip_payload" else {"failed": 3})
                 assert [await ticket.wait_layer(layer) for layer in (0, 1)] == [False, False]
+        assert store.calls == {"put_sealed", "get_checked"} | ({"put", "get"} if fault == "flip_payload" else set())
     finally:
         await store.close()
