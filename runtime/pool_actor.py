@@ -653,7 +653,7 @@ class PoolActor:
 
         ready: tuple[int, list[list[torch.Tensor]]] | None = None
         for k in range(len(batches)):
-            if checksums or self._inline(batches[k], size):  # headers only: no thread hop
+            if self._inline(batches[k], size):
                 parts = pack(k)
                 if ready is not None:
                     await put(*ready)
@@ -722,14 +722,14 @@ class PoolActor:
         for k in range(len(batches)):
             async with anyio.create_task_group() as tg:
                 if landed is not None:
-                    if checksums or self._inline(batches[landed[0]], size):  # headers only
+                    if self._inline(batches[landed[0]], size):
                         verify(*landed)
                     else:
                         tg.start_soon(partial(anyio.to_thread.run_sync, verify, *landed, limiter=self.limiter))
                 results = await get(k)
             landed = (k, results)
         if landed is not None:
-            if checksums or self._inline(batches[landed[0]], size):
+            if self._inline(batches[landed[0]], size):
                 verify(*landed)
             else:
                 await anyio.to_thread.run_sync(verify, *landed, limiter=self.limiter)
