@@ -268,3 +268,12 @@ async def test_a_checksumming_store_restores_exactly_or_reports_the_fault(fault:
         assert store.calls == {"put_sealed", "get_checked"} | ({"put", "get"} if fault == "flip_payload" else set())
     finally:
         await store.close()
+
+
+async def test_the_checksum_cost_bench_moves_and_verifies_every_way() -> None:
+    from hylinker.tools.bench_checksum import WAYS, measure
+
+    row = await measure(64 << 10, 1 << 20, rounds=1)
+    assert row["objects"] == 16
+    assert all(row[f"{w}_{d}"]["best_gbps"] > 0 for w in WAYS for d in ("put", "get"))
+    assert row["raw_put"]["vs_raw_median"] == 1.0
