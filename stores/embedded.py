@@ -695,10 +695,15 @@ def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -
     if len(keys) != len(parts):
         raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
     sized: list[Any] = []
+    every_key: list[str] = []
+    every_buffer: list[torch.Tensor] = []
     for key, ps in zip(keys, parts):
         if not ps:
             raise ValueError(f"no buffers for {key!r}")
-        check_buffers([key] * len(ps), list(ps))
+        every_key.extend([key] * len(ps))
+        every_buffer.extend(ps)
+    check_buffers(every_key, every_buffer)  # one pass over the batch, not one call per object
+    for ps in parts:
         sized.append(_Sized(sum(p.numel() for p in ps)))
     return sized
 
