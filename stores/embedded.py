@@ -29,11 +29,10 @@ Rules:
 from __future__ import annotations
 
 import functools
-import heapq
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
@@ -50,7 +49,9 @@ from .base import (
     check_buffers,
     new_counters,
 )
-from .framing import HEADER_BYTES, copy_checksummed, set_checksum
+from .frame_copies import Frame, check_parts, check_sealed, copy_all, land_all, seal_all
+from .framing import HEADER_BYTES
+from .slabs import SizeClass
 
 T = TypeVar("T")
 
@@ -106,102 +107,6 @@ class InflightCalls:
         return first
 
 
-class _SizeClass:
-    """The slab of one slot size: chunks of equal slots and their free lists."""
-
-    __slots__ = ("chunks", "empty", "free", "live", "partial", "partial_set",
-                 "released", "slot_bytes", "slots_per_chunk")
-
-    def __init__(self, slot_bytes: int, chunk_bytes: int) -> None:
-        self.slot_bytes = slot_bytes
-        self.slots_per_chunk = max(1, chunk_bytes // slot_bytes)
-        self.chunks: list[np.ndarray | None] = []
-        self.free: list[list[int]] = []  # per chunk: free local slot numbers
-        self.live: list[int] = []  # per chunk: occupied slots
-        self.partial: list[int] = []  # heap of chunk numbers with a free slot
-        self.partial_set: set[int] = set()
-        self.released: list[int] = []  # chunk numbers whose memory was released
-        self.empty: set[int] = set()  # allocated chunks with no occupied slot
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.slots_per_chunk * self.slot_bytes
-
-    def has_free_slot(self) -> bool:
-        return any(c in self.partial_set and self.free[c] for c in self.partial)
-
-    def allocate(self) -> tuple[int, int]:
-        """Take a free slot (lowest chunk first, so high chunks drain).
-
-        Returns ``(slot id, bytes of chunk memory newly allocated)``.
-        """
-        grown = 0
-        while self.partial:
-            c = self.partial[0]
-            if c in self.partial_set and self.free[c]:
-                break
-            heapq.heappop(self.partial)
-            self.partial_set.discard(c)
-        else:
-            c = self._new_chunk()
-            grown = self.chunk_bytes
-        self.empty.discard(c)
-        local = self.free[c].pop()
-        self.live[c] += 1
-        if not self.free[c]:
-            self.partial_set.discard(c)
-        return c * self.slots_per_chunk + local, grown
-
-    def release(self, slot: int) -> None:
-        c, local = divmod(slot, self.slots_per_chunk)
-        self.free[c].append(local)
-        self.live[c] -= 1
-        if c not in self.partial_set:
-            self.partial_set.add(c)
-            heapq.heappush(self.partial, c)
-        if self.live[c] == 0:
-            self.empty.add(c)
-
-    def free_empty_chunk(self) -> int:
-        """Give one empty chunk's memory back; returns the bytes freed (0 if none is empty)."""
-        if not self.empty:
-            return 0
-        c = max(self.empty)
-        self.empty.discard(c)
-        self.chunks[c] = None
-        self.free[c] = []
-        self.partial_set.discard(c)
-        self.released.append(c)
-        return self.chunk_bytes
-
-    def view(self, slot: int, nbytes: int) -> np.ndarray:
-        c, local = divmod(slot, self.slots_per_chunk)
-        chunk = self.chunks[c]
-        assert chunk is not None, "slot in a released chunk"
-        start = local * self.slot_bytes
-        return chunk[start : start + nbytes]
-
-    def allocated_bytes(self) -> int:
-        return sum(self.chunk_bytes for ch in self.chunks if ch is not None)
-
-    def _new_chunk(self) -> int:
-        memory = torch.empty(self.chunk_bytes, dtype=torch.uint8).numpy()
-        if self.released:
-            c = self.released.pop()
-            self.chunks[c] = memory
-            self.live[c] = 0
-        else:
-            c = len(self.chunks)
-            self.chunks.append(memory)
-            self.free.append([])
-            self.live.append(0)
-        self.free[c] = list(range(self.slots_per_chunk - 1, -1, -1))
-        self.empty.add(c)
-        self.partial_set.add(c)
-        heapq.heappush(self.partial, c)
-        return c
-
-
 class EmbeddedStore:
     """In-process host-memory store with a byte capacity and LRU eviction.
 
@@ -237,7 +142,7 @@ class EmbeddedStore:
                                                scatter=True, checksums=True)
 
         self._lock = threading.Lock()
-        self._classes: list[_SizeClass] = []
+        self._classes: list[SizeClass] = []
         self._class_of: dict[int, int] = {}  # slot bytes -> size class number
         self._index: OrderedDict[str, _Loc] = OrderedDict()  # LRU order: oldest first
         self._pending: dict[str, _Loc] = {}  # puts still copying
@@ -312,7 +217,7 @@ class EmbeddedStore:
 
     async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
         """Store each object from its buffers (their concatenation), one copy per buffer."""
-        sized = _check_parts(keys, parts)
+        sized = check_parts(keys, parts)
         self._calls.enter()
         try:
             outcomes, plan = self._plan_put(keys, sized)
@@ -342,7 +247,7 @@ class EmbeddedStore:
 
     async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
         """Read each object into its buffers in order (one copy per buffer, none staged)."""
-        sized = _check_parts(keys, parts)
+        sized = check_parts(keys, parts)
         self._calls.enter()
         try:
             results, plan = self._plan_get(keys, sized)
@@ -376,13 +281,13 @@ class EmbeddedStore:
         set) is completed here: the payload parts are copied into the slot while their landed
         bytes are checksummed, then the header is written with that checksum (see
         :class:`~hylinker.stores.base.ChecksumStore`)."""
-        sized = _check_sealed(keys, parts)
+        sized = check_sealed(keys, parts)
         self._calls.enter()
         try:
             outcomes, plan = self._plan_put(keys, sized)
             if not plan:
                 return outcomes
-            frames: list[_Frame] = []
+            frames: list[Frame] = []
             for i, _, loc in plan:
                 dst = self._view(loc)
                 targets: list[np.ndarray] = []
@@ -396,7 +301,7 @@ class EmbeddedStore:
                 frames.append((dst[:HEADER_BYTES], parts[i][0].numpy(), targets, sources))
             copied = False
             try:
-                copied, _ = await self._run_copy(functools.partial(_seal_all, frames),
+                copied, _ = await self._run_copy(functools.partial(seal_all, frames),
                                                  sum(loc[2] for _, _, loc in plan))
             finally:
                 self._finish_put(plan, copied)
@@ -410,13 +315,13 @@ class EmbeddedStore:
     async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
         """:meth:`get_parts` into ``parts[i]`` = header (64 bytes) ‖ payload buffers; each OK
         result carries the checksum of the payload bytes as they landed in the buffers."""
-        sized = _check_sealed(keys, parts)
+        sized = check_sealed(keys, parts)
         self._calls.enter()
         try:
             results, plan = self._plan_get(keys, sized)
             if not plan:
                 return results
-            frames: list[_Frame] = []
+            frames: list[Frame] = []
             for i, loc in plan:
                 src = self._view(loc)
                 targets: list[np.ndarray] = []
@@ -433,7 +338,7 @@ class EmbeddedStore:
                 frames.append((parts[i][0].numpy()[:head], src[:head], targets, sources))
             copied, digests = False, None
             try:
-                copied, digests = await self._run_copy(functools.partial(_land_all, frames),
+                copied, digests = await self._run_copy(functools.partial(land_all, frames),
                                                        sum(loc[2] for _, loc in plan))
             finally:
                 self._finish_get(plan, copied)
@@ -554,7 +459,7 @@ class EmbeddedStore:
         cls = self._class_of.get(slot_bytes)
         if cls is None:
             cls = len(self._classes)
-            self._classes.append(_SizeClass(slot_bytes, self._chunk_bytes))
+            self._classes.append(SizeClass(slot_bytes, self._chunk_bytes))
             self._class_of[slot_bytes] = cls
         return cls
 
@@ -664,7 +569,7 @@ class EmbeddedStore:
         Returns False (and logs) if a copy raised; a cancelled caller still waits for the
         worker thread, so buffers and slots are never touched after this returns.
         """
-        copied, _ = await self._run_copy(functools.partial(_copy_all, targets, sources), nbytes)
+        copied, _ = await self._run_copy(functools.partial(copy_all, targets, sources), nbytes)
         return copied
 
     async def _run_copy(self, copy: Callable[[], T], nbytes: int) -> tuple[bool, T | None]:
@@ -678,68 +583,3 @@ class EmbeddedStore:
         except Exception:
             _log.exception("embedded store copy failed", nbytes=nbytes)
             return False, None
-
-
-class _Sized:
-    """Stands for an object made of several buffers where only its size matters."""
-
-    def __init__(self, nbytes: int) -> None:
-        self._n = nbytes
-
-    def numel(self) -> int:
-        return self._n
-
-
-def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Any]:
-    """Check every buffer like ``check_buffers``; one size stand-in per object."""
-    if len(keys) != len(parts):
-        raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
-    sized: list[Any] = []
-    every_key: list[str] = []
-    every_buffer: list[torch.Tensor] = []
-    for key, ps in zip(keys, parts):
-        if not ps:
-            raise ValueError(f"no buffers for {key!r}")
-        every_key.extend([key] * len(ps))
-        every_buffer.extend(ps)
-    check_buffers(every_key, every_buffer)  # one pass over the batch, not one call per object
-    for ps in parts:
-        sized.append(_Sized(sum(p.numel() for p in ps)))
-    return sized
-
-
-def _check_sealed(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Any]:
-    """:func:`_check_parts`, and every object's first part is a 64-byte frame header."""
-    sized = _check_parts(keys, parts)
-    for key, ps in zip(keys, parts):
-        if ps[0].numel() != HEADER_BYTES:
-            raise ValueError(f"the first part for {key!r} must be a {HEADER_BYTES}-byte frame header, "
-                             f"got {ps[0].numel()} bytes")
-    return sized
-
-
-# (header target, header source, payload targets, payload sources) of one object
-_Frame = tuple[np.ndarray, np.ndarray, list[np.ndarray], list[np.ndarray]]
-
-
-def _seal_all(frames: list[_Frame]) -> None:
-    """Put side: copy each payload checksumming the landed bytes, then write its header with
-    that checksum (a reader never sees a checksum that the bytes before it do not match)."""
-    for head_dst, head_src, targets, sources in frames:
-        digest = copy_checksummed(targets, sources)
-        np.copyto(head_dst, head_src, casting="no")
-        set_checksum(head_dst, digest)
-
-
-def _land_all(frames: list[_Frame]) -> list[int]:
-    """Get side: copy each header and payload; the checksum of each payload as it landed."""
-    digests: list[int] = []
-    for head_dst, head_src, targets, sources in frames:
-        np.copyto(head_dst, head_src, casting="no")
-        digests.append(copy_checksummed(targets, sources))
-    return digests
-
-
-def _copy_all(targets: list[np.ndarray], sources: list[np.ndarray]) -> None:
-    for dst, src in zip(targets, sources, strict=True):
-        np.copyto(dst, src, casting="no")

@@ -15,8 +15,7 @@ import xxhash
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
 from hylinker.runtime.data_plane import DataPlane, DataPlaneConfig, Transfer
-from hylinker.stores import embedded as embedded_module
-from hylinker.stores import framing
+from hylinker.stores import frame_copies, framing
 from hylinker.stores.base import GetResult, Outcome, supports_checksums, supports_scatter
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.framing import HEADER_BYTES, FrameError, FrameFault
@@ -145,12 +144,12 @@ async def test_a_failed_checksummed_copy_is_failed_and_leaves_nothing(store: Emb
     def broken(targets: list[np.ndarray], sources: list[np.ndarray]) -> int:
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(embedded_module, "copy_checksummed", broken)
+    monkeypatch.setattr(frame_copies, "copy_checksummed", broken)
     assert await store.put_sealed(["k"], [[head, *pieces]]) == [Outcome.FAILED]
     assert await store.exists(["k"]) == [False] and store.statistics().used_bytes == 0
     monkeypatch.undo()
     assert await store.put_sealed(["k"], [[head, *pieces]]) == [Outcome.OK]
-    monkeypatch.setattr(embedded_module, "copy_checksummed", broken)
+    monkeypatch.setattr(frame_copies, "copy_checksummed", broken)
     (r,) = await store.get_checked(["k"], [[torch.zeros(64, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)]])
     assert r.outcome is Outcome.FAILED and r.checksum is None
 
