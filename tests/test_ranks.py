@@ -326,9 +326,13 @@ def _check_faulty_ranks(s: dict[str, Any], ranks: int) -> None:
     assert s["non_writer_replicated_bytes"] == 0
     assert all(r["bytes_offloaded"]["kv"] == 0 for r in s["per_rank"][1:])
     assert s["per_rank"][0]["bytes_offloaded"]["kv"] > 0
-    # the faults did make ranks differ, and the agreement evened them out
-    shortened = sum(r["rank_shortened_lookups"] + r["rank_shortened_loads"] for r in s["per_rank"])
-    assert shortened > 0
+    # the faults did bite (a rank lost a load, was cut short by a peer, or kept an offload
+    # unsettled), and the decisions above still agree. Which of these a 60-request run shows
+    # depends on where the random faults land, so only their sum is pinned; a peer cutting a
+    # rank short is pinned deterministically by the scenario tests above.
+    bitten = sum(r["dropped_loads"] + r["rank_shortened_lookups"] + r["rank_shortened_loads"]
+                 + r["rank_unsettled_offloads"] for r in s["per_rank"])
+    assert bitten > 0
     assert sum(r["restores_verified"] for r in s["per_rank"]) > 0
 
 
