@@ -12,12 +12,14 @@ from array import array
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 from hylinker.stores import framing
-from hylinker.stores.base import GetResult, Outcome, Store
+from hylinker.stores.base import GetResult, Outcome, Store, supports_checksums, supports_scatter
 from hylinker.stores.faulty import FaultPlan, FaultyStore
+from hylinker.testing.fakes import GatedStore
 from hylinker.testing.sglang_cache import CacheSpec, Served, SGLangCache
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
@@ -63,8 +65,24 @@ def store(cache: SGLangCache) -> Any:
 
 
 def swap_inner(cache: SGLangCache, inner: Store) -> None:
-    """Put ``inner`` under the plugin's retry rule from now on (to inject faults mid-test)."""
+    """Put ``inner`` under the plugin's retry rule from now on (to inject faults mid-test).
+
+    The data plane chose its calls (plain, scatter-gather, checksumming) from the store it was
+    built over, so ``inner`` must offer the same ones: build such a cache with
+    :func:`build_swappable`."""
+    old = store(cache)._inner
+    for offers in (supports_checksums, supports_scatter):
+        assert offers(inner) == offers(old), f"{offers.__name__}: {inner!r} does not replace {old!r}"
     store(cache)._inner = inner
+
+
+#: a fault plan that injects nothing but keeps the store wrapped in a FaultyStore (plain
+#: put/get), so FaultyStores and GatedStores with the same calls can be swapped in later
+PASS_THROUGH = "deadline_ms=600000"
+
+
+def build_swappable(made: list[SGLangCache], core: str = "python", **extra: Any) -> SGLangCache:
+    return build(made, core, faults=PASS_THROUGH, **extra)
 
 
 def store_get(cache: SGLangCache, key: str, nbytes: int) -> bytes | None:
@@ -233,7 +251,7 @@ def _wrap_store(cache: SGLangCache, plan: FaultPlan, seed: int = 7) -> FaultySto
 
 @pytest.mark.parametrize("core", CORES)
 def test_transient_store_errors_are_retried_then_restored(caches: list[SGLangCache], core: str) -> None:
-    cache = build(caches, core, load_retries=8, retry_backoff_ms=1)
+    cache = build_swappable(caches, core, load_retries=8, retry_backoff_ms=1)
     cache.serve(A + B)
     cache.flush()
     faulty = FaultyStore(store(cache).inner, FaultPlan(fail=0.3), seed=7)
@@ -251,7 +269,7 @@ def test_transient_store_errors_are_retried_then_restored(caches: list[SGLangCac
 
 
 def test_retries_are_bounded_then_the_load_fails(caches: list[SGLangCache]) -> None:
-    cache = build(caches, load_retries=2, retry_backoff_ms=1)
+    cache = build_swappable(caches, load_retries=2, retry_backoff_ms=1)
     cache.serve(A + B)
     cache.flush()
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
@@ -283,10 +301,11 @@ def test_retries_are_bounded_then_the_load_fails(caches: list[SGLangCache]) -> N
 
 @pytest.mark.parametrize("core", CORES)
 def test_offload_failure_then_retry_on_the_next_hit(caches: list[SGLangCache], core: str) -> None:
-    cache = build(caches, core)
+    cache = build_swappable(caches, core)
     faulty = _wrap_store(cache, FaultPlan(fail=1.0))
     cache.serve(A + B)
     assert cache.linker.statistics()["offloads_failed"] >= 1
+    assert faulty.statistics().failed_keys >= 1  # failed by the injected faults, nothing else
     swap_inner(cache, faulty.inner)
     # the node was not marked stored: the next request that hits it offloads it again
     hit = cache.serve(A + B + C)
@@ -298,15 +317,23 @@ def test_offload_failure_then_retry_on_the_next_hit(caches: list[SGLangCache], c
 
 
 def test_reset_with_transfers_in_flight(caches: list[SGLangCache]) -> None:
-    cache = build(caches)
-    faulty = _wrap_store(cache, FaultPlan(latency_ms=150))
+    cache = build_swappable(caches)
+    gated = GatedStore(store(cache).inner, hold_puts=True)  # writes wait at the gate
+    swap_inner(cache, gated)
     cache.serve(A + B, settle=False)  # its offloads are still in the store
     cache.serve(list(range(50, 80)), settle=False)
-    assert cache.cache.linker.pending_offloads
+    assert cache.cache.linker.pending_offloads  # no write can finish before the gate opens
+
+    async def open_gate_soon() -> None:
+        await anyio.sleep(0.3)
+        gated.open()
+
+    cache.linker.data.call_store(open_gate_soon)  # not awaited: the writes are in flight during the flush
     cache.flush()  # SGLang's flush: the linker quiesces, pending offloads are released
     assert not cache.cache.linker.pending_offloads
     assert cache.linker.num_completed_offloads() == 0
-    swap_inner(cache, faulty.inner)
+    assert gated.calls["put"] >= 1 and gated.held == 0
+    swap_inner(cache, gated.inner)
     restored_ok(cache.serve(A + B + C), len(A + B))
     assert_clean(cache)
 
