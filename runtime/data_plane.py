@@ -79,19 +79,11 @@ from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores.base import Store, StoreError
 from .device import DeviceCopies
 from .events import DeviceEvent, FenceError
-from .pool_actor import (
-    CANCELLED,
-    STORED,
-    LatencyMonitor,
-    LoadResult,
-    OffloadResult,
-    PoolActor,
-    TransferJob,
-    cancel_job,
-)
+from .pool_actor import LatencyMonitor, PoolActor
 from .statistics import PoolActorStatistics
 from .tracing import trace
 from .transfer import PoolCodec
+from .transfer_job import CANCELLED, STORED, LoadResult, OffloadResult, TransferJob, cancel_job
 
 
 class DataPlaneClosedError(RuntimeError):

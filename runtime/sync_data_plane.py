@@ -33,8 +33,8 @@ from .data_plane import (
     TransferOutcome,
 )
 from .events import DeviceEvent
-from .pool_actor import CANCELLED
 from .statistics import PoolActorStatistics
+from .transfer_job import CANCELLED
 
 T = TypeVar("T")
 

@@ -1,0 +1,137 @@
+"""Verify all, then land: a held load writes no row until every job of the load verified."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import torch
+
+from ..stores import framing
+from ..stores.base import GetResult, Outcome, StoreError
+from .events import wait_fence
+from .in_place import InPlaceTransfers
+from .transfer import PoolCodec
+from .transfer_job import LoadResult, TransferJob
+
+
+class HeldLoads(InPlaceTransfers):
+    """A pool actor's verify-all-then-land loads. See the module doc."""
+
+    def _held_frames(self, job: TransferJob) -> torch.Tensor:
+        """``[n, stride]`` private frames for a held job: the registered held arena when it is
+        free and large enough, else fresh memory (the store copies through its own buffers)."""
+        n = len(job.keys)
+        if self._held_arena is None:
+            self._held_arena = self._new_arena()
+            self.store.register(self._held_arena)
+        arena = self._held_arena
+        if not self._held_busy and n * self.stride <= arena.numel():
+            self._held_busy = True
+            job.staged_in_arena = True
+            return arena[: n * self.stride].view(n, self.stride)
+        if self.copies is not None:
+            return self.copies.staging(n * self.stride).view(n, self.stride)
+        return torch.empty((n, self.stride), dtype=torch.uint8)
+
+    async def _load_held(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
+        """Get every object of the job into private frames and verify it; write no row.
+        Sub-batch k is verified while k+1 is in flight. The ticket lands the frames
+        (:meth:`land_held`) once every job of the load verified, or drops them
+        (:meth:`release_held`). Objects that move in place go straight into their rows and
+        are verified there; only their report waits for the rest of the load."""
+        if self.in_place_groups[job.group] and codec.host_path(job.index):
+            # in place: the store writes the rows and they are verified there; nothing is
+            # reported until the whole load verified (a failed load may leave partial bytes
+            # in its rows, never reported landed)
+            job.in_rows = True
+            return await self._load_in_place(job, codec, size, t0)
+        faults: dict[str, int] = {}
+        grid = self._held_frames(job)
+        job.staged = grid
+        batches = self._batches(len(job.keys))
+        good: list[list[bool]] = [[] for _ in batches]
+
+        async def get(k: int) -> list[GetResult]:
+            lo, hi = batches[k]
+            frames = [grid[i, :size] for i in range(lo, hi)]
+            start = time.perf_counter()
+            try:
+                results = await self.store.get(job.keys[lo:hi], frames)
+            except StoreError:
+                results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
+            if len(results) != hi - lo:  # a store that breaks the protocol: trust nothing
+                results = [GetResult(Outcome.FAILED)] * (hi - lo)
+            self.latency.observe(time.perf_counter() - start)
+            return results
+
+        def verify(k: int, results: list[GetResult]) -> None:
+            lo, hi = batches[k]
+            frames = grid.numpy()
+            ok: list[bool] = []
+            for i, r in zip(range(lo, hi), results):
+                if r.outcome is not Outcome.OK:
+                    faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
+                    ok.append(False)
+                    continue
+                try:
+                    framing.verify_array(frames[i, :size], r.nbytes, job.keys[i], self.fingerprint)
+                except framing.FrameError as exc:
+                    faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
+                    ok.append(False)
+                    continue
+                ok.append(True)
+            good[k] = ok
+
+        async def verify_async(k: int, results: list[GetResult]) -> None:
+            if self._inline(batches[k], size):
+                verify(k, results)
+            else:
+                await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
+
+        fetched: tuple[int, list[GetResult]] | None = None
+        for k in range(len(batches)):
+            async with anyio.create_task_group() as tg:
+                if fetched is not None:
+                    tg.start_soon(verify_async, *fetched)
+                results = await get(k)
+            fetched = (k, results)
+        if fetched is not None:
+            await verify_async(*fetched)
+        ok = [g for batch in good for g in batch]
+        return self._loaded(job, ok, faults, size, t0)
+
+    async def land_held(self, job: TransferJob, on_layer: Callable[[int], None]) -> None:
+        """Write a held job's verified frames into its rows; ``on_layer(layer_id)`` (on the
+        loop) once each layer's rows hold them (device pools: once the copies completed)."""
+        codec, size = self.codecs[job.group], self.frame_sizes[job.group]
+        if job.in_rows:  # already written and verified in place
+            for layer in codec.layer_ids:
+                on_layer(layer)
+            return
+        assert job.staged is not None, "land_held needs a verified held job"
+        payload = job.staged[:, framing.HEADER_BYTES: size]
+        if self.copies is not None:
+            with self.copies.on_stream():
+                codec.scatter(payload, job.index, None)
+                ev = self.copies.record()
+            await wait_fence(ev, timeout_s=self.fence_timeout_s)
+            for layer in codec.layer_ids:
+                on_layer(layer)
+        elif self._inline((0, len(job.keys)), size):
+            codec.scatter(payload, job.index, on_layer)
+        else:
+            def landed(layer: int) -> None:
+                anyio.from_thread.run_sync(on_layer, layer)
+
+            await anyio.to_thread.run_sync(codec.scatter, payload, job.index, landed, limiter=self.limiter)
+
+    def release_held(self, job: TransferJob) -> None:
+        """Drop a held job's frames (landed, or its load failed)."""
+        job.staged = None
+        if job.staged_in_arena:
+            job.staged_in_arena = False
+            self._held_busy = False
