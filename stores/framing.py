@@ -118,14 +118,12 @@ def seal_array(frame: np.ndarray, key: str, layout_fingerprint: bytes) -> None:
     ), dtype=np.uint8)
 
 
-def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes,
-                 landed_checksum: int | None = None) -> np.ndarray:
-    """:func:`verify` on a 1-D uint8 NumPy view; returns the payload view. ``landed_checksum``:
-    the payload's checksum as computed by whoever wrote it into ``frame``
-    (:func:`copy_checksummed`); otherwise the payload is hashed here."""
-    if nbytes < HEADER_BYTES or frame.shape[0] < HEADER_BYTES:
+def _header_fields(header: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes) -> tuple[int, int]:
+    """Check a header's magic, version, layout and key (one rule for whole and scattered
+    objects); its payload length and checksum. Raises :class:`FrameError`."""
+    if nbytes < HEADER_BYTES or header.shape[0] < HEADER_BYTES:
         raise FrameError(FrameFault.TRUNCATED, key, f"{nbytes} bytes, header needs {HEADER_BYTES}")
-    magic, version, _flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(frame.data, 0)
+    magic, version, _flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(header.data, 0)
     if magic != MAGIC:
         raise FrameError(FrameFault.BAD_MAGIC, key)
     if version != FORMAT_VERSION:
@@ -134,6 +132,15 @@ def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: b
         raise FrameError(FrameFault.OTHER_LAYOUT, key)
     if digest != key_digest(key):
         raise FrameError(FrameFault.OTHER_KEY, key)
+    return length, checksum
+
+
+def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes,
+                 landed_checksum: int | None = None) -> np.ndarray:
+    """:func:`verify` on a 1-D uint8 NumPy view; returns the payload view. ``landed_checksum``:
+    the payload's checksum as computed by whoever wrote it into ``frame``
+    (:func:`copy_checksummed`); otherwise the payload is hashed here."""
+    length, checksum = _header_fields(frame, nbytes, key, layout_fingerprint)
     room = frame.shape[0] - HEADER_BYTES
     if length != nbytes - HEADER_BYTES or length > room:
         raise FrameError(
@@ -208,17 +215,7 @@ def verify_parts(header: np.ndarray, nbytes: int, pieces: list[np.ndarray], key:
     bytes as they landed. ``landed_checksum``: that checksum, when whoever wrote the pieces
     computed it over them as they landed (:func:`copy_checksummed`); otherwise the pieces are
     hashed here. Raises :class:`FrameError`."""
-    if nbytes < HEADER_BYTES or header.shape[0] < HEADER_BYTES:
-        raise FrameError(FrameFault.TRUNCATED, key, f"{nbytes} bytes, header needs {HEADER_BYTES}")
-    magic, version, _flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(header.data, 0)
-    if magic != MAGIC:
-        raise FrameError(FrameFault.BAD_MAGIC, key)
-    if version != FORMAT_VERSION:
-        raise FrameError(FrameFault.BAD_VERSION, key, f"version {version}")
-    if layout != layout_fingerprint[:8]:
-        raise FrameError(FrameFault.OTHER_LAYOUT, key)
-    if digest != key_digest(key):
-        raise FrameError(FrameFault.OTHER_KEY, key)
+    length, checksum = _header_fields(header, nbytes, key, layout_fingerprint)
     room = sum(p.shape[0] for p in pieces)
     if length != nbytes - HEADER_BYTES or length != room:
         raise FrameError(

@@ -281,57 +281,48 @@ class ResilientStore:
         outcomes = await self._transfer(len(keys), Outcome.UNREACHABLE, one)
         return [GetResult(o, sizes.get(i, 0) if o is Outcome.OK else 0) for i, o in enumerate(outcomes)]
 
-    # scatter-gather (in place): the same retries and breaker, when the inner store has it
+    # scatter-gather (in place) and checksum while copying: the same retries and breaker, when
+    # the inner store has them
     async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
-        keys, parts = list(keys), list(parts)
-        if len(keys) != len(parts):
-            raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
-        self._check_open()
-        inner = self._inner
-        return await self._transfer(
-            len(keys), Outcome.UNREACHABLE,
-            lambda idx: inner.put_parts([keys[i] for i in idx], [parts[i] for i in idx]))  # type: ignore[attr-defined]
+        return await self._put_in_parts("put_parts", keys, parts)
 
     async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
-        keys, parts = list(keys), list(parts)
-        if len(keys) != len(parts):
-            raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
-        self._check_open()
-        sizes: dict[int, int] = {}
+        return await self._get_in_parts("get_parts", keys, parts)
 
-        async def one(idx: list[int]) -> list[Outcome]:
-            res = await self._inner.get_parts([keys[i] for i in idx], [parts[i] for i in idx])  # type: ignore[attr-defined]
-            if len(res) != len(idx):
-                raise StoreError(f"get_parts answered {len(res)} of {len(idx)} keys")
-            for i, r in zip(idx, res):
-                sizes[i] = r.nbytes
-            return [r.outcome for r in res]
-
-        outcomes = await self._transfer(len(keys), Outcome.UNREACHABLE, one)
-        return [GetResult(o, sizes.get(i, 0) if o is Outcome.OK else 0) for i, o in enumerate(outcomes)]
-
-    # checksum while copying: the same again, when the inner store has it
     async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
-        keys, parts = list(keys), list(parts)
-        if len(keys) != len(parts):
-            raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
-        self._check_open()
-        inner = self._inner
-        return await self._transfer(
-            len(keys), Outcome.UNREACHABLE,
-            lambda idx: inner.put_sealed([keys[i] for i in idx], [parts[i] for i in idx]))  # type: ignore[attr-defined]
+        return await self._put_in_parts("put_sealed", keys, parts)
 
     async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        return await self._get_in_parts("get_checked", keys, parts)
+
+    def _parts_call(self, method: str, keys: Sequence[str],
+                    parts: Sequence[Sequence[torch.Tensor]]) -> tuple[list[str], list[Sequence[torch.Tensor]], Any]:
         keys, parts = list(keys), list(parts)
         if len(keys) != len(parts):
             raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
         self._check_open()
+
+        def call(*args: Any) -> Any:  # resolved per attempt, like the plain calls
+            return getattr(self._inner, method)(*args)
+
+        return keys, parts, call
+
+    async def _put_in_parts(self, method: str, keys: Sequence[str],
+                            parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        keys, parts, call = self._parts_call(method, keys, parts)
+        return await self._transfer(
+            len(keys), Outcome.UNREACHABLE,
+            lambda idx: call([keys[i] for i in idx], [parts[i] for i in idx]))
+
+    async def _get_in_parts(self, method: str, keys: Sequence[str],
+                            parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        keys, parts, call = self._parts_call(method, keys, parts)
         landed: dict[int, GetResult] = {}
 
         async def one(idx: list[int]) -> list[Outcome]:
-            res = await self._inner.get_checked([keys[i] for i in idx], [parts[i] for i in idx])  # type: ignore[attr-defined]
+            res = await call([keys[i] for i in idx], [parts[i] for i in idx])
             if len(res) != len(idx):
-                raise StoreError(f"get_checked answered {len(res)} of {len(idx)} keys")
+                raise StoreError(f"{method} answered {len(res)} of {len(idx)} keys")
             for i, r in zip(idx, res):
                 landed[i] = r
             return [r.outcome for r in res]
