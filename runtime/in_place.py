@@ -8,7 +8,7 @@ transfer makes one pass over the bytes instead of three.
 from __future__ import annotations
 
 import time
-from functools import partial
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.to_thread
@@ -42,11 +42,49 @@ class InPlaceTransfers(PoolStaging):
                          IN_PLACE_CALL_BYTES // self.stride))
         return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
-    def _headers(self, direction: str, half: int, n: int) -> tuple[list[torch.Tensor], list[np.ndarray]]:
-        """``n`` 64-byte header buffers in one half of a direction's arena."""
-        base = half * self.batch * self.stride
-        arena, arena_np = self._arenas[direction], self._arenas_np[direction]
+    async def _two_in_flight(self, batches: list[tuple[int, int]],
+                             call: Callable[[int, Callable[[], None]], Awaitable[None]]) -> None:
+        """Run ``call(k, moved)`` for every sub-batch ``k``, at most two store calls at a time.
+
+        ``call`` makes sub-batch ``k``'s store call and calls ``moved()`` once it returned; what
+        it does after (verifying a load) does not hold up the next store call. Sub-batch ``k``
+        starts once the store call of ``k-2`` returned and sub-batch ``k - slots`` ended
+        entirely (it uses header slot ``k % slots``, :meth:`_header_slots`). So the loop's and
+        the worker threads' work for one sub-batch (buffer checks, slot planning, piece views,
+        hashing) runs while the store moves the bytes of another, not between two moves."""
+        n = len(batches)
+        slots = self._header_slots(batches)
+        moved = [anyio.Event() for _ in range(n)]
+        done = [anyio.Event() for _ in range(n)]
+
+        async def one(k: int) -> None:
+            try:
+                await call(k, moved[k].set)
+            finally:
+                moved[k].set()
+                done[k].set()
+
+        async with anyio.create_task_group() as tg:
+            for k in range(n):
+                if k >= 2:
+                    await moved[k - 2].wait()
+                if k >= slots:
+                    await done[k - slots].wait()
+                tg.start_soon(one, k)
+
+    def _header_slots(self, batches: list[tuple[int, int]]) -> int:
+        """How many sub-batches' headers a direction's arena holds at once (2 to 4)."""
+        per = max((hi - lo for lo, hi in batches), default=1)
+        return max(2, min(4, 2 * self.batch * self.stride // (per * framing.HEADER_BYTES)))
+
+    def _headers(self, direction: str, batches: list[tuple[int, int]], k: int) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+        """Sub-batch ``k``'s 64-byte header buffers: header slot ``k % slots`` of a direction's
+        arena, each slot room for the largest sub-batch's headers."""
         hb = framing.HEADER_BYTES
+        per = max(hi - lo for lo, hi in batches)
+        n = batches[k][1] - batches[k][0]
+        base = (k % self._header_slots(batches)) * per * hb
+        arena, arena_np = self._arenas[direction], self._arenas_np[direction]
         return ([arena[base + i * hb: base + (i + 1) * hb] for i in range(n)],
                 [arena_np[base + i * hb: base + (i + 1) * hb] for i in range(n)])
 
@@ -62,7 +100,7 @@ class InPlaceTransfers(PoolStaging):
 
         def pack(k: int) -> list[list[torch.Tensor]]:
             lo, hi = batches[k]
-            heads, heads_np = self._headers("offload", k % 2, hi - lo)
+            heads, heads_np = self._headers("offload", batches, k)
             parts: list[list[torch.Tensor]] = []
             for i, (key, r0) in enumerate(zip(job.keys[lo:hi], starts[lo:hi])):
                 pieces = codec.pieces(r0)
@@ -88,20 +126,14 @@ class InPlaceTransfers(PoolStaging):
             results[k] = got
             self.latency.observe(time.perf_counter() - start)
 
-        ready: tuple[int, list[list[torch.Tensor]]] | None = None
-        for k in range(len(batches)):
-            if self._inline(batches[k], size):
+        async def pack_put(k: int, moved: Callable[[], None]) -> None:
+            if checksums or self._inline(batches[k], size):  # headers only, or small: on the loop
                 parts = pack(k)
-                if ready is not None:
-                    await put(*ready)
-            else:
-                async with anyio.create_task_group() as tg:
-                    if ready is not None:
-                        tg.start_soon(put, *ready)
-                    parts = await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
-            ready = (k, parts)
-        if ready is not None:
-            await put(*ready)
+            else:  # hashing the rows: in a thread
+                parts = await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
+            await put(k, parts)
+
+        await self._two_in_flight(batches, pack_put)
         return self._offloaded(job, [o for r in results for o in r], size, t0)
 
     async def _load_in_place(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
@@ -118,7 +150,7 @@ class InPlaceTransfers(PoolStaging):
 
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
-            heads, _ = self._headers("load", k % 2, hi - lo)
+            heads, _ = self._headers("load", batches, k)
             pieces = [codec.pieces(r0) for r0 in starts[lo:hi]]
             pieces_of[k] = pieces
             start = time.perf_counter()
@@ -134,7 +166,7 @@ class InPlaceTransfers(PoolStaging):
 
         def verify(k: int, results: list[GetResult]) -> None:
             lo, hi = batches[k]
-            _, heads_np = self._headers("load", k % 2, hi - lo)
+            _, heads_np = self._headers("load", batches, k)
             ok: list[bool] = []
             for key, h, p, r in zip(job.keys[lo:hi], heads_np, pieces_of.pop(k), results):
                 if r.outcome is not Outcome.OK:
@@ -155,21 +187,15 @@ class InPlaceTransfers(PoolStaging):
                 ok.append(True)
             good[k] = ok
 
-        landed: tuple[int, list[GetResult]] | None = None
-        for k in range(len(batches)):
-            async with anyio.create_task_group() as tg:
-                if landed is not None:
-                    if self._inline(batches[landed[0]], size):
-                        verify(*landed)
-                    else:
-                        tg.start_soon(partial(anyio.to_thread.run_sync, verify, *landed, limiter=self.limiter))
-                results = await get(k)
-            landed = (k, results)
-        if landed is not None:
-            if self._inline(batches[landed[0]], size):
-                verify(*landed)
-            else:
-                await anyio.to_thread.run_sync(verify, *landed, limiter=self.limiter)
+        async def get_verify(k: int, moved: Callable[[], None]) -> None:
+            results = await get(k)
+            moved()
+            if checksums or self._inline(batches[k], size):  # headers only, or small: on the loop
+                verify(k, results)
+            else:  # hashing the rows: in a thread
+                await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
+
+        await self._two_in_flight(batches, get_verify)
         ok = [g for batch in good for g in batch]
         if job.on_layer is not None and all(ok):
             for layer in codec.layer_ids:

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import anyio
 import pytest
@@ -758,3 +759,105 @@ async def test_held_arena_is_freed_once_a_verified_load_landed() -> None:
     kv = 2 * len(FULL_IDS)  # K and V rows (no draft in this load)
     assert all(torch.equal(x, y) for x, y in zip(b.rows(pages(*range(8, 16)))[:kv], a.rows(pages(*range(8)))[:kv]))
     await store.close()
+
+
+class _ShuffledScatter:
+    """Forwards ``inner``'s scatter calls, each after a seeded random delay, so store calls in
+    flight together finish out of order; counts the most calls in flight at once. Declares no
+    checksums: the runtime seals and verifies the rows itself."""
+
+    def __init__(self, inner: EmbeddedStore, seed: int) -> None:
+        import random
+
+        self.inner = inner
+        self._rng = random.Random(seed)
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.calls = 0
+        self.capabilities = StoreCapabilities(name="shuffled", touch=False, remove=True,
+                                              zero_copy=False, scatter=True,
+                                              checksums=isinstance(self, _ShuffledChecksums))
+
+    async def _later(self, call: Any) -> Any:
+        self.in_flight += 1
+        self.calls += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await anyio.sleep(self._rng.uniform(0, 0.02))
+            return await call
+        finally:
+            self.in_flight -= 1
+
+    def register(self, region: torch.Tensor) -> None:
+        self.inner.register(region)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self.inner.exists(keys)
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
+        return await self.inner.put(keys, buffers)
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        return await self.inner.get(keys, buffers)
+
+    async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        return await self._later(self.inner.put_parts(keys, parts))
+
+    async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        return await self._later(self.inner.get_parts(keys, parts))
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        await self.inner.touch(keys)
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        return await self.inner.remove(keys)
+
+    def statistics(self) -> StoreStatistics:
+        return self.inner.statistics()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class _ShuffledChecksums(_ShuffledScatter):
+    """The same, for a store that checksums while it copies (the embedded store's calls)."""
+
+    async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        return await self._later(self.inner.put_sealed(keys, parts))
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        return await self._later(self.inner.get_checked(keys, parts))
+
+
+@pytest.mark.parametrize("checksums", [True, False], ids=["store-checksums", "runtime-checksums"])
+async def test_in_place_sub_batches_in_flight_together_keep_each_header_with_its_rows(
+        checksums: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In place, two store calls run at once and the header slots rotate: with one or two
+    objects per call and calls finishing out of order, every object still lands in its own
+    rows under its own header, and never more than two calls are in flight."""
+    from hylinker.runtime import in_place
+    from hylinker.stores.base import supports_checksums
+
+    a, b = EnginePools(1), EnginePools(2)
+    src, dst = pages(*range(14)), pages(*range(15, 1, -1))
+    stride = -(-(a.views()[PoolKind.FULL].payload_bytes + 64) // 64) * 64
+    monkeypatch.setattr(in_place, "IN_PLACE_CALL_BYTES", 2 * stride)  # checksumming store: 2 per call
+    cls = _ShuffledChecksums if checksums else _ShuffledScatter
+    store = cls(EmbeddedStore(16 << 20), seed=7)
+    assert supports_checksums(store) is checksums
+    # runtime checksums: sub-batches of half the staging frames (3 objects of this size)
+    cfg = DataPlaneConfig(in_place_min_bytes=0, staging_bytes_per_pool=6 * stride)
+    kv = 2 * len(FULL_IDS)  # K and V of each layer (a FULL transfer does not move the draft)
+    want = a.rows(src)[:kv]
+    async with DataPlane(a.views(), store, cfg, namespace="test") as dp:
+        out = await (await dp.offload([Transfer(PoolKind.FULL, keys("o", 14), src)])).wait()
+        assert out.ok
+    puts = store.calls
+    assert puts >= 5 and store.most_in_flight == 2
+    store.most_in_flight = 0
+    async with DataPlane(b.views(), store, cfg, namespace="test") as dp:
+        assert all(actor.scatter for actor in dp.actors.values())
+        out = await (await dp.load([Transfer(PoolKind.FULL, keys("o", 14), dst)])).wait()
+        assert out.ok
+    assert store.calls - puts >= 5 and store.most_in_flight == 2
+    assert all(torch.equal(x, y) for x, y in zip(b.rows(dst)[:kv], want, strict=True))

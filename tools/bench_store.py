@@ -18,6 +18,7 @@ per-call overhead and intra-op threads weigh on small copies). Each figure is th
 from __future__ import annotations
 
 import functools
+import gc
 import time
 import uuid
 from collections.abc import Callable
@@ -96,6 +97,7 @@ async def _measure(
                 seal(view, keys[i], _LAYOUT)
             dst.zero_()
 
+            gc.collect()  # no collection of earlier rounds' garbage inside the timed region
             t0 = time.perf_counter()
             for start in range(0, n_objects, batch):
                 outcomes = await store.put(keys[start : start + batch], src_views[start : start + batch])
@@ -103,6 +105,7 @@ async def _measure(
                     raise RuntimeError(f"benchmark put failed: {sorted({o.value for o in outcomes})}")
             best["put"] = max(best["put"], total / (time.perf_counter() - t0) / 1e9)
 
+            gc.collect()
             t0 = time.perf_counter()
             for start in range(0, n_objects, batch):
                 results = await store.get(keys[start : start + batch], dst_views[start : start + batch])
