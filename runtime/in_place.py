@@ -26,6 +26,20 @@ IN_PLACE_CALL_BYTES = 64 << 20
 copying here: a thread hop per call costs well under 1% of it)."""
 
 
+class SubBatchTurns:
+    """The events that order one transfer's sub-batches (:meth:`InPlaceTransfers._two_in_flight`)."""
+
+    def __init__(self, n: int) -> None:
+        self.prepared = [anyio.Event() for _ in range(n)]  # headers sealed, ready to move
+        self.moved = [anyio.Event() for _ in range(n)]  # its store call returned
+        self.done = [anyio.Event() for _ in range(n)]  # ended: its header slot is free
+
+    async def store_turn(self, k: int) -> None:
+        """Wait until sub-batch ``k`` may make its store call (at most two in flight)."""
+        if k >= 2:
+            await self.moved[k - 2].wait()
+
+
 class InPlaceTransfers(PoolStaging):
     """A pool actor's in-place offload and load paths. See the module doc."""
 
@@ -36,40 +50,42 @@ class InPlaceTransfers(PoolStaging):
         for, and :data:`IN_PLACE_CALL_BYTES` allow (each extra call is one more thread hop in
         the store; a bounded call stays far inside a resilient store's call timeout)."""
         if not self.store_checksums:
-            return self._batches(n)
+            return _ramped(n, self.batch)
         per = max(1, min(self.store.capabilities.max_batch,
                          self.batch * self.stride // framing.HEADER_BYTES,
                          IN_PLACE_CALL_BYTES // self.stride))
         return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
     async def _two_in_flight(self, batches: list[tuple[int, int]],
-                             call: Callable[[int, Callable[[], None]], Awaitable[None]]) -> None:
-        """Run ``call(k, moved)`` for every sub-batch ``k``, at most two store calls at a time.
+                             call: Callable[[int, SubBatchTurns], Awaitable[None]]) -> None:
+        """Run ``call(k, turns)`` for every sub-batch ``k``, at most two store calls at a time.
 
-        ``call`` makes sub-batch ``k``'s store call and calls ``moved()`` once it returned; what
-        it does after (verifying a load) does not hold up the next store call. Sub-batch ``k``
-        starts once the store call of ``k-2`` returned and sub-batch ``k - slots`` ended
-        entirely (it uses header slot ``k % slots``, :meth:`_header_slots`). So the loop's and
-        the worker threads' work for one sub-batch (buffer checks, slot planning, piece views,
-        hashing) runs while the store moves the bytes of another, not between two moves."""
+        ``call`` prepares sub-batch ``k`` (seals its headers, hashing the rows where the store
+        does not), sets ``turns.prepared[k]``, awaits ``turns.store_turn(k)`` (the store call of
+        ``k-2`` returned), makes its store call, sets ``turns.moved[k]``, then finishes (verifies
+        a load). Sub-batch ``k`` starts once ``k-1`` is prepared and ``k - slots`` ended entirely
+        (it uses header slot ``k % slots``, :meth:`_header_slots`). So preparing runs ahead of
+        the store calls, one sub-batch at a time, and the loop's and worker threads' work for
+        one sub-batch (hashing, buffer checks, slot planning, piece views, verifying) runs
+        while the store moves the bytes of another, not between two moves."""
         n = len(batches)
         slots = self._header_slots(batches)
-        moved = [anyio.Event() for _ in range(n)]
-        done = [anyio.Event() for _ in range(n)]
+        turns = SubBatchTurns(n)
 
         async def one(k: int) -> None:
             try:
-                await call(k, moved[k].set)
+                await call(k, turns)
             finally:
-                moved[k].set()
-                done[k].set()
+                turns.prepared[k].set()
+                turns.moved[k].set()
+                turns.done[k].set()
 
         async with anyio.create_task_group() as tg:
             for k in range(n):
-                if k >= 2:
-                    await moved[k - 2].wait()
+                if k >= 1:
+                    await turns.prepared[k - 1].wait()
                 if k >= slots:
-                    await done[k - slots].wait()
+                    await turns.done[k - slots].wait()
                 tg.start_soon(one, k)
 
     def _header_slots(self, batches: list[tuple[int, int]]) -> int:
@@ -126,11 +142,13 @@ class InPlaceTransfers(PoolStaging):
             results[k] = got
             self.latency.observe(time.perf_counter() - start)
 
-        async def pack_put(k: int, moved: Callable[[], None]) -> None:
+        async def pack_put(k: int, turns: SubBatchTurns) -> None:
             if checksums or self._inline(batches[k], size):  # headers only, or small: on the loop
                 parts = pack(k)
             else:  # hashing the rows: in a thread
                 parts = await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
+            turns.prepared[k].set()
+            await turns.store_turn(k)
             await put(k, parts)
 
         await self._two_in_flight(batches, pack_put)
@@ -187,9 +205,11 @@ class InPlaceTransfers(PoolStaging):
                 ok.append(True)
             good[k] = ok
 
-        async def get_verify(k: int, moved: Callable[[], None]) -> None:
+        async def get_verify(k: int, turns: SubBatchTurns) -> None:
+            turns.prepared[k].set()
+            await turns.store_turn(k)
             results = await get(k)
-            moved()
+            turns.moved[k].set()
             if checksums or self._inline(batches[k], size):  # headers only, or small: on the loop
                 verify(k, results)
             else:  # hashing the rows: in a thread
@@ -201,3 +221,18 @@ class InPlaceTransfers(PoolStaging):
             for layer in codec.layer_ids:
                 job.on_layer(layer)
         return self._loaded(job, ok, faults, size, t0)
+
+
+def _ramped(n: int, per: int) -> list[tuple[int, int]]:
+    """Sub-batches of at most ``per`` objects that start small and double (``per/8``, ``per/4``,
+    …): the first store call waits only for a small first sub-batch to be hashed, and the
+    hashing of the larger ones overlaps the calls before them."""
+    out: list[tuple[int, int]] = []
+    size = max(1, -(-per // 8))
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + size)
+        out.append((lo, hi))
+        lo = hi
+        size = min(per, 2 * size)
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -861,3 +862,16 @@ async def test_in_place_sub_batches_in_flight_together_keep_each_header_with_its
         assert out.ok
     assert store.calls - puts >= 5 and store.most_in_flight == 2
     assert all(torch.equal(x, y) for x, y in zip(b.rows(dst)[:kv], want, strict=True))
+
+
+@pytest.mark.parametrize(("n", "per"), [(1, 1), (48, 31), (256, 32), (7, 100), (100, 3)])
+def test_hashed_sub_batches_ramp_up_and_cover_every_object_once(n: int, per: int) -> None:
+    """Over a store that does not checksum, in-place sub-batches start at ``per/8`` objects
+    and double up to ``per``: the first store call waits only for a small hash."""
+    from hylinker.runtime.in_place import _ramped
+
+    batches = _ramped(n, per)
+    assert [i for lo, hi in batches for i in range(lo, hi)] == list(range(n))
+    sizes = [hi - lo for lo, hi in batches]
+    assert max(sizes) <= per and sizes[0] <= max(1, -(-per // 8))
+    assert all(b <= 2 * a for a, b in itertools.pairwise(sizes))
