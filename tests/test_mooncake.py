@@ -22,12 +22,8 @@ from hylinker.stores.base import (
     StoreClosedError,
     StoreUnavailableError,
 )
-from hylinker.stores.mooncake import (
-    MooncakeConfig,
-    MooncakeStore,
-    get_outcome,
-    put_outcome,
-)
+from hylinker.stores.mooncake import MooncakeConfig, MooncakeStore
+from hylinker.stores.mooncake_client import get_outcome, put_outcome
 from hylinker.stores.mooncake_master import MooncakeMaster, free_port
 
 pytestmark = pytest.mark.mooncake

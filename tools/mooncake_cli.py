@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..stores.mooncake import MooncakeSegmentHost
+    from ..stores.mooncake_client import MooncakeSegmentHost
 
 HELP = "run a local Mooncake master / storage segment (for the mooncake store backend)"
 
@@ -98,7 +98,7 @@ def _segment(args: argparse.Namespace) -> int:
 
 def _open_segment(master: str, mib: int, hostname: str, protocol: str) -> MooncakeSegmentHost | None:
     from ..stores.base import StoreUnavailableError
-    from ..stores.mooncake import MooncakeConfig, MooncakeSegmentHost
+    from ..stores.mooncake_client import MooncakeConfig, MooncakeSegmentHost
 
     try:
         config = MooncakeConfig(master_address=master, segment_bytes=mib * _MIB,

@@ -1,0 +1,189 @@
+"""The Mooncake client itself: importing it, its return codes and what each means to the store
+protocol, its configuration and setup, and a storage-only client (:class:`MooncakeSegmentHost`).
+The store adapter built on it is :mod:`hylinker.stores.mooncake`.
+
+Return codes (measured against mooncake-transfer-engine-non-cuda 0.3.13):
+
+=========  ==========================  =========================================
+code       Mooncake name               outcome
+=========  ==========================  =========================================
+0 / n>=0   OK / bytes read             OK
+-200       NO_AVAILABLE_HANDLE         FULL (no room; the master evicts async)
+-600       INVALID_PARAMS              get: TOO_SMALL (buffer < object); else FAILED
+-703       REPLICA_IS_NOT_READY        get: MISSING (a writer has not finished)
+-704       OBJECT_NOT_FOUND            MISSING
+-705       OBJECT_ALREADY_EXISTS       EXISTS
+-706       OBJECT_HAS_LEASE            LEASED
+-707       LEASE_EXPIRED               get: retried once, then FAILED
+-900       RPC_FAIL                    UNREACHABLE
+other < 0                              FAILED
+=========  ==========================  =========================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import TracebackType
+from typing import Any
+
+import attrs
+
+from .base import Outcome, StoreUnavailableError
+from .mooncake_master import port_accepts
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+# Mooncake ErrorCode values (mooncake-store/include/types.h).
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+LEASE_EXPIRED = -707
+RPC_FAIL = -900
+
+SETUP_RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"
+
+
+def put_outcome(code: int) -> Outcome:
+    """Map a ``batch_put_from`` return code to an :class:`Outcome`."""
+    if code == 0:
+        return Outcome.OK
+    return {
+        NO_AVAILABLE_HANDLE: Outcome.FULL,
+        OBJECT_ALREADY_EXISTS: Outcome.EXISTS,
+        OBJECT_HAS_LEASE: Outcome.LEASED,
+        RPC_FAIL: Outcome.UNREACHABLE,
+    }.get(code, Outcome.FAILED)
+
+
+def get_outcome(code: int) -> Outcome:
+    """Map a ``batch_get_into`` return code (bytes read when >= 0) to an :class:`Outcome`."""
+    if code >= 0:
+        return Outcome.OK
+    return {
+        OBJECT_NOT_FOUND: Outcome.MISSING,
+        REPLICA_IS_NOT_READY: Outcome.MISSING,
+        INVALID_PARAMS: Outcome.TOO_SMALL,
+        OBJECT_HAS_LEASE: Outcome.LEASED,
+        RPC_FAIL: Outcome.UNREACHABLE,
+    }.get(code, Outcome.FAILED)
+
+
+def import_mooncake_store() -> Any:
+    """``mooncake.store`` or a clear :class:`StoreUnavailableError` saying how to install it."""
+    try:
+        import mooncake.store as mooncake_store
+    except (ImportError, OSError) as exc:  # OSError: libibverbs.so.1 missing
+        raise StoreUnavailableError(
+            f"cannot import mooncake.store ({exc}); install `mooncake-transfer-engine-non-cuda` "
+            "and Debian's `libibverbs1` (see .ci/mooncake-setup.sh)"
+        ) from exc
+    return mooncake_store
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a plain ``host:port`` master address; None for etcd/HA forms."""
+    if "://" in address or ";" in address:
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"master address must be host:port, got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@attrs.frozen
+class MooncakeConfig:
+    """How to reach the master and what this client contributes."""
+
+    master_address: str  # "host:port" of mooncake_master
+    local_hostname: str = "127.0.0.1"  # address other clients reach this one at
+    metadata_server: str = "P2PHANDSHAKE"  # transfer-engine metadata; P2P needs no server
+    protocol: str = "tcp"  # "tcp" or "rdma"
+    rdma_devices: str = ""
+    segment_bytes: int = 256 * MIB  # memory contributed to the cluster; 0 = pure client
+    local_buffer_bytes: int = 16 * MIB  # client-side transfer buffer
+    workers: int = 4  # concurrent blocking client calls
+    bounce_bytes: int = 16 * MIB  # initial bounce buffer for unregistered buffers
+    max_batch: int = 4096  # keys per client call
+    setup_retries: int = 1  # client connect attempts in setup (~4.4 s each when refused)
+    probe_timeout_s: float = 1.0  # TCP probe of the master after it failed once
+    detect_exists: bool = True  # check existence before put to report EXISTS
+    force_remove: bool = True  # remove even leased objects (see module docstring)
+
+    def __attrs_post_init__(self) -> None:
+        split_address(self.master_address)
+        if self.segment_bytes < 0 or self.local_buffer_bytes < 0:
+            raise ValueError("segment_bytes and local_buffer_bytes must be >= 0")
+        if self.workers < 1 or self.max_batch < 1 or self.setup_retries < 1:
+            raise ValueError("workers, max_batch and setup_retries must be >= 1")
+        if self.bounce_bytes < 4096:
+            raise ValueError("bounce_bytes must be at least 4096")
+
+
+def setup_client(mooncake_store: Any, config: MooncakeConfig) -> Any:
+    client = mooncake_store.MooncakeDistributedStore()
+    # Cap the client's connect retries: 20 by default, ~4.4 s each against a dead master.
+    os.environ.setdefault(SETUP_RETRIES_ENV, str(config.setup_retries))
+    rc = client.setup(
+        config.local_hostname,
+        config.metadata_server,
+        config.segment_bytes,
+        config.local_buffer_bytes,
+        config.protocol,
+        config.rdma_devices,
+        config.master_address,
+    )
+    if rc != 0:
+        # setup() failed: nothing is mounted; close() releases what was half built.
+        try:
+            client.close()
+        except Exception:  # pragma: no cover - best effort
+            log.debug("close after failed setup raised", exc_info=True)
+        raise StoreUnavailableError(
+            f"Mooncake client setup against master {config.master_address} failed (code {rc})"
+        )
+    return client
+
+
+class MooncakeSegmentHost:
+    """A storage-only client: contributes ``segment_bytes`` to the cluster, issues no requests.
+
+    Run it in its own process (``hylinker mooncake segment``) to measure or deploy the
+    "separate storage process" setup: the runtime's :class:`MooncakeStore` then uses
+    ``segment_bytes=0`` and every byte crosses the transfer engine to this process.
+    """
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        if config.segment_bytes <= 0:
+            raise ValueError("a segment host needs segment_bytes > 0")
+        mooncake_store = import_mooncake_store()
+        master = split_address(config.master_address)
+        if master is not None and not port_accepts(master[0], master[1], config.probe_timeout_s):
+            raise StoreUnavailableError(
+                f"Mooncake master {config.master_address} is not accepting connections"
+            )
+        self.config = config
+        self._client: Any = setup_client(
+            mooncake_store, attrs.evolve(config, local_buffer_bytes=0)
+        )
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def __enter__(self) -> MooncakeSegmentHost:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
