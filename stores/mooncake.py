@@ -19,6 +19,8 @@ after it regains control. :meth:`MooncakeStore.close` refuses new calls, waits f
 flight, then closes the client; the client is never touched after that (Mooncake crashes the
 process if it is).
 
+Return codes map to outcomes as tabled in :mod:`hylinker.stores.mooncake_client`.
+
 First writer wins. The client answers ``0`` for a put of a key that already exists and
 keeps the first object (verified: ``get_size`` still reports the first size). To report
 :attr:`Outcome.EXISTS` the adapter asks ``batch_is_exist`` first (one extra master RPC per
