@@ -22,8 +22,8 @@ from .transfer import PoolCodec
 from .transfer_job import LoadResult, OffloadResult, TransferJob
 
 IN_PLACE_CALL_BYTES = 64 << 20
-"""The most object bytes one in-place store call moves over a checksumming store (~10 ms of
-copying here: a thread hop per call costs well under 1% of it)."""
+"""The most object bytes one in-place store call moves (~10 ms of copying here: a thread hop
+per call costs well under 1% of it)."""
 
 
 class SubBatchTurns:
@@ -44,16 +44,17 @@ class InPlaceTransfers(PoolStaging):
     """A pool actor's in-place offload and load paths. See the module doc."""
 
     def _in_place_batches(self, n: int) -> list[tuple[int, int]]:
-        """Sub-batches of an in-place transfer. Over a store that checksums while copying,
-        nothing is left to overlap with the store's copy (no staging, no hash pass), so one
-        store call takes as many objects as the store handles well, a half arena has headers
-        for, and :data:`IN_PLACE_CALL_BYTES` allow (each extra call is one more thread hop in
-        the store; a bounded call stays far inside a resilient store's call timeout)."""
-        if not self.store_checksums:
-            return _ramped(n, self.batch)
+        """Sub-batches of an in-place transfer. The payload never passes through staging, so
+        one store call takes as many objects as the store handles well, a half arena has
+        headers for, and :data:`IN_PLACE_CALL_BYTES` allow (each extra call is one more thread
+        hop and, over Mooncake, master round trips; a bounded call stays far inside a resilient
+        store's call timeout). Over a store that does not checksum, the runtime hashes the rows
+        before each put, so sub-batches ramp up to that size (:func:`_ramped`)."""
         per = max(1, min(self.store.capabilities.max_batch,
                          self.batch * self.stride // framing.HEADER_BYTES,
                          IN_PLACE_CALL_BYTES // self.stride))
+        if not self.store_checksums:
+            return _ramped(n, per)
         return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
     async def _two_in_flight(self, batches: list[tuple[int, int]],

@@ -842,12 +842,11 @@ async def test_in_place_sub_batches_in_flight_together_keep_each_header_with_its
     a, b = EnginePools(1), EnginePools(2)
     src, dst = pages(*range(14)), pages(*range(15, 1, -1))
     stride = -(-(a.views()[PoolKind.FULL].payload_bytes + 64) // 64) * 64
-    monkeypatch.setattr(in_place, "IN_PLACE_CALL_BYTES", 2 * stride)  # checksumming store: 2 per call
+    monkeypatch.setattr(in_place, "IN_PLACE_CALL_BYTES", 2 * stride)  # at most 2 objects per call
     cls = _ShuffledChecksums if checksums else _ShuffledScatter
     store = cls(EmbeddedStore(16 << 20), seed=7)
     assert supports_checksums(store) is checksums
-    # runtime checksums: sub-batches of half the staging frames (3 objects of this size)
-    cfg = DataPlaneConfig(in_place_min_bytes=0, staging_bytes_per_pool=6 * stride)
+    cfg = DataPlaneConfig(in_place_min_bytes=0)
     kv = 2 * len(FULL_IDS)  # K and V of each layer (a FULL transfer does not move the draft)
     want = a.rows(src)[:kv]
     async with DataPlane(a.views(), store, cfg, namespace="test") as dp:
