@@ -340,8 +340,8 @@ async def test_bad_submissions_raise_before_anything_moves(store: EmbeddedStore,
     assert store.statistics().puts == 0
 
 
-class ShortStore:
-    """A store that answers every batch with one result too few (a protocol breach)."""
+class _Forwarding:
+    """Forwards every call of the store protocol to ``inner``; test wrappers override some."""
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
@@ -354,13 +354,13 @@ class ShortStore:
         self.inner.register(region)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return (await self.inner.exists(keys))[:-1]
+        return await self.inner.exists(keys)
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
-        return (await self.inner.put(keys, buffers))[:-1]
+        return await self.inner.put(keys, buffers)
 
     async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
-        return (await self.inner.get(keys, buffers))[:-1]
+        return await self.inner.get(keys, buffers)
 
     async def touch(self, keys: Sequence[str]) -> None:
         await self.inner.touch(keys)
@@ -373,6 +373,19 @@ class ShortStore:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+class ShortStore(_Forwarding):
+    """A store that answers every batch with one result too few (a protocol breach)."""
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return (await self.inner.exists(keys))[:-1]
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
+        return (await self.inner.put(keys, buffers))[:-1]
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        return (await self.inner.get(keys, buffers))[:-1]
 
 
 async def test_a_store_that_answers_the_wrong_count_fails_the_transfer(store: EmbeddedStore) -> None:
@@ -762,7 +775,7 @@ async def test_held_arena_is_freed_once_a_verified_load_landed() -> None:
     await store.close()
 
 
-class _ShuffledScatter:
+class _ShuffledScatter(_Forwarding):
     """Forwards ``inner``'s scatter calls, each after a seeded random delay, so store calls in
     flight together finish out of order; counts the most calls in flight at once. Declares no
     checksums: the runtime seals and verifies the rows itself."""
@@ -770,14 +783,19 @@ class _ShuffledScatter:
     def __init__(self, inner: EmbeddedStore, seed: int) -> None:
         import random
 
-        self.inner = inner
+        super().__init__(inner)
+        self.scattering = inner
         self._rng = random.Random(seed)
         self.in_flight = 0
         self.most_in_flight = 0
         self.calls = 0
-        self.capabilities = StoreCapabilities(name="shuffled", touch=False, remove=True,
-                                              zero_copy=False, scatter=True,
-                                              checksums=isinstance(self, _ShuffledChecksums))
+        self._capabilities = StoreCapabilities(name="shuffled", touch=False, remove=True,
+                                               zero_copy=False, scatter=True,
+                                               checksums=isinstance(self, _ShuffledChecksums))
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return self._capabilities
 
     async def _later(self, call: Any) -> Any:
         self.in_flight += 1
@@ -789,45 +807,21 @@ class _ShuffledScatter:
         finally:
             self.in_flight -= 1
 
-    def register(self, region: torch.Tensor) -> None:
-        self.inner.register(region)
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return await self.inner.exists(keys)
-
-    async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
-        return await self.inner.put(keys, buffers)
-
-    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
-        return await self.inner.get(keys, buffers)
-
     async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
-        return await self._later(self.inner.put_parts(keys, parts))
+        return await self._later(self.scattering.put_parts(keys, parts))
 
     async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
-        return await self._later(self.inner.get_parts(keys, parts))
-
-    async def touch(self, keys: Sequence[str]) -> None:
-        await self.inner.touch(keys)
-
-    async def remove(self, keys: Sequence[str]) -> int:
-        return await self.inner.remove(keys)
-
-    def statistics(self) -> StoreStatistics:
-        return self.inner.statistics()
-
-    async def close(self) -> None:
-        await self.inner.close()
+        return await self._later(self.scattering.get_parts(keys, parts))
 
 
 class _ShuffledChecksums(_ShuffledScatter):
     """The same, for a store that checksums while it copies (the embedded store's calls)."""
 
     async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
-        return await self._later(self.inner.put_sealed(keys, parts))
+        return await self._later(self.scattering.put_sealed(keys, parts))
 
     async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
-        return await self._later(self.inner.get_checked(keys, parts))
+        return await self._later(self.scattering.get_checked(keys, parts))
 
 
 @pytest.mark.parametrize("checksums", [True, False], ids=["store-checksums", "runtime-checksums"])
