@@ -32,7 +32,7 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -49,7 +49,16 @@ from .base import (
     check_buffers,
     new_counters,
 )
-from .frame_copies import Frame, check_parts, check_sealed, copy_all, land_all, seal_all
+from .frame_copies import (
+    Frame,
+    check_parts,
+    check_sealed,
+    copy_all,
+    into_slot,
+    land_all,
+    out_of_slot,
+    seal_all,
+)
 from .framing import HEADER_BYTES
 from .slabs import SizeClass
 
@@ -65,6 +74,8 @@ _log = structlog.get_logger(__name__)
 
 # (size class, slot id, object bytes)
 _Loc = tuple[int, int, int]
+_Put = tuple[int, str, _Loc]  # (caller's index, key, slot) of a planned put
+_Get = tuple[int, _Loc]  # (caller's index, slot) of a planned get
 
 
 def check_keys(keys: Sequence[str]) -> None:
@@ -176,105 +187,51 @@ class EmbeddedStore:
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
         check_buffers(keys, buffers)
-        self._calls.enter()
-        try:
-            outcomes, plan = self._plan_put(keys, buffers)
-            if not plan:
-                return outcomes
-            sources = [buffers[i].numpy() for i, _, _ in plan]
-            targets = [self._view(loc) for _, _, loc in plan]
-            copied = False
-            try:
-                copied = await self._copy(targets, sources, sum(loc[2] for _, _, loc in plan))
-            finally:
-                self._finish_put(plan, copied)
-            if not copied:
-                for i, _, _ in plan:
-                    outcomes[i] = Outcome.FAILED
-            return outcomes
-        finally:
-            self._calls.exit()
+
+        def copy(plan: list[_Put]) -> Callable[[], object]:
+            return functools.partial(copy_all, [self._view(loc) for _, _, loc in plan],
+                                     [buffers[i].numpy() for i, _, _ in plan])
+
+        return await self._put_with(keys, buffers, copy)
 
     async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
         check_buffers(keys, buffers)
-        self._calls.enter()
-        try:
-            results, plan = self._plan_get(keys, buffers)
-            if not plan:
-                return results
-            sources = [self._view(loc) for _, loc in plan]
-            targets = [buffers[i].numpy()[: loc[2]] for i, loc in plan]
-            copied = False
-            try:
-                copied = await self._copy(targets, sources, sum(loc[2] for _, loc in plan))
-            finally:
-                self._finish_get(plan, copied)
-            for i, loc in plan:
-                results[i] = GetResult(Outcome.OK, loc[2]) if copied else GetResult(Outcome.FAILED)
-            return results
-        finally:
-            self._calls.exit()
+
+        def copy(plan: list[_Get]) -> Callable[[], None]:
+            return functools.partial(copy_all, [buffers[i].numpy()[: loc[2]] for i, loc in plan],
+                                     [self._view(loc) for _, loc in plan])
+
+        return await self._get_with(keys, buffers, copy)
 
     async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
         """Store each object from its buffers (their concatenation), one copy per buffer."""
         sized = check_parts(keys, parts)
-        self._calls.enter()
-        try:
-            outcomes, plan = self._plan_put(keys, sized)
-            if not plan:
-                return outcomes
+
+        def copy(plan: list[_Put]) -> Callable[[], object]:
             targets: list[np.ndarray] = []
             sources: list[np.ndarray] = []
             for i, _, loc in plan:
-                dst = self._view(loc)
-                off = 0
-                for p in parts[i]:
-                    n = p.numel()
-                    targets.append(dst[off:off + n])
-                    sources.append(p.numpy())
-                    off += n
-            copied = False
-            try:
-                copied = await self._copy(targets, sources, sum(loc[2] for _, _, loc in plan))
-            finally:
-                self._finish_put(plan, copied)
-            if not copied:
-                for i, _, _ in plan:
-                    outcomes[i] = Outcome.FAILED
-            return outcomes
-        finally:
-            self._calls.exit()
+                t, s = into_slot(self._view(loc), parts[i], 0)
+                targets += t
+                sources += s
+            return functools.partial(copy_all, targets, sources)
+
+        return await self._put_with(keys, sized, copy)
 
     async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
         """Read each object into its buffers in order (one copy per buffer, none staged)."""
         sized = check_parts(keys, parts)
-        self._calls.enter()
-        try:
-            results, plan = self._plan_get(keys, sized)
-            if not plan:
-                return results
+
+        def copy(plan: list[_Get]) -> Callable[[], None]:
             targets: list[np.ndarray] = []
             sources: list[np.ndarray] = []
             for i, loc in plan:
-                src = self._view(loc)
-                off = 0
-                for p in parts[i]:
-                    n = min(p.numel(), loc[2] - off)
-                    if n <= 0:
-                        break
-                    targets.append(p.numpy()[:n])
-                    sources.append(src[off:off + n])
-                    off += n
-            copied = False
-            try:
-                copied = await self._copy(targets, sources, sum(loc[2] for _, loc in plan))
-            finally:
-                self._finish_get(plan, copied)
-            for i, loc in plan:
-                results[i] = GetResult(Outcome.OK, loc[2]) if copied else GetResult(Outcome.FAILED)
-            return results
-        finally:
-            self._calls.exit()
+                t, s = out_of_slot(self._view(loc), loc[2], parts[i], 0)
+                targets += t
+                sources += s
+            return functools.partial(copy_all, targets, sources)
+
+        return await self._get_with(keys, sized, copy)
 
     async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
         """:meth:`put_parts` of frames whose header (``parts[i][0]``, 64 bytes, checksum not
@@ -282,27 +239,45 @@ class EmbeddedStore:
         bytes are checksummed, then the header is written with that checksum (see
         :class:`~hylinker.stores.base.ChecksumStore`)."""
         sized = check_sealed(keys, parts)
+
+        def copy(plan: list[_Put]) -> Callable[[], object]:
+            frames: list[Frame] = []
+            for i, _, loc in plan:
+                dst = self._view(loc)
+                frames.append((dst[:HEADER_BYTES], parts[i][0].numpy(),
+                               *into_slot(dst, parts[i][1:], HEADER_BYTES)))
+            return functools.partial(seal_all, frames)
+
+        return await self._put_with(keys, sized, copy)
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        """:meth:`get_parts` into ``parts[i]`` = header (64 bytes) ‖ payload buffers; each OK
+        result carries the checksum of the payload bytes as they landed in the buffers."""
+        sized = check_sealed(keys, parts)
+
+        def copy(plan: list[_Get]) -> Callable[[], list[int]]:
+            frames: list[Frame] = []
+            for i, loc in plan:
+                src = self._view(loc)
+                head = min(HEADER_BYTES, loc[2])
+                frames.append((parts[i][0].numpy()[:head], src[:head],
+                               *out_of_slot(src, loc[2], parts[i][1:], HEADER_BYTES)))
+            return functools.partial(land_all, frames)
+
+        return await self._get_with(keys, sized, copy)
+
+    async def _put_with(self, keys: Sequence[str], sized: Sequence[Any],
+                        copy: Callable[[list[_Put]], Callable[[], object]]) -> list[Outcome]:
+        """Every put: plan slots for ``sized`` (anything with ``numel()``), run ``copy(plan)()``
+        (inline if small, else in a worker thread), publish what was copied, free the rest."""
         self._calls.enter()
         try:
             outcomes, plan = self._plan_put(keys, sized)
             if not plan:
                 return outcomes
-            frames: list[Frame] = []
-            for i, _, loc in plan:
-                dst = self._view(loc)
-                targets: list[np.ndarray] = []
-                sources: list[np.ndarray] = []
-                off = HEADER_BYTES
-                for p in parts[i][1:]:
-                    n = p.numel()
-                    targets.append(dst[off:off + n])
-                    sources.append(p.numpy())
-                    off += n
-                frames.append((dst[:HEADER_BYTES], parts[i][0].numpy(), targets, sources))
             copied = False
             try:
-                copied, _ = await self._run_copy(functools.partial(seal_all, frames),
-                                                 sum(loc[2] for _, _, loc in plan))
+                copied, _ = await self._run_copy(copy(plan), sum(loc[2] for _, _, loc in plan))
             finally:
                 self._finish_put(plan, copied)
             if not copied:
@@ -312,39 +287,23 @@ class EmbeddedStore:
         finally:
             self._calls.exit()
 
-    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
-        """:meth:`get_parts` into ``parts[i]`` = header (64 bytes) ‖ payload buffers; each OK
-        result carries the checksum of the payload bytes as they landed in the buffers."""
-        sized = check_sealed(keys, parts)
+    async def _get_with(self, keys: Sequence[str], sized: Sequence[Any],
+                        copy: Callable[[list[_Get]], Callable[[], list[int] | None]]) -> list[GetResult]:
+        """Every get: pin the objects that fit, run ``copy(plan)()``, unpin. A copy that
+        returns checksums (one per planned object) puts each on its result."""
         self._calls.enter()
         try:
             results, plan = self._plan_get(keys, sized)
             if not plan:
                 return results
-            frames: list[Frame] = []
-            for i, loc in plan:
-                src = self._view(loc)
-                targets: list[np.ndarray] = []
-                sources: list[np.ndarray] = []
-                off = HEADER_BYTES
-                for p in parts[i][1:]:
-                    n = min(p.numel(), loc[2] - off)
-                    if n <= 0:
-                        break
-                    targets.append(p.numpy()[:n])
-                    sources.append(src[off:off + n])
-                    off += n
-                head = min(HEADER_BYTES, loc[2])
-                frames.append((parts[i][0].numpy()[:head], src[:head], targets, sources))
             copied, digests = False, None
             try:
-                copied, digests = await self._run_copy(functools.partial(land_all, frames),
-                                                       sum(loc[2] for _, loc in plan))
+                copied, digests = await self._run_copy(copy(plan), sum(loc[2] for _, loc in plan))
             finally:
                 self._finish_get(plan, copied)
             for k, (i, loc) in enumerate(plan):
-                results[i] = (GetResult(Outcome.OK, loc[2], digests[k]) if digests is not None
-                              else GetResult(Outcome.FAILED))
+                results[i] = (GetResult(Outcome.OK, loc[2], None if digests is None else digests[k])
+                              if copied else GetResult(Outcome.FAILED))
             return results
         finally:
             self._calls.exit()
@@ -561,19 +520,10 @@ class EmbeddedStore:
                     self._doomed.discard(pin)
                     self._release(cls, slot)
 
-    async def _copy(
-        self, targets: list[np.ndarray], sources: list[np.ndarray], nbytes: int
-    ) -> bool:
-        """Copy ``sources[i]`` into ``targets[i]``: inline if small, else in a worker thread.
-
-        Returns False (and logs) if a copy raised; a cancelled caller still waits for the
-        worker thread, so buffers and slots are never touched after this returns.
-        """
-        copied, _ = await self._run_copy(functools.partial(copy_all, targets, sources), nbytes)
-        return copied
-
     async def _run_copy(self, copy: Callable[[], T], nbytes: int) -> tuple[bool, T | None]:
-        """Run ``copy()`` as :meth:`_copy` does: (True, its result), or (False, None) if it raised."""
+        """Run ``copy()`` inline if ``nbytes`` is small, else in a worker thread: (True, its
+        result), or (False, None) if it raised (logged). A cancelled caller still waits for the
+        worker thread, so buffers and slots are never touched after this returns."""
         try:
             if nbytes <= self._thread_threshold:
                 return True, copy()

@@ -53,6 +53,36 @@ def check_sealed(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -
     return sized
 
 
+def into_slot(dst: np.ndarray, parts: Sequence[torch.Tensor], off: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Put side: ``parts`` laid end to end in slot memory ``dst`` from byte ``off``, as
+    (targets in the slot, sources)."""
+    targets: list[np.ndarray] = []
+    sources: list[np.ndarray] = []
+    for p in parts:
+        n = p.numel()
+        targets.append(dst[off:off + n])
+        sources.append(p.numpy())
+        off += n
+    return targets, sources
+
+
+def out_of_slot(src: np.ndarray, nbytes: int, parts: Sequence[torch.Tensor],
+                off: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Get side: an object of ``nbytes`` in slot memory ``src``, from byte ``off``, read into
+    ``parts`` in order, as (targets in the parts, sources in the slot); stops where the
+    object ends."""
+    targets: list[np.ndarray] = []
+    sources: list[np.ndarray] = []
+    for p in parts:
+        n = min(p.numel(), nbytes - off)
+        if n <= 0:
+            break
+        targets.append(p.numpy()[:n])
+        sources.append(src[off:off + n])
+        off += n
+    return targets, sources
+
+
 # (header target, header source, payload targets, payload sources) of one object
 Frame = tuple[np.ndarray, np.ndarray, list[np.ndarray], list[np.ndarray]]
 
