@@ -79,7 +79,8 @@ from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores.base import Store, StoreError
 from .device import DeviceCopies
 from .events import DeviceEvent, FenceError
-from .pool_actor import LatencyMonitor, PoolActor
+from .pool_actor import PoolActor
+from .pool_staging import LatencyMonitor
 from .statistics import PoolActorStatistics
 from .tracing import trace
 from .transfer import PoolCodec

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import anyio
@@ -11,7 +10,7 @@ import anyio.to_thread
 import torch
 
 from ..stores import framing
-from ..stores.base import GetResult, Outcome, StoreError
+from ..stores.base import GetResult, Outcome
 from .events import wait_fence
 from .in_place import InPlaceTransfers
 from .transfer import PoolCodec
@@ -58,15 +57,8 @@ class HeldLoads(InPlaceTransfers):
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
             frames = [grid[i, :size] for i in range(lo, hi)]
-            start = time.perf_counter()
-            try:
-                results = await self.store.get(job.keys[lo:hi], frames)
-            except StoreError:
-                results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
-            if len(results) != hi - lo:  # a store that breaks the protocol: trust nothing
-                results = [GetResult(Outcome.FAILED)] * (hi - lo)
-            self.latency.observe(time.perf_counter() - start)
-            return results
+            return await self._store_call(self.store.get, job.keys[lo:hi], frames,
+                                          GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
 
         def verify(k: int, results: list[GetResult]) -> None:
             lo, hi = batches[k]

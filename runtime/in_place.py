@@ -7,7 +7,6 @@ transfer makes one pass over the bytes instead of three.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from ..stores import framing
-from ..stores.base import GetResult, Outcome, StoreError
+from ..stores.base import GetResult, Outcome
 from .pool_staging import PoolStaging
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, OffloadResult, TransferJob
@@ -130,18 +129,8 @@ class InPlaceTransfers(PoolStaging):
 
         async def put(k: int, parts: list[list[torch.Tensor]]) -> None:
             lo, hi = batches[k]
-            start = time.perf_counter()
-            try:
-                if checksums:
-                    got = await self.store.put_sealed(job.keys[lo:hi], parts)  # type: ignore[attr-defined]
-                else:
-                    got = await self.store.put_parts(job.keys[lo:hi], parts)  # type: ignore[attr-defined]
-            except StoreError:
-                got = [Outcome.UNREACHABLE] * (hi - lo)
-            if len(got) != hi - lo:
-                got = [Outcome.FAILED] * (hi - lo)
-            results[k] = got
-            self.latency.observe(time.perf_counter() - start)
+            call = self.store.put_sealed if checksums else self.store.put_parts  # type: ignore[attr-defined]
+            results[k] = await self._store_call(call, job.keys[lo:hi], parts, Outcome.UNREACHABLE, Outcome.FAILED)
 
         async def pack_put(k: int, turns: SubBatchTurns) -> None:
             if checksums or self._inline(batches[k], size):  # headers only, or small: on the loop
@@ -172,16 +161,9 @@ class InPlaceTransfers(PoolStaging):
             heads, _ = self._headers("load", batches, k)
             pieces = [codec.pieces(r0) for r0 in starts[lo:hi]]
             pieces_of[k] = pieces
-            start = time.perf_counter()
             call = self.store.get_checked if checksums else self.store.get_parts  # type: ignore[attr-defined]
-            try:
-                results = await call(job.keys[lo:hi], [[h, *p] for h, p in zip(heads, pieces)])
-            except StoreError:
-                results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
-            if len(results) != hi - lo:
-                results = [GetResult(Outcome.FAILED)] * (hi - lo)
-            self.latency.observe(time.perf_counter() - start)
-            return results
+            return await self._store_call(call, job.keys[lo:hi], [[h, *p] for h, p in zip(heads, pieces)],
+                                          GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
 
         def verify(k: int, results: list[GetResult]) -> None:
             lo, hi = batches[k]

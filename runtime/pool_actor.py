@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -33,11 +34,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..components.layout import PoolKind
 from ..stores import framing
-from ..stores.base import GetResult, Outcome, Store, StoreError
-from .device import DeviceCopies
+from ..stores.base import GetResult, Outcome, Store
 from .events import DeviceEvent, wait_fence
 from .held_load import HeldLoads
-from .pool_staging import LatencyMonitor
 from .statistics import PoolActorStatistics, QueueStatistics
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, OffloadResult, TransferJob, cancel_job
@@ -71,28 +70,11 @@ class _Queue:
 class PoolActor(HeldLoads):
     """Moves one pool's objects between device rows and the store. See the module doc."""
 
-    def __init__(
-        self,
-        kind: PoolKind,
-        codecs: Sequence[PoolCodec],
-        store: Store,
-        fingerprint: bytes,
-        *,
-        staging_frames: int,
-        queue_depth: int,
-        latency: LatencyMonitor,
-        thread_limiter: anyio.CapacityLimiter,
-        inline_bytes: int = 1 << 20,
-        fence_timeout_s: float | None = None,
-        in_place: bool = True,
-        in_place_min_bytes: int = 0,
-        copies: DeviceCopies | None = None,
-        held_bytes: int = 0,
-    ) -> None:
-        super().__init__(kind, codecs, store, fingerprint, staging_frames=staging_frames, latency=latency,
-                         thread_limiter=thread_limiter, inline_bytes=inline_bytes,
-                         fence_timeout_s=fence_timeout_s, in_place=in_place,
-                         in_place_min_bytes=in_place_min_bytes, copies=copies, held_bytes=held_bytes)
+    def __init__(self, kind: PoolKind, codecs: Sequence[PoolCodec], store: Store, fingerprint: bytes, *,
+                 queue_depth: int, **staging: Any) -> None:
+        """``queue_depth``: jobs each direction queues before submitters wait; ``staging``:
+        the keyword arguments of :class:`~hylinker.runtime.pool_staging.PoolStaging`."""
+        super().__init__(kind, codecs, store, fingerprint, **staging)
         self.offload_q = _Queue(queue_depth)
         self.load_q = _Queue(queue_depth)
         self.pending_states = 0
@@ -198,19 +180,13 @@ class PoolActor(HeldLoads):
 
         async def put(k: int, frames: list[torch.Tensor]) -> None:
             lo, hi = batches[k]
-            start = time.perf_counter()
-            try:
-                if checksums:
-                    got = await self.store.put_sealed(  # type: ignore[attr-defined]
-                        job.keys[lo:hi], [_split(f) for f in frames])
-                else:
-                    got = await self.store.put(job.keys[lo:hi], frames)
-            except StoreError:
-                got = [Outcome.UNREACHABLE] * (hi - lo)
-            if len(got) != hi - lo:  # a store that breaks the protocol: nothing is known stored
-                got = [Outcome.FAILED] * (hi - lo)
-            results[k] = got
-            self.latency.observe(time.perf_counter() - start)
+            if checksums:
+                results[k] = await self._store_call(self.store.put_sealed,  # type: ignore[attr-defined]
+                                                    job.keys[lo:hi], [_split(f) for f in frames],
+                                                    Outcome.UNREACHABLE, Outcome.FAILED)
+            else:
+                results[k] = await self._store_call(self.store.put, job.keys[lo:hi], frames,
+                                                    Outcome.UNREACHABLE, Outcome.FAILED)
 
         ready: tuple[int, list[torch.Tensor]] | None = None
         for k in range(len(batches)):
@@ -294,19 +270,12 @@ class PoolActor(HeldLoads):
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
             _, frames = self._views("load", k % 2, hi - lo, size)
-            start = time.perf_counter()
-            try:
-                if checksums:
-                    results = await self.store.get_checked(  # type: ignore[attr-defined]
-                        job.keys[lo:hi], [_split(f) for f in frames])
-                else:
-                    results = await self.store.get(job.keys[lo:hi], frames)
-            except StoreError:
-                results = [GetResult(Outcome.UNREACHABLE)] * (hi - lo)
-            if len(results) != hi - lo:  # a store that breaks the protocol: trust nothing
-                results = [GetResult(Outcome.FAILED)] * (hi - lo)
-            self.latency.observe(time.perf_counter() - start)
-            return results
+            if checksums:
+                return await self._store_call(self.store.get_checked,  # type: ignore[attr-defined]
+                                              job.keys[lo:hi], [_split(f) for f in frames],
+                                              GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
+            return await self._store_call(self.store.get, job.keys[lo:hi], frames,
+                                          GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
 
         landed: tuple[int, list[GetResult]] | None = None
         for k in range(len(batches)):

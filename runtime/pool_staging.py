@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 from ..components.layout import PoolKind
 from ..stores import framing
-from ..stores.base import Outcome, Store, supports_checksums, supports_scatter
+from ..stores.base import Outcome, Store, StoreError, supports_checksums, supports_scatter
 from .device import DeviceCopies, copies_for
 from .tracing import trace
 from .transfer import PoolCodec
@@ -72,6 +73,9 @@ class LatencyMonitor:
             self.dropping = True
         elif self.dropping and self._ema_ms < self.low_ms:
             self.dropping = False
+
+
+R = TypeVar("R")
 
 
 class PoolStaging:
@@ -166,6 +170,21 @@ class PoolStaging:
         arena = self._arenas_np[direction]
         base = half * self.batch * self.stride
         return [arena[base + i * self.stride: base + i * self.stride + size] for i in range(n)]
+
+    async def _store_call(self, call: Callable[[list[str], Any], Awaitable[list[R]]], keys: list[str],
+                          buffers: Any, unreachable: R, broken: R) -> list[R]:
+        """One store call of a transfer: a store that raises reads as ``unreachable`` for every
+        key, one that answers the wrong number of results as ``broken`` for every key (nothing
+        it said is trusted); the call's latency feeds the monitor."""
+        start = time.perf_counter()
+        try:
+            got = await call(keys, buffers)
+        except StoreError:
+            got = [unreachable] * len(keys)
+        if len(got) != len(keys):
+            got = [broken] * len(keys)
+        self.latency.observe(time.perf_counter() - start)
+        return got
 
     def _inline(self, batch: tuple[int, int], size: int) -> bool:
         """Small host copies run on the loop: two thread hops cost more than the copy."""

@@ -28,7 +28,7 @@ from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
 from ..components.pools import HybridPools
 from ..runtime.events import DeviceEvent
 from ..runtime.linker import Linker, Request
-from ..runtime.pool_actor import LatencyMonitor
+from ..runtime.pool_staging import LatencyMonitor
 from ..stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
 
 # ---- device fences ---------------------------------------------------------------------------
