@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import anyio
 import anyio.from_thread
@@ -13,6 +14,7 @@ from ..stores import framing
 from ..stores.base import GetResult, Outcome
 from .events import wait_fence
 from .in_place import InPlaceTransfers
+from .pool_staging import check_landed
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, TransferJob
 
@@ -65,17 +67,8 @@ class HeldLoads(InPlaceTransfers):
             frames = grid.numpy()
             ok: list[bool] = []
             for i, r in zip(range(lo, hi), results):
-                if r.outcome is not Outcome.OK:
-                    faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
-                    ok.append(False)
-                    continue
-                try:
-                    framing.verify_array(frames[i, :size], r.nbytes, job.keys[i], self.fingerprint)
-                except framing.FrameError as exc:
-                    faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
-                    ok.append(False)
-                    continue
-                ok.append(True)
+                verify = partial(framing.verify_array, frames[i, :size], r.nbytes, job.keys[i], self.fingerprint)
+                ok.append(check_landed(r, False, verify, faults)[0])
             good[k] = ok
 
         async def verify_async(k: int, results: list[GetResult]) -> None:

@@ -8,6 +8,7 @@ transfer makes one pass over the bytes instead of three.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -16,7 +17,7 @@ import torch
 
 from ..stores import framing
 from ..stores.base import GetResult, Outcome
-from .pool_staging import PoolStaging
+from .pool_staging import PoolStaging, check_landed
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, OffloadResult, TransferJob
 
@@ -170,22 +171,8 @@ class InPlaceTransfers(PoolStaging):
             _, heads_np = self._headers("load", batches, k)
             ok: list[bool] = []
             for key, h, p, r in zip(job.keys[lo:hi], heads_np, pieces_of.pop(k), results):
-                if r.outcome is not Outcome.OK:
-                    faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
-                    ok.append(False)
-                    continue
-                if checksums and r.checksum is None:  # a store that broke its word: trust nothing
-                    faults[Outcome.FAILED.value] = faults.get(Outcome.FAILED.value, 0) + 1
-                    ok.append(False)
-                    continue
-                try:
-                    framing.verify_parts(h, r.nbytes, [x.numpy() for x in p], key, self.fingerprint,
-                                         landed_checksum=r.checksum if checksums else None)
-                except framing.FrameError as exc:
-                    faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
-                    ok.append(False)
-                    continue
-                ok.append(True)
+                verify = partial(framing.verify_parts, h, r.nbytes, [x.numpy() for x in p], key, self.fingerprint)
+                ok.append(check_landed(r, checksums, verify, faults)[0])
             good[k] = ok
 
         async def get_verify(k: int, turns: SubBatchTurns) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import anyio
@@ -37,6 +38,7 @@ from ..stores import framing
 from ..stores.base import GetResult, Outcome, Store
 from .events import DeviceEvent, wait_fence
 from .held_load import HeldLoads
+from .pool_staging import check_landed
 from .statistics import PoolActorStatistics, QueueStatistics
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, OffloadResult, TransferJob, cancel_job
@@ -231,22 +233,13 @@ class PoolActor(HeldLoads):
             rows = index[:, 0].tolist()
             ok: list[bool] = []
             for i, (key, f, r) in enumerate(zip(job.keys[lo:hi], frames, results)):
-                if r.outcome is not Outcome.OK:
-                    faults[r.outcome.value] = faults.get(r.outcome.value, 0) + 1
-                    ok.append(False)
-                    continue
-                if checksums and r.checksum is None:  # a store that broke its word: trust nothing
-                    faults[Outcome.FAILED.value] = faults.get(Outcome.FAILED.value, 0) + 1
-                    ok.append(False)
-                    continue
-                try:
-                    payload = framing.verify_array(f, r.nbytes, key, self.fingerprint,
-                                                   landed_checksum=r.checksum if checksums else None)
-                except framing.FrameError as exc:
-                    faults[exc.fault.value] = faults.get(exc.fault.value, 0) + 1
+                verify = partial(framing.verify_array, f, r.nbytes, key, self.fingerprint)
+                usable, payload = check_landed(r, checksums, verify, faults)
+                if not usable:
                     ok.append(False)
                     continue
                 if fused:
+                    assert payload is not None
                     codec.scatter_one(payload, rows[i])
                 ok.append(True)
             good[k] = ok

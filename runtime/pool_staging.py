@@ -19,7 +19,14 @@ import torch
 
 from ..components.layout import PoolKind
 from ..stores import framing
-from ..stores.base import Outcome, Store, StoreError, supports_checksums, supports_scatter
+from ..stores.base import (
+    GetResult,
+    Outcome,
+    Store,
+    StoreError,
+    supports_checksums,
+    supports_scatter,
+)
 from .device import DeviceCopies, copies_for
 from .tracing import trace
 from .transfer import PoolCodec
@@ -76,6 +83,29 @@ class LatencyMonitor:
 
 
 R = TypeVar("R")
+V = TypeVar("V")
+
+
+def check_landed(result: GetResult, checksums: bool, verify: Callable[[int | None], V],
+           faults: dict[str, int]) -> tuple[bool, V | None]:
+    """Whether an object a get answered for can be used, and what ``verify`` returned for it.
+
+    Not OK: counted in ``faults`` under its outcome. A checksumming store that gave no
+    checksum broke its word: counted as failed, nothing trusted. Else ``verify(checksum)``
+    (the landed checksum, or None where the runtime hashes itself) raising a
+    :class:`~hylinker.stores.framing.FrameError` is counted under its fault."""
+    fault: str
+    if result.outcome is not Outcome.OK:
+        fault = result.outcome.value
+    elif checksums and result.checksum is None:
+        fault = Outcome.FAILED.value
+    else:
+        try:
+            return True, verify(result.checksum if checksums else None)
+        except framing.FrameError as exc:
+            fault = exc.fault.value
+    faults[fault] = faults.get(fault, 0) + 1
+    return False, None
 
 
 class PoolStaging:
