@@ -2,7 +2,8 @@
 
 :class:`SyncDataPlane` runs a :class:`~hylinker.runtime.data_plane.DataPlane` on an event loop in
 a background thread (an anyio blocking portal). Every call is thread-safe and returns at once
-with a ``concurrent.futures.Future`` (or a :class:`SyncLoad`, which has one future per layer:
+(transfers are handed to the loop without waiting for it to run: a scheduler thread never
+waits on the loop thread to queue work) with a ``concurrent.futures.Future`` (or a :class:`SyncLoad`, which has one future per layer:
 the shape of SGLang's layer-wise load counter); :meth:`SyncDataPlane.reset` and
 :meth:`SyncDataPlane.close` block until every transfer is quiesced. Offload outcomes also queue
 in submission order (:meth:`SyncDataPlane.pop_completed_offloads`).
@@ -10,16 +11,23 @@ in submission order (:meth:`SyncDataPlane.pop_completed_offloads`).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import queue
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
+
+try:  # where sniffio is installed, anyio asks it which loop runs; otherwise asyncio's own answer
+    import sniffio
+except ImportError:  # pragma: no cover - depends on the environment
+    sniffio = None  # type: ignore[assignment]
 
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView
@@ -78,6 +86,13 @@ class SyncLoad:
         for layer in self._layers:
             self._settle(layer, False)
 
+    def _fail(self, exc: BaseException) -> None:
+        """The load could not be started (the plane closed first): every layer and the
+        result end, so nobody waits on it."""
+        self._settle_all()
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # it ended meanwhile
+            self.result.set_exception(exc)
+
 
 class SyncDataPlane:
     """A :class:`DataPlane` for synchronous callers (a scheduler thread).
@@ -109,6 +124,10 @@ class SyncDataPlane:
             self._stack.close()
             raise
         self._loop_thread = self._portal.call(threading.get_ident)
+        self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
+        self._handoff: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._relay = threading.Thread(target=self._hand_off, name="hylinker-handoff", daemon=True)
+        self._relay.start()
         self._fifo: deque[concurrent.futures.Future[TransferOutcome]] = deque()
         self._fifo_lock = threading.Lock()
         self._closed = False
@@ -122,6 +141,54 @@ class SyncDataPlane:
     def _check(self) -> None:
         if self._closed:
             raise DataPlaneClosedError("the data plane is closed")
+
+    def _spawn(self, run: Callable[[], Coroutine[Any, Any, None]], failed: Callable[[BaseException], None]) -> None:
+        """Start ``run`` in the data plane's task group without the caller waiting for the loop.
+
+        The caller only queues it for the hand-off thread, which wakes the loop. Waking the loop
+        from the caller's thread cost SGLang's scheduler thread ~1 ms per offload on two busy
+        cores: the wake-up lets the loop thread take the GIL, and the caller waits for it to
+        give it back. One hand-off thread, and the loop runs thread-safe callbacks first in,
+        first out, so tasks start in call order: submission order is queue order. If the plane
+        is gone by then, ``failed`` gets the error instead: nothing is left waiting."""
+        self._handoff.put((run, failed))
+
+    def _hand_off(self) -> None:
+        """The hand-off thread: forwards queued work to the loop in order until ``None``."""
+        while True:
+            item = self._handoff.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):  # a flush: everything before it is forwarded
+                self._loop.call_soon_threadsafe(item.set)
+                continue
+            run, failed = item
+            try:
+                self._loop.call_soon_threadsafe(self._start, run, failed)
+            except RuntimeError as exc:  # the loop thread has stopped
+                failed(DataPlaneClosedError(f"the data plane is closed: {exc}"))
+
+    def _start(self, run: Callable[[], Coroutine[Any, Any, None]], failed: Callable[[BaseException], None]) -> None:
+        """On the loop thread, in a plain callback: anyio is told which loop it runs on."""
+        token = sniffio.current_async_library_cvar.set("asyncio") if sniffio is not None else None
+        try:
+            tg = self.plane._tg
+            if tg is None:
+                raise DataPlaneClosedError("the data plane is closed")
+            tg.start_soon(run)
+        except BaseException as exc:
+            failed(exc)
+        finally:
+            if token is not None:
+                sniffio.current_async_library_cvar.reset(token)
+
+    def _flush(self) -> None:
+        """Wait until every hand-off queued so far reached the loop (and its task started
+        there before anything the caller does next on the loop)."""
+        if self._relay.is_alive():
+            done = threading.Event()
+            self._handoff.put(done)
+            done.wait()
 
     # ---- calls ----------------------------------------------------------------------------------
     def exists(self, keys: Mapping[PoolKind, Sequence[str]]) -> concurrent.futures.Future[dict[PoolKind, list[bool]]]:
@@ -175,11 +242,14 @@ class SyncDataPlane:
                 result.set_result(outcome)
 
             ticket.add_done_callback(finished)
-            await self.plane.submit(ticket)
+            try:
+                await self.plane.submit(ticket)
+            except Exception as exc:  # the plane closed under it: the load ends, failed
+                handle._fail(exc)
 
         handle._cancelled = cancelled
         if start:
-            self._portal.start_task_soon(run)
+            self._spawn(run, handle._fail)
         else:
             handle._run = run
         return handle
@@ -194,7 +264,7 @@ class SyncDataPlane:
                     load._fence = fence
                 run, load._run = load._run, None
             if run is not None:
-                self._portal.start_task_soon(run)
+                self._spawn(run, load._fail)
 
     def cancel(self, load: SyncLoad) -> bool:
         """Cancel a load that has not started: True, and its rows are never written."""
@@ -226,9 +296,13 @@ class SyncDataPlane:
             except BaseException as exc:
                 result.set_exception(exc)
 
-        with self._fifo_lock:  # FIFO order = submission order = queue order (one portal loop)
+        def failed(exc: BaseException) -> None:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # it ended meanwhile
+                result.set_exception(exc)
+
+        with self._fifo_lock:  # FIFO order = submission order = queue order (tasks start in order)
             self._fifo.append(result)
-            self._portal.start_task_soon(run)
+            self._spawn(run, failed)
         return result
 
     def num_completed_offloads(self) -> int:
@@ -283,6 +357,7 @@ class SyncDataPlane:
     def reset(self) -> None:
         """Cancel loads that have not started and wait for every transfer in flight."""
         self._check()
+        self._flush()
         self._portal.call(self.plane.reset)
 
     def close(self) -> None:
@@ -290,6 +365,17 @@ class SyncDataPlane:
         if self._closed:
             return
         self._closed = True
+        self._handoff.put(None)  # the hand-off thread forwards what is queued, then ends
+        self._relay.join()
+        while True:  # queued by another thread after the end marker: fails, never hangs
+            try:
+                item = self._handoff.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, threading.Event):
+                item.set()
+            elif item is not None:
+                item[1](DataPlaneClosedError("the data plane is closed"))
         try:
             self._portal.call(self.plane.close)
         finally:

@@ -457,6 +457,40 @@ def test_sync_facade_from_threads() -> None:
     del b
 
 
+def test_sync_facade_hands_work_to_a_busy_loop_without_waiting_for_it() -> None:
+    """A scheduler thread queues offloads and starts held loads while the loop thread is busy:
+    the calls return at once, and the work runs in submission order once the loop is free."""
+    a = EnginePools(1)
+    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20), namespace="t") as dp:
+        assert dp.offload(transfers("w", pages(0), 0)).result(timeout=10).ok
+        held = dp.load(transfers("w", pages(5), 1), start=False)
+        gate = threading.Event()
+
+        async def busy() -> None:
+            gate.wait(10)  # the loop thread does nothing else until the gate opens
+
+        dp._portal.start_task_soon(busy)
+        try:
+            done = threading.Event()
+            futures: list[concurrent.futures.Future[Any]] = []
+
+            def scheduler() -> None:
+                futures.extend(dp.offload(transfers(f"q{i}", pages(i), i)) for i in range(3))
+                dp.start(held)
+                done.set()
+
+            threading.Thread(target=scheduler, daemon=True).start()
+            assert done.wait(2), "the facade waited for a busy loop thread"
+            assert not any(f.done() for f in futures) and not held.result.done()
+        finally:
+            gate.set()
+        assert [f.result(timeout=10).ok for f in futures] == [True] * 3
+        assert held.result.result(timeout=10).ok
+        assert all(held.layer(layer).result(timeout=10) for layer in held.layer_ids)
+        assert all(torch.equal(x, y) for x, y in zip(a.rows(pages(5)), a.rows(pages(0))))
+        assert [o.ok for o in dp.pop_completed_offloads()] == [True] * 4
+
+
 def test_sync_facade_cancel_and_close_with_transfers_in_flight() -> None:
     a = EnginePools(1)
     held: list[GatedStore] = []
