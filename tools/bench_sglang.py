@@ -10,7 +10,9 @@ fresh loopback ``mooncake_master`` and an in-process segment, the same SGLang
 the same requests (``hylinker.testing.sglang_cache``):
 
 * **offload**: a prompt of ``--tokens`` pages is inserted; time from SGLang's insert to the
-  last offload result (``check_hicache_events``); GB/s over the page and state bytes;
+  last offload result (``check_hicache_events``); GB/s over the page and state bytes; and the
+  time the scheduler thread spent inside the linker's ``offload`` calls (it does nothing else
+  meanwhile);
 * **load**: after a flush, the prompt plus one token restores every page and the state; time
   from ``start_layer_wise_loading`` to ``finish_external_linker_loads``; every restored byte is
   compared with a recompute;
@@ -18,6 +20,14 @@ the same requests (``hylinker.testing.sglang_cache``):
   silently restore garbage, or recompute?
 * **dead master**: the master is killed; how long the next request's scheduler-thread calls and
   its offloads take, and what the request sees.
+
+Both linkers are measured in steady state: right after a linker is built, every new anonymous
+mapping of 512 MiB or more (the in-process Mooncake segment, whichever linker allocated it) is
+populated (``madvise(MADV_POPULATE_WRITE)``) before anything is timed. Otherwise the first pass
+over the segment pays a page fault per 4 KiB, and on a virtual machine that returns free memory
+to its host that costs ~10 µs a page (0.4 GB/s): measured here, it turned 1 MiB offloads of
+either linker from ~25 ms into ~140 ms, depending on nothing but which pages the kernel handed
+out (see docs/figures.md). ``--cold-segment`` skips it.
 
 Each figure is the median of ``--repeats`` runs; the machine may be shared, so compare the
 ratios of one run, not absolute numbers across runs.
@@ -54,6 +64,39 @@ def _config(linker: str, master: str) -> tuple[dict[str, Any], str]:
                 "dynamic")
     return ({"master_server_address": master, "protocol": "tcp", "global_segment_size": 1 << 30,
              "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}, "mooncake")
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_SEGMENT_MIN_BYTES = 512 << 20
+
+
+def _anonymous_mappings() -> set[tuple[int, int]]:
+    """Writable anonymous mappings of this process, as (start, end) addresses."""
+    out = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) == 5 and "w" in fields[1]:  # no path: anonymous
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.add((lo, hi))
+    return out
+
+
+def _populate_new(before: set[tuple[int, int]]) -> int:
+    """Fault in every writable anonymous mapping of 512 MiB or more that is not in ``before``
+    (the segment a linker just allocated); returns the bytes populated. Contents are unchanged:
+    populating private anonymous memory only allocates the pages a first write would."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    total = 0
+    for lo, hi in sorted(_anonymous_mappings() - before):
+        if hi - lo >= _SEGMENT_MIN_BYTES:
+            if libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
+            total += hi - lo
+    return total
 
 
 def _object_key(cache: Any, linker: str, page_key: str) -> str:
@@ -155,26 +198,32 @@ class _Phases:
 
 
 def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str,
-             phases: bool = False) -> dict[str, Any]:
+             phases: bool = False, cold_segment: bool = False) -> dict[str, Any]:
     from ..stores.mooncake_master import MooncakeMaster
     from ..testing.sglang_cache import SGLangCache
 
     out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens}
     with MooncakeMaster() as master:
         config, backend = _config(linker, master.address)
+        before = _anonymous_mappings()
         cache = SGLangCache(_spec(object_kib, tokens, tree_core), config, backend=backend)
         try:
+            out["populated_bytes"] = 0 if cold_segment else _populate_new(before)
             kv_bytes = sum(v.payload_bytes for k, v in _views(cache).items() if k == "kv")
             state_bytes = _views(cache)["mamba"].payload_bytes
             cache.serve(list(range(7, 7 + 8)))  # warm the client and the tree
             cache.flush()
+            calls = _time_offload_calls(cache.linker)
             profile = _Phases() if phases and linker == "hylinker" else None
             if profile is not None:
                 profile.install(cache)
             offload_gbps, load_gbps, mismatches = [], [], 0
+            scheduler_ms: list[float] = []
             for r in range(repeats):
                 prompt = [10_000 * (r + 1) + i for i in range(tokens)]
+                calls.clear()
                 first = cache.serve(prompt)
+                scheduler_ms.append(sum(calls) * 1e3)
                 nbytes = tokens * kv_bytes + state_bytes
                 offload_gbps.append(nbytes / first.offload_s / 1e9)
                 cache.flush()
@@ -188,6 +237,7 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
                 profile.remove()
                 out["phases_ms_per_run"] = {k: round(v * 1e3 / repeats, 2) for k, v in sorted(profile.seconds.items())}
             out.update(offload_gbps=statistics.median(offload_gbps), load_gbps=statistics.median(load_gbps),
+                       offload_call_ms=statistics.median(scheduler_ms), offload_call_ms_runs=scheduler_ms,
                        offload_runs=offload_gbps, load_runs=load_gbps, restore_mismatches=mismatches,
                        kv_object_bytes=kv_bytes, state_object_bytes=state_bytes)
             # a corrupted object
@@ -229,6 +279,24 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
     return out
 
 
+def _time_offload_calls(linker: Any) -> list[float]:
+    """Seconds the scheduler thread spends inside the linker's ``offload`` calls (SGLang's
+    scheduler makes them while inserting a finished request; it runs nothing else meanwhile).
+    The list is appended to per call; the caller clears it."""
+    calls: list[float] = []
+    inner = linker.offload
+
+    def offload(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            calls.append(time.perf_counter() - t0)
+
+    linker.offload = offload
+    return calls
+
+
 def _views(cache: Any) -> dict[str, Any]:
     """Page and state object payload sizes, from whichever linker runs."""
     pools = cache.linker.pools
@@ -244,8 +312,8 @@ class _Sized:
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
-    lines = ["| object | linker | offload GB/s | load GB/s | restore bytes wrong | corrupt object | dead master: scheduler calls / offloads reported / close |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| object | linker | offload GB/s | scheduler thread in offload calls | load GB/s | restore bytes wrong | corrupt object | dead master: scheduler calls / offloads reported / close |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         c, d = r["corrupt"], r["dead_master"]
         corrupt = ("restored garbage silently" if c["restored_garbage"] else
@@ -255,7 +323,8 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                     + (" (the garbage, inserted)" if c["restored_garbage"] and n["device_hit"] else "")
                     + f", {n['store_loaded']} from the store" + (", aborted (503)" if n["aborted"] else ""))
         lines.append(
-            f"| {r['object_kib']} KiB | {r['linker']} | {r['offload_gbps']:.2f} | {r['load_gbps']:.2f} | "
+            f"| {r['object_kib']} KiB | {r['linker']} | {r['offload_gbps']:.2f} | {r['offload_call_ms']:.2f} ms | "
+            f"{r['load_gbps']:.2f} | "
             f"{r['restore_mismatches']} | {corrupt} | "
             f"{d['scheduler_calls_s']} s / {d['offloads_reported_s']} s / {d['close_s']} s |")
     by = {(r["object_kib"], r["linker"]): r for r in results}
@@ -277,6 +346,8 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     parser.add_argument("--tree-core", choices=("python", "rust"), default="python")
     parser.add_argument("--phases", action="store_true",
                         help="time the plugin's checksum, copy and store calls (hylinker; adds overhead)")
+    parser.add_argument("--cold-segment", action="store_true",
+                        help="do not populate the linkers' Mooncake segments before timing")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     from ..testing.sglang_cache import install_cpu_shims
@@ -285,7 +356,8 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     results = []
     for kib in args.object_kib:
         for linker in args.linkers:  # side by side: the same sizes, one after the other
-            results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core, args.phases))
+            results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core, args.phases,
+                               args.cold_segment))
             print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_runs")}), flush=True)
     print(table(results))
     if args.json is not None:
