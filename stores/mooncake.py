@@ -62,6 +62,7 @@ to another process.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import threading
@@ -122,7 +123,8 @@ class MooncakeStore:
             scatter=True,
         )
         self._limiter = anyio.CapacityLimiter(config.workers)
-        self._regions: list[tuple[int, int, torch.Tensor]] = []
+        self._regions: list[tuple[int, int, torch.Tensor]] = []  # sorted by start, disjoint
+        self._starts: list[int] = []  # the regions' starts, for bisect
         self._bounce_lock = threading.Lock()
         self._bounce: torch.Tensor | None = None
         self._master = split_address(config.master_address)
@@ -204,7 +206,9 @@ class MooncakeStore:
         rc = self._client.register_buffer(start, end - start)
         if rc != 0:
             raise ValueError(f"Mooncake refused to register {end - start} bytes (code {rc})")
-        self._regions.append((start, end, region))
+        at = bisect.bisect(self._starts, start)
+        self._regions.insert(at, (start, end, region))
+        self._starts.insert(at, start)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         keys = self._check_keys(keys)
@@ -348,6 +352,7 @@ class MooncakeStore:
                 except Exception:
                     log.warning("mooncake client close raised", exc_info=True)
             self._regions.clear()
+            self._starts.clear()
             self._bounce = None
 
     # -- plumbing ------------------------------------------------------------------------
@@ -418,9 +423,33 @@ class MooncakeStore:
         return codes
 
     def _in_region(self, buf: torch.Tensor) -> bool:
-        start = buf.data_ptr()
-        end = start + buf.numel()
-        return any(lo <= start and end <= hi for lo, hi, _ in self._regions)
+        return self._registered(buf.data_ptr(), buf.numel())
+
+    def _registered(self, start: int, nbytes: int) -> bool:
+        """Whether ``[start, start + nbytes)`` lies inside one registered region (regions are
+        disjoint and sorted: one bisect, not a scan, per buffer)."""
+        at = bisect.bisect(self._starts, start) - 1
+        return at >= 0 and start + nbytes <= self._regions[at][1]
+
+    def _part_spans(self, indices: Sequence[int], parts: list[list[torch.Tensor]]
+                    ) -> tuple[list[int], list[list[int]], list[list[int]], list[int]]:
+        """Objects whose every part lies in a registered region (with their pointers and sizes,
+        read once here for the client call), and the others."""
+        direct: list[int] = []
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        other: list[int] = []
+        registered = self._registered
+        for i in indices:
+            pp = [p.data_ptr() for p in parts[i]]
+            ss = [p.numel() for p in parts[i]]
+            if all(registered(a, n) for a, n in zip(pp, ss)):
+                direct.append(i)
+                ptrs.append(pp)
+                sizes.append(ss)
+            else:
+                other.append(i)
+        return direct, ptrs, sizes, other
 
     def _ensure_bounce(self, nbytes: int) -> torch.Tensor:
         """The bounce buffer, grown to ``nbytes`` (call with ``_bounce_lock`` held or at open)."""
@@ -468,8 +497,9 @@ class MooncakeStore:
                     outcomes[i] = Outcome.EXISTS
                 else:
                     todo.append(i)
-        direct = [i for i in todo if self._in_region(buffers[i])]
-        bounced = [i for i in todo if not self._in_region(buffers[i])]
+        inside = [self._in_region(buffers[i]) for i in todo]
+        direct = [i for i, yes in zip(todo, inside) if yes]
+        bounced = [i for i, yes in zip(todo, inside) if not yes]
         for chunk in self._chunks(len(direct)):
             idx = [direct[j] for j in chunk]
             codes = self._client.batch_put_from(
@@ -494,8 +524,9 @@ class MooncakeStore:
     def _get_blocking(self, keys: list[str], buffers: list[torch.Tensor]) -> list[GetResult]:
         self._gate()
         results: list[GetResult | None] = [None] * len(keys)
-        direct = [i for i in range(len(keys)) if self._in_region(buffers[i])]
-        bounced = [i for i in range(len(keys)) if not self._in_region(buffers[i])]
+        inside = [self._in_region(b) for b in buffers]
+        direct = [i for i, yes in enumerate(inside) if yes]
+        bounced = [i for i, yes in enumerate(inside) if not yes]
 
         def read(idx: list[int], ptrs: list[int]) -> list[int]:
             codes = [int(c) for c in self._client.batch_get_into(
@@ -544,15 +575,11 @@ class MooncakeStore:
                     outcomes[i] = Outcome.EXISTS
                 else:
                     todo.append(i)
-        direct = [i for i in todo if all(self._in_region(p) for p in parts[i])]
-        joined = [i for i in todo if i not in set(direct)]
+        direct, ptrs, sizes, joined = self._part_spans(todo, parts)
         for chunk in self._chunks(len(direct)):
             idx = [direct[j] for j in chunk]
             codes = self._client.batch_put_from_multi_buffers(
-                [keys[i] for i in idx],
-                [[p.data_ptr() for p in parts[i]] for i in idx],
-                [[p.numel() for p in parts[i]] for i in idx],
-            )
+                [keys[i] for i in idx], ptrs[chunk.start:chunk.stop], sizes[chunk.start:chunk.stop])
             self._record(outcomes, idx, codes, put_outcome)
         if joined:  # not registered: one contiguous copy each, then the bounced path
             got = self._put_blocking([keys[i] for i in joined], [torch.cat(parts[i]) for i in joined])
@@ -563,12 +590,10 @@ class MooncakeStore:
     def _get_parts_blocking(self, keys: list[str], parts: list[list[torch.Tensor]]) -> list[GetResult]:
         self._gate()
         results: list[GetResult | None] = [None] * len(keys)
-        direct = [i for i in range(len(keys)) if all(self._in_region(p) for p in parts[i])]
-        joined = [i for i in range(len(keys)) if i not in set(direct)]
+        direct, ptrs, sizes, joined = self._part_spans(range(len(keys)), parts)
         for chunk in self._chunks(len(direct)):
             idx = [direct[j] for j in chunk]
-            args = ([keys[i] for i in idx], [[p.data_ptr() for p in parts[i]] for i in idx],
-                    [[p.numel() for p in parts[i]] for i in idx])
+            args = ([keys[i] for i in idx], ptrs[chunk.start:chunk.stop], sizes[chunk.start:chunk.stop])
             codes = [int(c) for c in self._client.batch_get_into_multi_buffers(*args)]
             retry = [j for j, code in enumerate(codes) if code == LEASE_EXPIRED]
             if retry:  # the lease ran out mid-transfer; a second read takes a fresh one

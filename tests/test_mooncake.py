@@ -394,3 +394,32 @@ async def test_scatter_gather_registered_and_joined(mooncake_store: MooncakeStor
     # buffers larger than the object (a torn or foreign object): a failure, never OK
     big = await store.get_parts([f"{p}a"], [[region[:64], region[MIB: MIB + 400_000]]])
     assert big[0].outcome is not Outcome.OK
+
+
+async def test_registered_regions_are_found_by_address_whatever_the_order(mooncake_store: MooncakeStore) -> None:
+    """A buffer goes zero-copy only when it lies inside one registered region (regions are
+    looked up by address, registered in any order); one that straddles two adjacent regions,
+    or lies outside all of them, is bounced, and every object still round-trips."""
+    store = mooncake_store
+    p = prefix()
+    block = torch.zeros(3 * MIB, dtype=torch.uint8)
+    for lo in (2 * MIB, 0, MIB):  # three adjacent regions, registered out of address order
+        store.register(block[lo:lo + MIB])
+    base = block.data_ptr()
+    assert store._registered(base, MIB) and store._registered(base + 2 * MIB, MIB)
+    assert store._registered(base + MIB + 5, 1000)
+    assert not store._registered(base + MIB - 10, 20)  # straddles two regions
+    assert not store._registered(base - 64, 64) and not store._registered(base + 3 * MIB, 64)
+    frame = framed(f"{p}x", 200_000, 3)
+    head, body = frame[:framing.HEADER_BYTES], frame[framing.HEADER_BYTES:]
+    inside = [block[0:64], block[2 * MIB: 2 * MIB + 200_000]]
+    straddle = [block[64:128], block[MIB - 100_000: MIB + 100_000]]
+    for parts in (inside, straddle):
+        parts[0].copy_(head)
+        parts[1].copy_(body)
+    got = await store.put_parts([f"{p}in", f"{p}across"], [inside, straddle])
+    assert got == [Outcome.OK, Outcome.OK]
+    for key in (f"{p}in", f"{p}across"):
+        whole = torch.zeros(frame.numel(), dtype=torch.uint8)
+        assert await store.get([key], [whole]) == [GetResult(Outcome.OK, frame.numel())]
+        assert torch.equal(whole, frame)
