@@ -423,3 +423,17 @@ async def test_registered_regions_are_found_by_address_whatever_the_order(moonca
         whole = torch.zeros(frame.numel(), dtype=torch.uint8)
         assert await store.get([key], [whole]) == [GetResult(Outcome.OK, frame.numel())]
         assert torch.equal(whole, frame)
+
+
+def test_hash_overlap_bench_partitions_and_puts_every_object(mooncake_master: MooncakeMaster) -> None:
+    """The checksum-cost bench (tools/bench_hash_overlap.py) puts every object in each of its
+    three cases (a failed put raises) and its sub-batches cover the objects once, in order.
+    (``mooncake_master``, the session's master, only gates the test: the bench starts its own.)"""
+    from hylinker.tools import bench_hash_overlap as bench
+
+    for n in (1, 2, 5, 48):
+        batches = bench._sub_batches(n)
+        assert [i for lo, hi in batches for i in range(lo, hi)] == list(range(n))
+    out = bench.run(64, 5, 2, segment_mib=64)
+    assert {k: len(v) for k, v in out["runs_ms"].items()} == {"plain": 2, "overlapped": 2, "serial": 2}
+    assert all(out[f"{k}_ms"] > 0 for k in ("plain", "overlapped", "serial"))

@@ -71,3 +71,38 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_SEGMENT_MIN_BYTES = 512 << 20
+
+
+def anonymous_mappings() -> set[tuple[int, int]]:
+    """Writable anonymous mappings of this process, as (start, end) addresses."""
+    out = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) == 5 and "w" in fields[1]:  # no path: anonymous
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.add((lo, hi))
+    return out
+
+
+def populate_new_segments(before: set[tuple[int, int]]) -> int:
+    """Fault in every writable anonymous mapping of 512 MiB or more that is not in ``before``
+    (the in-process segment a Mooncake client just allocated); returns the bytes populated.
+    A benchmark measures steady state this way: on a virtual machine that returns free memory
+    to its host, the first write to each fresh 4 KiB page costs ~10 us (0.4 GB/s). Contents are unchanged:
+    populating private anonymous memory only allocates the pages a first write would."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    total = 0
+    for lo, hi in sorted(anonymous_mappings() - before):
+        if hi - lo >= _SEGMENT_MIN_BYTES:
+            if libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
+            total += hi - lo
+    return total

@@ -25,9 +25,9 @@ Both linkers are measured in steady state: right after a linker is built, every 
 mapping of 512 MiB or more (the in-process Mooncake segment, whichever linker allocated it) is
 populated (``madvise(MADV_POPULATE_WRITE)``) before anything is timed. Otherwise the first pass
 over the segment pays a page fault per 4 KiB, and on a virtual machine that returns free memory
-to its host that costs ~10 µs a page (0.4 GB/s): measured here, it turned 1 MiB offloads of
-either linker from ~25 ms into ~140 ms, depending on nothing but which pages the kernel handed
-out (see docs/figures.md). ``--cold-segment`` skips it.
+to its host that costs ~10 µs a page (0.4 GB/s): measured here, 1 MiB offloads took 40–47 ms
+(hylinker) and 31–33 ms (SGLang's linker) on fresh segments against ~26 and ~16 ms on populated
+ones (docs/figures.md). ``--cold-segment`` skips it.
 
 Each figure is the median of ``--repeats`` runs; the machine may be shared, so compare the
 ratios of one run, not absolute numbers across runs.
@@ -64,39 +64,6 @@ def _config(linker: str, master: str) -> tuple[dict[str, Any], str]:
                 "dynamic")
     return ({"master_server_address": master, "protocol": "tcp", "global_segment_size": 1 << 30,
              "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}, "mooncake")
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_SEGMENT_MIN_BYTES = 512 << 20
-
-
-def _anonymous_mappings() -> set[tuple[int, int]]:
-    """Writable anonymous mappings of this process, as (start, end) addresses."""
-    out = set()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) == 5 and "w" in fields[1]:  # no path: anonymous
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                out.add((lo, hi))
-    return out
-
-
-def _populate_new(before: set[tuple[int, int]]) -> int:
-    """Fault in every writable anonymous mapping of 512 MiB or more that is not in ``before``
-    (the segment a linker just allocated); returns the bytes populated. Contents are unchanged:
-    populating private anonymous memory only allocates the pages a first write would."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    total = 0
-    for lo, hi in sorted(_anonymous_mappings() - before):
-        if hi - lo >= _SEGMENT_MIN_BYTES:
-            if libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
-            total += hi - lo
-    return total
 
 
 def _object_key(cache: Any, linker: str, page_key: str) -> str:
@@ -201,14 +168,15 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
              phases: bool = False, cold_segment: bool = False) -> dict[str, Any]:
     from ..stores.mooncake_master import MooncakeMaster
     from ..testing.sglang_cache import SGLangCache
+    from .bench_mooncake import anonymous_mappings, populate_new_segments
 
     out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens}
     with MooncakeMaster() as master:
         config, backend = _config(linker, master.address)
-        before = _anonymous_mappings()
+        before = anonymous_mappings()
         cache = SGLangCache(_spec(object_kib, tokens, tree_core), config, backend=backend)
         try:
-            out["populated_bytes"] = 0 if cold_segment else _populate_new(before)
+            out["populated_bytes"] = 0 if cold_segment else populate_new_segments(before)
             kv_bytes = sum(v.payload_bytes for k, v in _views(cache).items() if k == "kv")
             state_bytes = _views(cache)["mamba"].payload_bytes
             cache.serve(list(range(7, 7 + 8)))  # warm the client and the tree
