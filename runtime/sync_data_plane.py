@@ -2,9 +2,9 @@
 
 :class:`SyncDataPlane` runs a :class:`~hylinker.runtime.data_plane.DataPlane` on an event loop in
 a background thread (an anyio blocking portal). Every call is thread-safe and returns at once
-(transfers are handed to the loop without waiting for it to run: a scheduler thread never
-waits on the loop thread to queue work) with a ``concurrent.futures.Future`` (or a :class:`SyncLoad`, which has one future per layer:
-the shape of SGLang's layer-wise load counter); :meth:`SyncDataPlane.reset` and
+with a ``concurrent.futures.Future`` (or a :class:`SyncLoad`, which has one future per layer:
+the shape of SGLang's layer-wise load counter); transfers are handed to the loop by a hand-off
+thread, so a scheduler thread never waits for the loop thread to queue work; :meth:`SyncDataPlane.reset` and
 :meth:`SyncDataPlane.close` block until every transfer is quiesced. Offload outcomes also queue
 in submission order (:meth:`SyncDataPlane.pop_completed_offloads`).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import queue
 import threading
@@ -90,8 +91,7 @@ class SyncLoad:
         """The load could not be started (the plane closed first): every layer and the
         result end, so nobody waits on it."""
         self._settle_all()
-        with contextlib.suppress(concurrent.futures.InvalidStateError):  # it ended meanwhile
-            self.result.set_exception(exc)
+        _fail_future(self.result, exc)
 
 
 class SyncDataPlane:
@@ -146,9 +146,9 @@ class SyncDataPlane:
         """Start ``run`` in the data plane's task group without the caller waiting for the loop.
 
         The caller only queues it for the hand-off thread, which wakes the loop. Waking the loop
-        from the caller's thread cost SGLang's scheduler thread ~1 ms per offload on two busy
-        cores: the wake-up lets the loop thread take the GIL, and the caller waits for it to
-        give it back. One hand-off thread, and the loop runs thread-safe callbacks first in,
+        from the caller's thread held SGLang's scheduler thread up to 1.6-3.9 ms in some offload
+        calls on two busy cores (measured): the woken loop thread takes the GIL, and the caller
+        waits for it to give it back. One hand-off thread, and the loop runs thread-safe callbacks first in,
         first out, so tasks start in call order: submission order is queue order. If the plane
         is gone by then, ``failed`` gets the error instead: nothing is left waiting."""
         self._handoff.put((run, failed))
@@ -296,13 +296,9 @@ class SyncDataPlane:
             except BaseException as exc:
                 result.set_exception(exc)
 
-        def failed(exc: BaseException) -> None:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):  # it ended meanwhile
-                result.set_exception(exc)
-
         with self._fifo_lock:  # FIFO order = submission order = queue order (tasks start in order)
             self._fifo.append(result)
-            self._spawn(run, failed)
+            self._spawn(run, functools.partial(_fail_future, result))
         return result
 
     def num_completed_offloads(self) -> int:
@@ -388,5 +384,11 @@ async def _call(fn: Callable[[], Store] | Callable[[], Awaitable[Store]]) -> Sto
         return await store
     return store
 
+
+
+def _fail_future(future: concurrent.futures.Future[Any], exc: BaseException) -> None:
+    """End ``future`` with ``exc`` unless it already ended (it may have, meanwhile)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        future.set_exception(exc)
 
 __all__ = ["SyncDataPlane", "SyncLoad"]

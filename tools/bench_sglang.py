@@ -181,7 +181,10 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
             state_bytes = _views(cache)["mamba"].payload_bytes
             cache.serve(list(range(7, 7 + 8)))  # warm the client and the tree
             cache.flush()
-            calls = _time_offload_calls(cache.linker)
+            # the scheduler thread's time inside the linker's offload calls (SGLang's scheduler
+            # makes them while inserting a finished request and runs nothing else meanwhile)
+            calls = _Phases()
+            calls._wrap(cache.linker, "offload", "offload", instance=True)
             profile = _Phases() if phases and linker == "hylinker" else None
             if profile is not None:
                 profile.install(cache)
@@ -189,9 +192,9 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
             scheduler_ms: list[float] = []
             for r in range(repeats):
                 prompt = [10_000 * (r + 1) + i for i in range(tokens)]
-                calls.clear()
+                calls.seconds.clear()
                 first = cache.serve(prompt)
-                scheduler_ms.append(sum(calls) * 1e3)
+                scheduler_ms.append(calls.seconds.get("offload", 0.0) * 1e3)
                 nbytes = tokens * kv_bytes + state_bytes
                 offload_gbps.append(nbytes / first.offload_s / 1e9)
                 cache.flush()
@@ -245,24 +248,6 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
             cache.close()
         out["dead_master"]["close_s"] = round(time.perf_counter() - t2, 3)
     return out
-
-
-def _time_offload_calls(linker: Any) -> list[float]:
-    """Seconds the scheduler thread spends inside the linker's ``offload`` calls (SGLang's
-    scheduler makes them while inserting a finished request; it runs nothing else meanwhile).
-    The list is appended to per call; the caller clears it."""
-    calls: list[float] = []
-    inner = linker.offload
-
-    def offload(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            calls.append(time.perf_counter() - t0)
-
-    linker.offload = offload
-    return calls
 
 
 def _views(cache: Any) -> dict[str, Any]:
