@@ -17,7 +17,9 @@ side by side, in alternating order:
 * **serial**: seal every object, then one put: no overlap at all.
 
 The ratio plain / overlapped is the most a checksumming offload can reach against a plain one
-on this machine; hylinker's plugin runs inside that bound. Figures are medians over
+on this machine; hylinker's plugin runs inside that bound. The client copies into its own
+segment with a local memcpy unless ``MC_STORE_MEMCPY=0`` (then over loopback TCP); the JSON
+records the variable. Figures are medians over
 ``--rounds`` rounds; compare ratios of one run, not absolute numbers across runs.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import queue
 import statistics
 import sys
@@ -160,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = [run(kib, args.objects, args.rounds) for kib in args.object_kib]
     print(table(results))
     if args.json is not None:
-        payload = {"results": results, "argv": list(sys.argv[1:] if argv is None else argv)}
+        payload = {"results": results, "argv": list(sys.argv[1:] if argv is None else argv),
+                   "MC_STORE_MEMCPY": os.environ.get("MC_STORE_MEMCPY", "unset")}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2))
     return 0
