@@ -425,6 +425,16 @@ async def test_registered_regions_are_found_by_address_whatever_the_order(moonca
         assert torch.equal(whole, frame)
 
 
+def test_benches_record_the_mooncake_copy_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both Mooncake benches record ``MC_STORE_MEMCPY`` (local memcpy vs loopback TCP)."""
+    from hylinker.tools.bench_mooncake import copy_path_setting
+
+    monkeypatch.delenv("MC_STORE_MEMCPY", raising=False)
+    assert copy_path_setting() == "unset"
+    monkeypatch.setenv("MC_STORE_MEMCPY", "0")
+    assert copy_path_setting() == "0"
+
+
 def test_hash_overlap_bench_partitions_and_puts_every_object(mooncake_master: MooncakeMaster) -> None:
     """The checksum-cost bench (tools/bench_hash_overlap.py) puts every object in each of its
     three cases (a failed put raises) and its sub-batches cover the objects once, in order.

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import queue
 import statistics
 import sys
@@ -38,6 +37,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from .bench_mooncake import copy_path_setting
 
 MIB = 1 << 20
 FINGERPRINT = b"overlap-bench-layout"
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(results))
     if args.json is not None:
         payload = {"results": results, "argv": list(sys.argv[1:] if argv is None else argv),
-                   "MC_STORE_MEMCPY": os.environ.get("MC_STORE_MEMCPY", "unset")}
+                   "MC_STORE_MEMCPY": copy_path_setting()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2))
     return 0

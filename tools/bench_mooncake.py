@@ -77,6 +77,15 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _SEGMENT_MIN_BYTES = 512 << 20
 
 
+def copy_path_setting() -> str:
+    """``MC_STORE_MEMCPY`` as the benches' JSON records it (``"unset"`` when absent). It decides
+    how a client writes into its own in-process segment: a local memcpy unless it is ``"0"``,
+    then over loopback TCP (4-5x slower on the 2-core host of docs/figures.md). Unset, the
+    0.3.13 client turns memcpy on by itself when TCP is its only transport (it logs
+    "MC_STORE_MEMCPY not set, auto-detected: TCP-only environment, memcpy enabled")."""
+    return os.environ.get("MC_STORE_MEMCPY", "unset")
+
+
 def anonymous_mappings() -> set[tuple[int, int]]:
     """Writable anonymous mappings of this process, as (start, end) addresses."""
     out = set()

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from .bench_mooncake import copy_path_setting
 
 LINKERS = ("hylinker", "sglang-mooncake")
 
@@ -316,11 +317,8 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     print(table(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        # the Mooncake client copies into its own segment with memcpy unless this is "0" (then
-        # over loopback TCP, 4-5x slower here): it decides what both linkers' offloads measure
         args.json.write_text(json.dumps({"results": results, "argv": list(argv or sys.argv[1:]),
-                                         "MC_STORE_MEMCPY": os.environ.get("MC_STORE_MEMCPY", "unset")},
-                                        indent=2))
+                                         "MC_STORE_MEMCPY": copy_path_setting()}, indent=2))
     return 0
 
 
