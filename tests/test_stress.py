@@ -12,8 +12,9 @@ from hylinker.components.pools import HybridPools
 from hylinker.tools.cli import main
 from hylinker.tools.content import Content, preset_layout
 from hylinker.tools.report import LOSS_COLUMNS, stress_row
+from hylinker.tools.traces import mooncake_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = mooncake_trace()
 
 SUMMARY_KEYS = {
     "requests", "prompt_tokens", "device_hit_tokens", "store_hit_tokens", "hit_rate",
@@ -89,8 +90,6 @@ def test_plain_attention_preset(tmp_path: Path) -> None:
 
 
 def test_trace_replay_and_plot(tmp_path: Path) -> None:
-    if not TRACE.exists():
-        pytest.skip(f"trace not found at {TRACE}")
     png = tmp_path / "stress.png"
     s = _run(tmp_path, "--trace", str(TRACE), "--requests", "40", "--kv-pages", "4096",
              "--plot", str(png))

@@ -4,7 +4,6 @@ infinite-cache bound on the prefix hit rate."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from hylinker.components.mamba import restorable_ceiling
+from hylinker.tools.traces import mooncake_trace
 from hylinker.tools.workloads import (
     PromptTokens,
     Request,
@@ -24,10 +24,7 @@ from hylinker.tools.workloads import (
     synthetic_agentic,
 )
 
-# The public trace lives next to the repository (../shared), never inside it.
-TRACE = Path(os.environ.get(
-    "HYLINKER_MOONCAKE_TRACE",
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"))
+TRACE = mooncake_trace()  # beside the repository, or the bundled copy (tools/traces.py)
 
 
 def _write(tmp_path: Path, lines: list[str]) -> Path:
@@ -304,7 +301,6 @@ def test_bound_matches_brute_force(page: int, grid: int) -> None:
     assert 0 < hit < total
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
 def test_full_trace_bound() -> None:
     start = time.monotonic()
     reqs = read_mooncake_trace(TRACE, time_scale=1.0)
@@ -319,10 +315,26 @@ def test_full_trace_bound() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
 def test_full_trace_bound_fine_pages() -> None:
     reqs = read_mooncake_trace(TRACE, time_scale=1.0)
     rate_64 = bound_hit_rate(reqs, page_size=64, grid=64)
     rate_hybrid = bound_hit_rate(reqs, page_size=64, grid=512)
     print(f"conversation trace bound page=64 grid=64: {rate_64:.4f}; grid=512: {rate_hybrid:.4f}")
     assert 0.36 < rate_hybrid <= rate_64 < 0.38
+
+
+def test_the_bundled_trace_is_found_without_a_shared_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clean clone with nothing beside it gets the bundled copy, unpacked once, whole; the
+    environment variable still wins."""
+    from hylinker.tools import traces
+
+    monkeypatch.delenv("HYLINKER_MOONCAKE_TRACE", raising=False)
+    monkeypatch.setattr(traces, "BESIDE_REPOSITORY", tmp_path / "absent.jsonl")
+    monkeypatch.setattr(traces.tempfile, "tempdir", str(tmp_path))
+    path = traces.mooncake_trace()
+    assert path.parent.parent == tmp_path and path.exists()
+    requests = read_mooncake_trace(path)
+    assert len(requests) == 12_031
+    assert traces.mooncake_trace() == path  # unpacked once, then reused
+    monkeypatch.setenv("HYLINKER_MOONCAKE_TRACE", str(tmp_path / "mine.jsonl"))
+    assert traces.mooncake_trace() == tmp_path / "mine.jsonl"

@@ -25,10 +25,10 @@ from ..components.eviction import EVICTION_POLICIES
 from .report import format_table, stress_row
 from .stress import POLICIES, load_workload, run_stress
 from .stress import configure as configure_stress
+from .traces import mooncake_trace
 
 HELP = "studies on the stress tool: store-capacity sweep (touch on/off), checkpoint admission, eviction"
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 STUDIES = ("sweep", "admission", "eviction")
 
 
@@ -53,8 +53,8 @@ def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.trace is None and DEFAULT_TRACE.exists() and args.study == "sweep":
-        args.trace = DEFAULT_TRACE
+    if args.trace is None and args.study == "sweep":
+        args.trace = mooncake_trace()
     requests = load_workload(args)
     args.no_progress = True
     rows: list[dict[str, Any]] = []
