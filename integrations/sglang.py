@@ -4,6 +4,7 @@ Targets ``sglang==0.5.23`` exactly (the linker API moves between SGLang revision
 version is refused at construction). Launch::
 
     python -m sglang.launch_server ... --enable-unified-cache-external-linker \\
+      --unified-cache-external-linker-backend dynamic \\
       --unified-cache-external-linker-config '{"linker": "HylinkerLinker",
         "linker_module_path": "hylinker.integrations.sglang",
         "linker_extra_config": {"store": "mooncake", "master": "127.0.0.1:50051"}}'
@@ -26,7 +27,11 @@ pool views of SGLang's tensors (``sglang_pools.py``), its store wrapped in a
   (offloads report False, nodes unlock) until the store answers a probe again;
 * **no re-offload of restored pages**: what a load just restored is not written back when the
   request's insert offloads it;
-* MHA full-attention pools (SGLang's linker takes MLA only) and a draft sidecar pool.
+* MHA full-attention pools (SGLang's linker takes MLA only), dense models (component FULL
+  alone: SGLang's linker refuses them) and a draft sidecar pool.
+
+Without ``--unified-cache-external-linker-backend dynamic`` (its default is ``mooncake``) SGLang
+hands the JSON to its own Mooncake linker and never imports this module.
 
 Threads: SGLang calls every method on its scheduler thread; the data plane's loop thread runs
 the transfers. Offload results are reported one per accepted offload, in submission order.
@@ -150,6 +155,10 @@ class HylinkerLinker(UnifiedCacheLinker):
             raise PoolLayoutError(f"HylinkerLinker supports FULL and MAMBA components, not {sorted(unsupported)}")
         if getattr(params, "mtp_draft_device_pools", None):
             raise PoolLayoutError("packed MTP draft KV is not supported yet")
+        if "MAMBA" in names and getattr(params, "enable_mamba_extra_buffer", False):
+            raise PoolLayoutError(
+                "--mamba-radix-cache-strategy extra_buffer is not supported: launch with "
+                "--mamba-radix-cache-strategy no_buffer")
         pools: dict[PoolKind, SGLangPool] = {PoolKind.FULL: full_pool(kvcache)}
         if "MAMBA" in names:
             pools[PoolKind.MAMBA] = mamba_pool(params.req_to_token_pool,

@@ -8,12 +8,14 @@ a :class:`~hylinker.components.pool_view.PoolView` whose layer ids are the indic
 * FULL, MLA: the latent buffer ``kv_buffer[i]`` per layer (identical on every TP rank:
   rank-replicated, written by rank 0 only);
 * FULL, MHA: ``k_buffer[i]`` and ``v_buffer[i]`` (per rank);
+* FULL of a dense model: SGLang's plain MHA or MLA pool itself, every layer of the stage;
 * MAMBA: the stacked ``conv[j][L, slot, ...]`` and ``temporal[L, slot, ...]`` of the Mamba
   cache, one slot per object (per rank);
 * DRAFT: a sidecar MHA pool's ``k_buffer[d]``/``v_buffer[d]`` on the same KV rows.
 
 What the plugin does not support yet is refused here with a :class:`PoolLayoutError` naming
-it (scaled KV, DSA, int8 Mamba checkpoints, Mamba side states, packed MTP draft KV).
+it (scaled KV, non-row-major KV layouts, DSA, int8 Mamba checkpoints, Mamba side states, packed
+MTP draft KV).
 This module imports no SGLang.
 """
 
@@ -48,26 +50,56 @@ def _by_index(mapping: Mapping[int, int], n: int, start: int, what: str) -> list
     return [ids[i] for i in range(n)]
 
 
-def full_pool(kvcache: Any) -> SGLangPool:
-    """FULL from a ``HybridLinearKVPool``: plain MLA (``kv_buffer``) or MHA (``k_buffer``/``v_buffer``)."""
-    pool = getattr(kvcache, "full_kv_pool", None)
-    mapping = getattr(kvcache, "full_attention_layer_id_mapping", None)
-    if pool is None or mapping is None:
-        raise PoolLayoutError("expected a hybrid KV pool with full_kv_pool and full_attention_layer_id_mapping")
-    start = int(getattr(kvcache, "start_layer", 0) or 0)
-    page = int(kvcache.page_size)
+def _check_row_layout(pool: Any) -> None:
+    """The views index a buffer by KV row: refuse SGLang's other physical layouts and scaled KV."""
+    layout = str(getattr(pool, "kv_cache_layout", "nhd") or "nhd")
+    if layout != "nhd":
+        raise PoolLayoutError(f"KV cache layout {layout!r} is not supported (only the row-major 'nhd' layout)")
     if getattr(pool, "k_scale_buffer", None) is not None or getattr(pool, "native_k_scale_buffer", None) is not None:
         raise PoolLayoutError("scaled KV caches are not supported yet")
+
+
+def _kv_pool(pool: Any, start: int, page: int, mapping: Mapping[int, int] | None) -> SGLangPool:
+    """One full-attention pool: MHA (``k_buffer``/``v_buffer``, per rank) or plain MLA (one latent
+    ``kv_buffer``, the same on every TP rank). ``mapping``: SGLang's global id -> buffer index
+    (hybrid pools); without it buffer ``i`` is layer ``start + i`` (a dense model's pool)."""
+    _check_row_layout(pool)
+    if getattr(pool, "use_dsa", False):
+        raise PoolLayoutError("DSA (sparse MLA) pools are not supported yet")
     if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
-        ids = _by_index(mapping, len(pool.k_buffer), start, "full attention")
-        return SGLangPool(kv_view(pool.k_buffer, pool.v_buffer, layer_ids=ids, page_size=page), replicated=False)
-    if hasattr(pool, "kv_buffer"):
-        if getattr(pool, "use_dsa", False):
-            raise PoolLayoutError("DSA (sparse MLA) pools are not supported yet")
-        ids = _by_index(mapping, len(pool.kv_buffer), start, "full attention")
-        # the MLA latent is the same on every TP rank
-        return SGLangPool(kv_view(pool.kv_buffer, layer_ids=ids, page_size=page), replicated=True)
-    raise PoolLayoutError(f"unsupported full-attention pool {type(pool).__name__}")
+        buffers: tuple[Any, ...] = (pool.k_buffer, pool.v_buffer)
+        replicated = False
+    elif hasattr(pool, "kv_buffer"):
+        buffers = (pool.kv_buffer,)
+        replicated = True  # the MLA latent is the same on every TP rank
+    else:
+        raise PoolLayoutError(f"unsupported full-attention pool {type(pool).__name__}")
+    n = len(buffers[0])
+    layer_ids = _by_index(mapping, n, start, "full attention") if mapping is not None else list(range(n))
+    return SGLangPool(kv_view(*buffers, layer_ids=layer_ids, page_size=page), replicated=replicated)
+
+
+def full_pool(kvcache: Any) -> SGLangPool:
+    """FULL from SGLang's KV cache object (``token_to_kv_pool_allocator.get_kvcache()``):
+
+    * a ``HybridLinearKVPool`` (FULL + MAMBA models): its ``full_kv_pool``, layers by
+      ``full_attention_layer_id_mapping``;
+    * a dense model's plain ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (component FULL alone):
+      every layer of the stage, counter layer ``i`` = buffer ``i``.
+    """
+    page = int(kvcache.page_size)
+    start = int(getattr(kvcache, "start_layer", 0) or 0)
+    if hasattr(kvcache, "full_kv_pool"):
+        mapping = getattr(kvcache, "full_attention_layer_id_mapping", None)
+        if mapping is None:
+            raise PoolLayoutError("a hybrid KV pool without full_attention_layer_id_mapping")
+        return _kv_pool(kvcache.full_kv_pool, start, page, mapping)
+    for other in ("swa_kv_pool", "mamba_pool", "indexer_k_buffer"):
+        if getattr(kvcache, other, None) is not None:
+            raise PoolLayoutError(f"KV cache {type(kvcache).__name__} holds {other}, which is not supported")
+    if not hasattr(kvcache, "layer_num"):
+        raise PoolLayoutError(f"unsupported KV cache {type(kvcache).__name__}")
+    return _kv_pool(kvcache, start, page, None)
 
 
 def mamba_pool(req_to_token_pool: Any, start_layer: int = 0) -> SGLangPool:

@@ -1,4 +1,5 @@
-"""SGLang's real ``UnifiedRadixCache`` (FULL + MAMBA) on CPU, driven the way its scheduler does.
+"""SGLang's real ``UnifiedRadixCache`` (FULL + MAMBA, or a dense model's FULL) on CPU, driven the way
+its scheduler does.
 
 For the SGLang plugin's tests and benchmark; needs ``sglang==0.5.23`` (``.ci/sglang-setup.sh``
 builds that environment). :class:`SGLangCache` builds SGLang's own pools (a
@@ -81,6 +82,10 @@ class CacheSpec:
 
     page_size: int = 1
     kv: str = "mla"  # "mla" (latent, rank-replicated) or "mha" (separate K and V)
+    #: "hybrid": FULL + MAMBA (a HybridLinearKVPool over the full layers, a Mamba2 state pool);
+    #: "dense": component FULL alone, SGLang's plain MHA/MLA pool over every layer
+    #: (``full_layers`` is then ignored)
+    model: str = "hybrid"
     num_layers: int = 6
     full_layers: tuple[int, ...] = (2, 5)
     kv_pages: int = 2048
@@ -131,7 +136,13 @@ class SGLangCache:
             TokenToKVPoolAllocator,
         )
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+        from sglang.srt.mem_cache.memory_pool import (
+            HybridLinearKVPool,
+            HybridReqToTokenPool,
+            MHATokenToKVPool,
+            MLATokenToKVPool,
+            ReqToTokenPool,
+        )
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -140,7 +151,11 @@ class SGLangCache:
             raise RuntimeError(f"the harness targets sglang=={SGLANG_VERSION}, found {sglang.__version__}")
         self.spec = spec
         P = spec.page_size
-        self.mamba_layers = [i for i in range(spec.num_layers) if i not in spec.full_layers]
+        if spec.model not in ("hybrid", "dense"):
+            raise ValueError(f"CacheSpec.model must be 'hybrid' or 'dense', not {spec.model!r}")
+        self.dense = spec.model == "dense"
+        self.full_layers = list(range(spec.num_layers)) if self.dense else list(spec.full_layers)
+        self.mamba_layers = [] if self.dense else [i for i in range(spec.num_layers) if i not in spec.full_layers]
         server_args = ServerArgs(
             model_path="dummy", page_size=P,
             enable_unified_cache_external_linker=linker_config is not None,
@@ -149,32 +164,49 @@ class SGLangCache:
         server_args._mamba_cache_chunk_size = max(64, P)
         set_global_server_args_for_scheduler(server_args)
         self.server_args = server_args
-        with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
-            shape = Mamba2StateShape.create(
-                tp_world_size=1, intermediate_size=spec.mamba_intermediate, n_groups=1,
-                num_heads=spec.mamba_heads, head_dim=spec.mamba_head_dim, state_size=spec.mamba_state,
-                conv_kernel=spec.mamba_conv_kernel)
-            cache_params = Mamba2CacheParams(shape=shape, layers=self.mamba_layers)
-        self.req_to_token_pool = HybridReqToTokenPool(
-            size=spec.max_reqs, mamba_size=spec.mamba_slots, mamba_spec_state_size=spec.max_reqs,
-            max_context_len=spec.max_context, device="cpu", enable_memory_saver=False,
-            cache_params=cache_params, mamba_layer_ids=self.mamba_layers,
-            enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3)
         size = spec.kv_pages * P
         mla = spec.kv == "mla"
-        self.kvcache = HybridLinearKVPool(
-            size=size, dtype=spec.dtype, page_size=P, head_num=spec.head_num, head_dim=spec.head_dim,
-            full_attention_layer_ids=list(spec.full_layers), device="cpu", enable_memory_saver=False,
-            mamba_pool=self.req_to_token_pool.mamba_pool, use_mla=mla,
-            kv_lora_rank=spec.kv_lora_rank if mla else None,
-            qk_rope_head_dim=spec.qk_rope_head_dim if mla else None)
+        self.req_to_token_pool: Any
+        self.kvcache: Any
+        if self.dense:
+            self.req_to_token_pool = ReqToTokenPool(
+                size=spec.max_reqs, max_context_len=spec.max_context, device="cpu", enable_memory_saver=False)
+            if mla:
+                self.kvcache = MLATokenToKVPool(
+                    size=size, page_size=P, dtype=spec.dtype, kv_lora_rank=spec.kv_lora_rank,
+                    qk_rope_head_dim=spec.qk_rope_head_dim, layer_num=spec.num_layers, device="cpu",
+                    enable_memory_saver=False)
+            else:
+                self.kvcache = MHATokenToKVPool(
+                    size=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num, head_dim=spec.head_dim,
+                    layer_num=spec.num_layers, device="cpu", enable_memory_saver=False)
+            components: tuple[Any, ...] = (ComponentType.FULL,)
+        else:
+            with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+                shape = Mamba2StateShape.create(
+                    tp_world_size=1, intermediate_size=spec.mamba_intermediate, n_groups=1,
+                    num_heads=spec.mamba_heads, head_dim=spec.mamba_head_dim, state_size=spec.mamba_state,
+                    conv_kernel=spec.mamba_conv_kernel)
+                cache_params = Mamba2CacheParams(shape=shape, layers=self.mamba_layers)
+            self.req_to_token_pool = HybridReqToTokenPool(
+                size=spec.max_reqs, mamba_size=spec.mamba_slots, mamba_spec_state_size=spec.max_reqs,
+                max_context_len=spec.max_context, device="cpu", enable_memory_saver=False,
+                cache_params=cache_params, mamba_layer_ids=self.mamba_layers,
+                enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3)
+            self.kvcache = HybridLinearKVPool(
+                size=size, dtype=spec.dtype, page_size=P, head_num=spec.head_num, head_dim=spec.head_dim,
+                full_attention_layer_ids=list(spec.full_layers), device="cpu", enable_memory_saver=False,
+                mamba_pool=self.req_to_token_pool.mamba_pool, use_mla=mla,
+                kv_lora_rank=spec.kv_lora_rank if mla else None,
+                qk_rope_head_dim=spec.qk_rope_head_dim if mla else None)
+            components = (ComponentType.FULL, ComponentType.MAMBA)
         alloc_cls = PagedTokenToKVPoolAllocator if P > 1 else TokenToKVPoolAllocator
         kwargs: dict[str, Any] = {"page_size": P} if P > 1 else {}
         self.allocator = alloc_cls(size=size, dtype=spec.dtype, device="cpu", kvcache=self.kvcache,
                                    need_sort=False, **kwargs)
         self.params = CacheInitParams(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-            page_size=P, disable=False, tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+            page_size=P, disable=False, tree_components=components,
             enable_mamba_extra_buffer=False, eviction_policy="lru",
             tp_cache_group=tp_group, attn_tp_cache_group=tp_group)
         with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(spec.tree_core):
@@ -196,10 +228,10 @@ class SGLangCache:
 
     # ---- the synthetic model ---------------------------------------------------------
     def _kv_buffers(self) -> list[list[torch.Tensor]]:
-        """Per full layer (in ``spec.full_layers`` order): its row-indexed buffers."""
-        pool = self.kvcache.full_kv_pool
+        """Per full layer (in ``self.full_layers`` order): its row-indexed buffers."""
+        pool = self.kvcache if self.dense else self.kvcache.full_kv_pool
         out = []
-        for i in range(len(self.spec.full_layers)):
+        for i in range(len(self.full_layers)):
             if hasattr(pool, "k_buffer"):
                 out.append([pool.k_buffer[i], pool.v_buffer[i]])
             else:
@@ -207,7 +239,10 @@ class SGLangCache:
         return out
 
     def state_buffers(self, slot: int) -> list[torch.Tensor]:
-        """Byte views of one Mamba slot's state, every layer (temporal, then each conv)."""
+        """Byte views of one Mamba slot's state, every layer (temporal, then each conv); none for
+        a dense model."""
+        if self.dense:
+            return []
         cache = self.req_to_token_pool.mamba_pool.mamba_cache
         out = []
         for i in range(len(self.mamba_layers)):
@@ -303,7 +338,7 @@ class SGLangCache:
             counter.set_consumer(index)
         # the forward: each layer waits through SGLang's own getters before using the pools
         for layer in range(self.spec.num_layers):
-            if layer in self.spec.full_layers:
+            if layer in self.full_layers:
                 self.kvcache.get_key_buffer(layer)
             else:
                 self.req_to_token_pool.mamba2_layer_cache(layer)
@@ -313,7 +348,7 @@ class SGLangCache:
             counter.set_consumer(-1)
         aborted = bool(failed)
         mismatches: list[str] = []
-        slot = int(req.kv.mamba_pool_idx)
+        slot = -1 if self.dense else int(req.kv.mamba_pool_idx)
         if loaded and not aborted:
             mismatches = self._check_restore(tokens, rows, device_hit, prefix_len, slot)
         # write what the forward computed: new KV rows, and the state at the tree's depth
@@ -346,7 +381,7 @@ class SGLangCache:
             for bi, b in enumerate(bufs):
                 got = b.view(torch.uint8).view(b.shape[0], -1)[restored].numpy()
                 if not np.array_equal(got, expected[li][bi]):
-                    bad.append(f"kv layer {self.spec.full_layers[li]} buffer {bi}")
+                    bad.append(f"kv layer {self.full_layers[li]} buffer {bi}")
         for i, (buf, want) in enumerate(zip(self.state_buffers(slot), self.expected_state(tokens, hi))):
             if not np.array_equal(buf.numpy(), want):
                 bad.append(f"state buffer {i}")
@@ -373,21 +408,23 @@ class SGLangCache:
         self.cache.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
-        self.req_to_token_pool.reset_aux_cache_allocator()
+        if not self.dense:
+            self.req_to_token_pool.reset_aux_cache_allocator()
 
     def evict_all(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         self.cache.evict(EvictParams(num_tokens=self.spec.kv_pages * self.spec.page_size,
-                                     mamba_num=self.spec.mamba_slots))
+                                     mamba_num=0 if self.dense else self.spec.mamba_slots))
 
     def leaks(self) -> dict[str, int]:
         """KV rows and Mamba slots in use once the tree holds nothing (must be zero)."""
         kv_total = self.spec.kv_pages * self.spec.page_size
-        mamba_alloc = self.req_to_token_pool.mamba_allocator
+        mamba_used = 0 if self.dense else (
+            self.spec.mamba_slots - int(self.req_to_token_pool.mamba_allocator.available_size()))
         return {
             "kv_rows": kv_total - int(self.allocator.available_size()),
-            "mamba_slots": self.spec.mamba_slots - int(mamba_alloc.available_size()),
+            "mamba_slots": mamba_used,
             "req_slots": self.spec.max_reqs - int(self.req_to_token_pool.available_size()),
         }
 

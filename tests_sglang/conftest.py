@@ -7,18 +7,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from hylinker.testing.sglang_cache import install_cpu_shims
+from hylinker.testing.sglang_cache import SGLangCache, install_cpu_shims
 
 install_cpu_shims()
 
+pytest_plugins = ["hylinker.testing.engine_fixtures"]
+
 
 @pytest.fixture
-def mooncake_master() -> Iterator[object]:
-    """A fresh loopback Mooncake master (its own process), stopped after the test."""
-    from hylinker.stores.mooncake_master import MooncakeMaster
-
-    master = MooncakeMaster().start()
-    try:
-        yield master
-    finally:
-        master.close()
+def caches() -> Iterator[list[SGLangCache]]:
+    """SGLang caches a test built (append them): each is closed after the test."""
+    made: list[SGLangCache] = []
+    yield made
+    for cache in made:
+        cache.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -31,14 +30,6 @@ C = list(range(3000, 3008))
 
 def plugin(**extra: Any) -> dict[str, Any]:
     return {**PLUGIN, "linker_extra_config": extra}
-
-
-@pytest.fixture
-def caches() -> Iterator[list[SGLangCache]]:
-    made: list[SGLangCache] = []
-    yield made
-    for cache in made:
-        cache.close()
 
 
 def build(made: list[SGLangCache], core: str = "python", kv: str = "mla", **extra: Any) -> SGLangCache:
@@ -385,10 +376,13 @@ def test_dead_mooncake_master_no_hang_no_leak(caches: list[SGLangCache], mooncak
     assert elapsed < 20, elapsed
     assert cache.linker.statistics().get("offloads_failed", 0) >= 1
     assert_clean(cache)
+    grace = cache.linker.store.policy.close_grace_s
     t0 = time.monotonic()
     cache.close()
     caches.remove(cache)
-    assert time.monotonic() - t0 < 3.0 + 5 + 2  # store_timeout_s + 5, and some slack
+    # close's documented bounds: the store's shutdown (close_grace_s + 5), then the client's own
+    # close (store_timeout_s + 5); measured 10.2 s on a loaded 2-core host, so no tighter figure
+    assert time.monotonic() - t0 < (grace + 5) + (3.0 + 5) + 2
 
 
 @pytest.mark.mooncake

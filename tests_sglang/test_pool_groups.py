@@ -1,0 +1,133 @@
+"""The pool groups SGLang 0.5.23 builds, each against its own direct linker and against ours.
+
+Each row of the matrix in ``docs/design.md`` ("SGLang pool groups") is a test here: what SGLang's
+own pool-group resolver (the one ``MooncakeDirectLinker`` and ``UMBPDirectLinker`` call) does
+with SGLang's real pools, and what ``HylinkerLinker`` does inside SGLang's real
+``UnifiedRadixCache`` (both tree cores), restores compared byte for byte with a recompute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hylinker.testing.sglang_cache import CacheSpec, SGLangCache
+
+PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
+CORES = ["python", "rust"]
+A = list(range(1000, 1040))  # 40 tokens
+B = list(range(2000, 2024))
+C = list(range(3000, 3010))
+
+
+def build(made: list[SGLangCache], spec: CacheSpec, **extra: Any) -> SGLangCache:
+    cache = SGLangCache(spec, {**PLUGIN, "linker_extra_config": extra})
+    made.append(cache)
+    return cache
+
+
+def sglang_direct_group(cache: SGLangCache) -> Any:
+    """SGLang's own direct-linker pool group for this cache's pools (raises where it refuses)."""
+    from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import (
+        resolve_hybrid_device_pool_group,
+    )
+
+    return resolve_hybrid_device_pool_group(
+        kvcache=cache.kvcache, page_size=cache.spec.page_size, params=cache.params,
+        components=set(cache.cache.components))
+
+
+def assert_clean(cache: SGLangCache) -> None:
+    cache.settle()
+    cache.evict_all()
+    assert cache.leaks() == {"kv_rows": 0, "mamba_slots": 0, "req_slots": 0}
+
+
+# ---- dense FULL (MHA, MLA): SGLang's linker refuses it, ours serves it ----------------------
+@pytest.mark.parametrize("kv", ["mha", "mla"])
+def test_sglang_direct_linker_refuses_dense_models(caches: list[SGLangCache], kv: str) -> None:
+    cache = build(caches, CacheSpec(model="dense", kv=kv, page_size=4))
+    with pytest.raises(ValueError, match="does not support the direct external linker"):
+        sglang_direct_group(cache)
+
+
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("kv", ["mha", "mla"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_dense_restore_is_byte_exact(caches: list[SGLangCache], core: str, kv: str, page_size: int) -> None:
+    spec = CacheSpec(model="dense", kv=kv, page_size=page_size, tree_core=core, num_layers=3)
+    cache = build(caches, spec)
+    assert {c.name for c in cache.cache.components} == {"FULL"}
+    view = cache.linker.pools[next(iter(cache.linker.pools))]
+    assert list(view.layer_ids) == [0, 1, 2]  # every layer of the dense pool
+    first = cache.serve(A + B)
+    assert first.store_hit == 0 and not first.aborted
+    cache.flush()
+    again = cache.serve(A + B + C)
+    stored = len(A + B) // page_size * page_size  # whole pages only
+    assert again.device_hit == 0
+    assert again.loaded == stored, again
+    assert not again.aborted and again.restore_mismatches == []
+    stats = cache.linker.statistics()
+    assert stats["loads_ok"] == 1 and stats.get("verify_failures", 0) == 0
+    assert stats["objects_skipped_restored"] == stored // page_size  # restored pages not re-offloaded
+    assert_clean(cache)
+
+
+def test_dense_damaged_page_fails_the_load_and_is_removed(caches: list[SGLangCache]) -> None:
+    from hylinker.stores.base import Outcome
+
+    cache = build(caches, CacheSpec(model="dense", kv="mha", page_size=4, num_layers=2))
+    cache.serve(A)
+    cache.flush()
+    from array import array
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    pages = list(get_storage_hash_str(RadixKey(array("q", A)), None, page_size=4))
+    key = cache.linker.object_keys("kv", [pages[3]])[0]
+    store = cache.linker.store
+    import torch
+
+    nbytes = 1 << 16
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    got = cache.linker.data.call_store(store.get, [key], [buf]).result(timeout=10)
+    assert got[0].outcome is Outcome.OK
+    data = bytearray(buf[: got[0].nbytes].numpy().tobytes())
+    data[-1] ^= 0x5A  # a payload byte
+    cache.linker.data.call_store(store.remove, [key]).result(timeout=10)
+    put = cache.linker.data.call_store(
+        store.put, [key], [torch.frombuffer(data, dtype=torch.uint8)]).result(timeout=10)
+    assert put == [Outcome.OK]
+    failed = cache.serve(A + C)
+    assert failed.aborted and failed.restore_mismatches == []  # SGLang aborts it (503), nothing landed
+    assert cache.linker.statistics()["bad_objects_removed"] >= 1
+    cache.flush()
+    retry = cache.serve(A + C)  # the damaged page is gone: the pages below it restore
+    assert not retry.aborted and retry.loaded == 3 * 4 and retry.restore_mismatches == []
+    assert_clean(cache)
+
+
+# ---- FULL + MAMBA ---------------------------------------------------------------------------
+def test_full_mamba_mla_is_served_by_both_linkers(caches: list[SGLangCache]) -> None:
+    cache = build(caches, CacheSpec(model="hybrid", kv="mla", page_size=1))
+    group = sglang_direct_group(cache)
+    assert {str(getattr(n, "value", n)) for n in group.entry_map} == {"kv", "mamba"}
+    cache.serve(A + B)
+    cache.flush()
+    again = cache.serve(A + B + C)
+    assert again.loaded == len(A + B) and not again.aborted and again.restore_mismatches == []
+    assert_clean(cache)
+
+
+def test_full_mamba_mha_is_refused_by_sglang_served_by_ours(caches: list[SGLangCache]) -> None:
+    cache = build(caches, CacheSpec(model="hybrid", kv="mha", page_size=1))
+    with pytest.raises(Exception, match=r"(?i)mla|support"):
+        sglang_direct_group(cache)
+    cache.serve(A + B)
+    cache.flush()
+    again = cache.serve(A + B + C)
+    assert again.loaded == len(A + B) and not again.aborted and again.restore_mismatches == []
+    assert_clean(cache)
