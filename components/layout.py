@@ -34,11 +34,14 @@ from .mamba import checkpoint_grid, grid_unfit_reason
 
 
 class PoolKind(enum.Enum):
-    """The three components of a hybrid prefix cache."""
+    """The components of a hybrid prefix cache. ``SWA`` (sliding-window attention KV, pages on
+    their own rows) is served by the SGLang plugin only; the ``Linker``'s own layouts hold FULL,
+    MAMBA and DRAFT."""
 
     FULL = "kv"
     MAMBA = "mamba"
     DRAFT = "draft"
+    SWA = "swa"
 
 
 _ALLOWED_DTYPES = {

@@ -59,7 +59,7 @@ from ..runtime.events import record_fence
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
 from .sglang_config import SGLangLinkerConfig
-from .sglang_pools import PoolLayoutError, SGLangPool, draft_pool, full_pool, mamba_pool
+from .sglang_pools import PoolLayoutError, SGLangPool, draft_pool, full_pool, mamba_pool, swa_pool
 
 try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
     import sglang
@@ -76,7 +76,9 @@ log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 _RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
-_KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, mamba, draft
+_KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, swa, mamba, draft
+#: the order a load's objects (and their keys) are listed in: pages, then the state
+_ORDER = (PoolKind.FULL, PoolKind.DRAFT, PoolKind.SWA, PoolKind.MAMBA)
 
 
 class LoadFailedError(RuntimeError):
@@ -150,9 +152,10 @@ class HylinkerLinker(UnifiedCacheLinker):
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         names = {getattr(c, "name", str(c)) for c in components}
-        unsupported = names - {"FULL", "MAMBA"}
-        if unsupported:
-            raise PoolLayoutError(f"HylinkerLinker supports FULL and MAMBA components, not {sorted(unsupported)}")
+        unsupported = names - {"FULL", "SWA", "MAMBA"}
+        if unsupported or "FULL" not in names:
+            raise PoolLayoutError(
+                f"HylinkerLinker serves FULL with SWA and/or MAMBA components, not {sorted(names)}")
         if getattr(params, "mtp_draft_device_pools", None):
             raise PoolLayoutError("packed MTP draft KV is not supported yet")
         if "MAMBA" in names and getattr(params, "enable_mamba_extra_buffer", False):
@@ -160,6 +163,8 @@ class HylinkerLinker(UnifiedCacheLinker):
                 "--mamba-radix-cache-strategy extra_buffer is not supported: launch with "
                 "--mamba-radix-cache-strategy no_buffer")
         pools: dict[PoolKind, SGLangPool] = {PoolKind.FULL: full_pool(kvcache)}
+        if "SWA" in names:
+            pools[PoolKind.SWA] = swa_pool(kvcache)
         if "MAMBA" in names:
             pools[PoolKind.MAMBA] = mamba_pool(params.req_to_token_pool,
                                                int(getattr(kvcache, "start_layer", 0) or 0))
@@ -229,6 +234,9 @@ class HylinkerLinker(UnifiedCacheLinker):
         pages = list(kv.keys)
         probe = {PoolKind.FULL: self.object_keys("kv", pages)}
         with_state = "mamba" in by_name and PoolKind.MAMBA in self._kinds
+        swa = by_name.get("swa") if PoolKind.SWA in self._kinds else None
+        if swa is not None:  # every tail page: a window may end at any of them
+            probe[PoolKind.SWA] = self.object_keys("swa", pages)
         if PoolKind.DRAFT in self._kinds:
             probe[PoolKind.DRAFT] = self.object_keys("draft", pages)
         if with_state:
@@ -251,17 +259,26 @@ class HylinkerLinker(UnifiedCacheLinker):
             counts = [n for n in range(1, prefix + 1) if state[n - 1]]
         else:
             counts = list(range(1, prefix + 1))
+        trailing = 0
+        if swa is not None:
+            # SGLang's rule for a TRAILING_PAGES pool: a stop n needs the window's pages below it,
+            # as many as the lookup's SWA transfer names (the window, or the tail if shorter)
+            trailing = max(1, len(swa.keys or ()))
+            window_ok = present[PoolKind.SWA]
+            counts = [n for n in counts if all(window_ok[max(0, n - trailing):n])]
         if counts:
             self._count("lookup_hits")
-            self._touch(pages[:counts[-1]], with_state)
+            self._touch(pages[:counts[-1]], with_state, trailing)
         return counts
 
-    def _touch(self, pages: list[str], with_state: bool) -> None:
+    def _touch(self, pages: list[str], with_state: bool, swa_pages: int = 0) -> None:
         if not self.config.touch or not self.store.capabilities.touch:
             return
         keys = self.object_keys("kv", pages)
         if PoolKind.DRAFT in self._kinds:
             keys += self.object_keys("draft", pages)
+        if swa_pages:
+            keys += self.object_keys("swa", pages[-swa_pages:])
         if with_state:
             keys += self.object_keys("mamba", pages[-1:])
         future = self.data.call_store(self.store.touch, keys)  # fire and forget: recency only
@@ -277,18 +294,21 @@ class HylinkerLinker(UnifiedCacheLinker):
         unknown = set(by_name) - {k.value for k in self._kinds}
         if unknown:
             raise PoolLayoutError(f"transfers for pools this linker does not hold: {sorted(unknown)}")
+        named: list[tuple[PoolKind, list[str], Any]] = []
         kv = by_name.get("kv")
-        if kv is None or not kv.keys or kv.device_indices is None:
-            return [], []
-        pages = list(kv.keys)
-        named = [(PoolKind.FULL, self.object_keys("kv", pages), kv.device_indices)]
-        if PoolKind.DRAFT in self._kinds:
-            named.append((PoolKind.DRAFT, self.object_keys("draft", pages), kv.device_indices))
-        state = by_name.get("mamba")
-        if state is not None and state.keys:
-            if state.device_indices is None:
-                raise PoolLayoutError("a MAMBA transfer without a slot")
-            named.append((PoolKind.MAMBA, self.object_keys("mamba", list(state.keys)), state.device_indices))
+        if kv is not None and kv.keys:  # a load may lack it: the pages are on the device already
+            if kv.device_indices is None:
+                raise PoolLayoutError("a KV transfer without rows")
+            pages = list(kv.keys)
+            named.append((PoolKind.FULL, self.object_keys("kv", pages), kv.device_indices))
+            if PoolKind.DRAFT in self._kinds:
+                named.append((PoolKind.DRAFT, self.object_keys("draft", pages), kv.device_indices))
+        for kind in (PoolKind.SWA, PoolKind.MAMBA):  # SWA pages on their own rows; the state's slot
+            side = by_name.get(kind.value)
+            if side is not None and side.keys:
+                if side.device_indices is None:
+                    raise PoolLayoutError(f"a {kind.value} transfer without rows")
+                named.append((kind, self.object_keys(kind.value, list(side.keys)), side.device_indices))
         out: list[Transfer] = []
         every: list[str] = []
         for kind, keys, indices in named:
@@ -371,8 +391,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         log.error("HylinkerLinker load batch %d: %s", index, error)
         bad: list[str] = []
         if outcome is not None and not outcome.cancelled:
-            verified = [ok for kind in (PoolKind.FULL, PoolKind.DRAFT, PoolKind.MAMBA)
-                        for ok in outcome.objects.get(kind, [])]
+            verified = [ok for kind in _ORDER for ok in outcome.objects.get(kind, [])]
             bad = [k for k, ok in zip(keys, verified) if not ok]
         if not bad or not self.store.capabilities.remove:
             self._fail(index, error)

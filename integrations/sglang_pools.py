@@ -11,6 +11,8 @@ a :class:`~hylinker.components.pool_view.PoolView` whose layer ids are the indic
 * FULL of a dense model: SGLang's plain MHA or MLA pool itself, every layer of the stage;
 * MAMBA: the stacked ``conv[j][L, slot, ...]`` and ``temporal[L, slot, ...]`` of the Mamba
   cache, one slot per object (per rank);
+* SWA: the sliding-window layers' ``k_buffer[i]``/``v_buffer[i]`` of an ``SWAKVPool``, on SWA rows
+  (per rank);
 * DRAFT: a sidecar MHA pool's ``k_buffer[d]``/``v_buffer[d]`` on the same KV rows.
 
 What the plugin does not support yet is refused here with a :class:`PoolLayoutError` naming
@@ -59,7 +61,8 @@ def _check_row_layout(pool: Any) -> None:
         raise PoolLayoutError("scaled KV caches are not supported yet")
 
 
-def _kv_pool(pool: Any, start: int, page: int, mapping: Mapping[int, int] | None) -> SGLangPool:
+def _kv_pool(pool: Any, start: int, page: int, mapping: Mapping[int, int] | None,
+             kind: PoolKind = PoolKind.FULL) -> SGLangPool:
     """One full-attention pool: MHA (``k_buffer``/``v_buffer``, per rank) or plain MLA (one latent
     ``kv_buffer``, the same on every TP rank). ``mapping``: SGLang's global id -> buffer index
     (hybrid pools); without it buffer ``i`` is layer ``start + i`` (a dense model's pool)."""
@@ -75,8 +78,8 @@ def _kv_pool(pool: Any, start: int, page: int, mapping: Mapping[int, int] | None
     else:
         raise PoolLayoutError(f"unsupported full-attention pool {type(pool).__name__}")
     n = len(buffers[0])
-    layer_ids = _by_index(mapping, n, start, "full attention") if mapping is not None else list(range(n))
-    return SGLangPool(kv_view(*buffers, layer_ids=layer_ids, page_size=page), replicated=replicated)
+    layer_ids = _by_index(mapping, n, start, kind.value) if mapping is not None else list(range(n))
+    return SGLangPool(kv_view(*buffers, layer_ids=layer_ids, page_size=page, kind=kind), replicated=replicated)
 
 
 def full_pool(kvcache: Any) -> SGLangPool:
@@ -84,22 +87,47 @@ def full_pool(kvcache: Any) -> SGLangPool:
 
     * a ``HybridLinearKVPool`` (FULL + MAMBA models): its ``full_kv_pool``, layers by
       ``full_attention_layer_id_mapping``;
+    * an ``SWAKVPool`` (FULL + SWA [+ MAMBA] models): its ``full_kv_pool``, layers by the
+      non-sliding entries of ``layers_mapping``;
     * a dense model's plain ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (component FULL alone):
       every layer of the stage, counter layer ``i`` = buffer ``i``.
     """
     page = int(kvcache.page_size)
     start = int(getattr(kvcache, "start_layer", 0) or 0)
+    if hasattr(kvcache, "swa_kv_pool"):
+        return _kv_pool(kvcache.full_kv_pool, start, page, _swa_layer_maps(kvcache)[0])
     if hasattr(kvcache, "full_kv_pool"):
         mapping = getattr(kvcache, "full_attention_layer_id_mapping", None)
         if mapping is None:
             raise PoolLayoutError("a hybrid KV pool without full_attention_layer_id_mapping")
         return _kv_pool(kvcache.full_kv_pool, start, page, mapping)
-    for other in ("swa_kv_pool", "mamba_pool", "indexer_k_buffer"):
+    for other in ("mamba_pool", "indexer_k_buffer"):
         if getattr(kvcache, other, None) is not None:
             raise PoolLayoutError(f"KV cache {type(kvcache).__name__} holds {other}, which is not supported")
     if not hasattr(kvcache, "layer_num"):
         raise PoolLayoutError(f"unsupported KV cache {type(kvcache).__name__}")
     return _kv_pool(kvcache, start, page, None)
+
+
+def _swa_layer_maps(kvcache: Any) -> tuple[dict[int, int], dict[int, int]]:
+    """An ``SWAKVPool``'s ``layers_mapping`` (``{global id: (buffer index, is_swa)}``) split into
+    the full-attention and the sliding-window ``{global id: buffer index}``."""
+    mapping = getattr(kvcache, "layers_mapping", None)
+    if not isinstance(mapping, Mapping):
+        raise PoolLayoutError(f"{type(kvcache).__name__} has no layers_mapping")
+    full = {int(g): int(i) for g, (i, is_swa) in mapping.items() if not is_swa}
+    swa = {int(g): int(i) for g, (i, is_swa) in mapping.items() if is_swa}
+    return full, swa
+
+
+def swa_pool(kvcache: Any) -> SGLangPool:
+    """SWA from an ``SWAKVPool``: the sliding-window layers' ``k_buffer``/``v_buffer``, indexed by
+    SWA row (SGLang allocates those rows apart from the full-attention rows)."""
+    pool = getattr(kvcache, "swa_kv_pool", None)
+    if pool is None:
+        raise PoolLayoutError(f"component SWA needs an SWAKVPool, got {type(kvcache).__name__}")
+    start = int(getattr(kvcache, "start_layer", 0) or 0)
+    return _kv_pool(pool, start, int(kvcache.page_size), _swa_layer_maps(kvcache)[1], kind=PoolKind.SWA)
 
 
 def mamba_pool(req_to_token_pool: Any, start_layer: int = 0) -> SGLangPool:
@@ -135,4 +163,4 @@ def draft_pool(draft_pools: Sequence[Any], page_size: int) -> SGLangPool | None:
     return SGLangPool(view, replicated=False)
 
 
-__all__ = ["PoolLayoutError", "SGLangPool", "draft_pool", "full_pool", "mamba_pool"]
+__all__ = ["PoolLayoutError", "SGLangPool", "draft_pool", "full_pool", "mamba_pool", "swa_pool"]

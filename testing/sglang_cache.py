@@ -1,4 +1,4 @@
-"""SGLang's real ``UnifiedRadixCache`` (FULL + MAMBA, or a dense model's FULL) on CPU, driven the way
+"""SGLang's real ``UnifiedRadixCache`` (FULL + MAMBA, FULL + SWA + MAMBA, or a dense model's FULL) on CPU, driven the way
 its scheduler does.
 
 For the SGLang plugin's tests and benchmark; needs ``sglang==0.5.23`` (``.ci/sglang-setup.sh``
@@ -84,8 +84,11 @@ class CacheSpec:
     kv: str = "mla"  # "mla" (latent, rank-replicated) or "mha" (separate K and V)
     #: "hybrid": FULL + MAMBA (a HybridLinearKVPool over the full layers, a Mamba2 state pool);
     #: "dense": component FULL alone, SGLang's plain MHA/MLA pool over every layer
-    #: (``full_layers`` is then ignored)
+    #: (``full_layers`` is then ignored); "swa_mamba": FULL + SWA + MAMBA as SGLang's own fixture
+    #: builds it (an ``SWAKVPool``, MHA; every non-full layer has sliding-window KV and a Mamba
+    #: state; page size 1, which SGLang's Mamba component needs without the extra buffer)
     model: str = "hybrid"
+    sliding_window: int = 8  # tokens ("swa_mamba")
     num_layers: int = 6
     full_layers: tuple[int, ...] = (2, 5)
     kv_pages: int = 2048
@@ -135,6 +138,7 @@ class SGLangCache:
             PagedTokenToKVPoolAllocator,
             TokenToKVPoolAllocator,
         )
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import (
             HybridLinearKVPool,
@@ -143,6 +147,7 @@ class SGLangCache:
             MLATokenToKVPool,
             ReqToTokenPool,
         )
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
         from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -151,11 +156,15 @@ class SGLangCache:
             raise RuntimeError(f"the harness targets sglang=={SGLANG_VERSION}, found {sglang.__version__}")
         self.spec = spec
         P = spec.page_size
-        if spec.model not in ("hybrid", "dense"):
-            raise ValueError(f"CacheSpec.model must be 'hybrid' or 'dense', not {spec.model!r}")
+        if spec.model not in ("hybrid", "dense", "swa_mamba"):
+            raise ValueError(f"CacheSpec.model must be 'hybrid', 'dense' or 'swa_mamba', not {spec.model!r}")
         self.dense = spec.model == "dense"
+        self.swa = spec.model == "swa_mamba"
+        if self.swa and (P != 1 or spec.kv != "mha"):
+            raise ValueError("CacheSpec(model='swa_mamba') needs page_size=1 and kv='mha'")
         self.full_layers = list(range(spec.num_layers)) if self.dense else list(spec.full_layers)
         self.mamba_layers = [] if self.dense else [i for i in range(spec.num_layers) if i not in spec.full_layers]
+        self.swa_layers = list(self.mamba_layers) if self.swa else []
         server_args = ServerArgs(
             model_path="dummy", page_size=P,
             enable_unified_cache_external_linker=linker_config is not None,
@@ -193,21 +202,34 @@ class SGLangCache:
                 max_context_len=spec.max_context, device="cpu", enable_memory_saver=False,
                 cache_params=cache_params, mamba_layer_ids=self.mamba_layers,
                 enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3)
-            self.kvcache = HybridLinearKVPool(
-                size=size, dtype=spec.dtype, page_size=P, head_num=spec.head_num, head_dim=spec.head_dim,
-                full_attention_layer_ids=list(spec.full_layers), device="cpu", enable_memory_saver=False,
-                mamba_pool=self.req_to_token_pool.mamba_pool, use_mla=mla,
-                kv_lora_rank=spec.kv_lora_rank if mla else None,
-                qk_rope_head_dim=spec.qk_rope_head_dim if mla else None)
-            components = (ComponentType.FULL, ComponentType.MAMBA)
-        alloc_cls = PagedTokenToKVPoolAllocator if P > 1 else TokenToKVPoolAllocator
-        kwargs: dict[str, Any] = {"page_size": P} if P > 1 else {}
-        self.allocator = alloc_cls(size=size, dtype=spec.dtype, device="cpu", kvcache=self.kvcache,
-                                   need_sort=False, **kwargs)
+            if self.swa:
+                self.kvcache = SWAKVPool(
+                    size=size, size_swa=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num,
+                    head_dim=spec.head_dim, swa_attention_layer_ids=self.swa_layers,
+                    full_attention_layer_ids=list(spec.full_layers), device="cpu")
+                components = (ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA)
+            else:
+                self.kvcache = HybridLinearKVPool(
+                    size=size, dtype=spec.dtype, page_size=P, head_num=spec.head_num, head_dim=spec.head_dim,
+                    full_attention_layer_ids=list(spec.full_layers), device="cpu", enable_memory_saver=False,
+                    mamba_pool=self.req_to_token_pool.mamba_pool, use_mla=mla,
+                    kv_lora_rank=spec.kv_lora_rank if mla else None,
+                    qk_rope_head_dim=spec.qk_rope_head_dim if mla else None)
+                components = (ComponentType.FULL, ComponentType.MAMBA)
+        self.allocator: Any
+        if self.swa:
+            self.allocator = SWATokenToKVPoolAllocator(size=size, size_swa=size, page_size=P, dtype=spec.dtype,
+                                                       device="cpu", kvcache=self.kvcache, need_sort=False)
+        else:
+            alloc_cls = PagedTokenToKVPoolAllocator if P > 1 else TokenToKVPoolAllocator
+            kwargs: dict[str, Any] = {"page_size": P} if P > 1 else {}
+            self.allocator = alloc_cls(size=size, dtype=spec.dtype, device="cpu", kvcache=self.kvcache,
+                                       need_sort=False, **kwargs)
         self.params = CacheInitParams(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             page_size=P, disable=False, tree_components=components,
             enable_mamba_extra_buffer=False, eviction_policy="lru",
+            sliding_window_size=spec.sliding_window if self.swa else None,
             tp_cache_group=tp_group, attn_tp_cache_group=tp_group)
         with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(spec.tree_core):
             self.cache = UnifiedRadixCache(params=self.params)
@@ -225,6 +247,8 @@ class SGLangCache:
             self.kvcache.register_layer_transfer_counter(self.cache.linker.layer_done_counter)
         self._next_rid = 0
         self.kv_buffers = self._kv_buffers()
+        self.swa_buffers = ([[self.kvcache.swa_kv_pool.k_buffer[i], self.kvcache.swa_kv_pool.v_buffer[i]]
+                             for i in range(len(self.swa_layers))] if self.swa else [])
 
     # ---- the synthetic model ---------------------------------------------------------
     def _kv_buffers(self) -> list[list[torch.Tensor]]:
@@ -278,6 +302,16 @@ class SGLangCache:
             out.append([self._bytes(seeds, 1000 * li + bi + 1, b[0].view(torch.uint8).numel())
                         for bi, b in enumerate(bufs)])
         return out
+
+    def expected_swa_rows(self, tokens: Sequence[int], lo: int, hi: int) -> list[list[np.ndarray]]:
+        """What a forward writes into the sliding-window rows of positions [lo, hi)."""
+        seeds = self._chain(tokens[:hi])[lo:hi]
+        return [[self._bytes(seeds, 50000 + 1000 * li + bi + 1, b[0].view(torch.uint8).numel())
+                 for bi, b in enumerate(bufs)] for li, bufs in enumerate(self.swa_buffers)]
+
+    def swa_rows(self, full_rows: torch.Tensor) -> torch.Tensor:
+        """The sliding-window rows SGLang maps these full-attention rows to."""
+        return self.allocator.translate_loc_from_full_to_swa(full_rows.to(torch.int64)).to(torch.int64)
 
     def expected_state(self, tokens: Sequence[int], depth: int) -> list[np.ndarray]:
         """The state a forward leaves at ``depth`` tokens (per state buffer, flat bytes)."""
@@ -341,6 +375,8 @@ class SGLangCache:
             if layer in self.full_layers:
                 self.kvcache.get_key_buffer(layer)
             else:
+                if self.swa:
+                    self.kvcache.get_key_buffer(layer)
                 self.req_to_token_pool.mamba2_layer_cache(layer)
         failed = self.cache.finish_external_linker_loads([req])
         load_s = time.perf_counter() - t_load if loaded else 0.0
@@ -359,6 +395,12 @@ class SGLangCache:
                 for bi, b in enumerate(bufs):
                     view = b.view(torch.uint8).view(b.shape[0], -1)
                     view[new_rows] = torch.from_numpy(expected[li][bi])
+            if self.swa:
+                expected = self.expected_swa_rows(tokens, prefix_len, L)
+                swa_new = self.swa_rows(new_rows)
+                for li, bufs in enumerate(self.swa_buffers):
+                    for bi, b in enumerate(bufs):
+                        b.view(torch.uint8).view(b.shape[0], -1)[swa_new] = torch.from_numpy(expected[li][bi])
         depth = L // P * P
         for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, depth)):
             buf.copy_(torch.from_numpy(data))
@@ -382,6 +424,16 @@ class SGLangCache:
                 got = b.view(torch.uint8).view(b.shape[0], -1)[restored].numpy()
                 if not np.array_equal(got, expected[li][bi]):
                     bad.append(f"kv layer {self.full_layers[li]} buffer {bi}")
+        if self.swa:  # only the window below the boundary is restored (SGLang's SWA component)
+            window = min(hi - lo, self.spec.sliding_window)
+            swa_lo = hi - window
+            expected = self.expected_swa_rows(tokens, swa_lo, hi)
+            swa = self.swa_rows(rows[swa_lo:hi])
+            for li, bufs in enumerate(self.swa_buffers):
+                for bi, b in enumerate(bufs):
+                    got = b.view(torch.uint8).view(b.shape[0], -1)[swa].numpy()
+                    if not np.array_equal(got, expected[li][bi]):
+                        bad.append(f"swa layer {self.swa_layers[li]} buffer {bi}")
         for i, (buf, want) in enumerate(zip(self.state_buffers(slot), self.expected_state(tokens, hi))):
             if not np.array_equal(buf.numpy(), want):
                 bad.append(f"state buffer {i}")

@@ -131,3 +131,49 @@ def test_full_mamba_mha_is_refused_by_sglang_served_by_ours(caches: list[SGLangC
     again = cache.serve(A + B + C)
     assert again.loaded == len(A + B) and not again.aborted and again.restore_mismatches == []
     assert_clean(cache)
+
+
+# ---- FULL + SWA + MAMBA -------------------------------------------------------------------
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("window", [4, 64])
+def test_full_swa_mamba_restores_the_window(caches: list[SGLangCache], core: str, window: int) -> None:
+    spec = CacheSpec(model="swa_mamba", kv="mha", page_size=1, tree_core=core, sliding_window=window)
+    cache = build(caches, spec)
+    group = sglang_direct_group(cache)  # SGLang's own linker serves this group too
+    assert {str(getattr(n, "value", n)) for n in group.entry_map} == {"kv", "swa", "mamba"}
+    cache.serve(A + B)
+    cache.flush()
+    again = cache.serve(A + B + C)
+    assert again.device_hit == 0
+    assert again.loaded == len(A + B) and not again.aborted, again
+    assert again.restore_mismatches == []  # full KV, the SWA window below the boundary, the state
+    stats = cache.linker.statistics()
+    assert stats["loads_ok"] == 1 and stats.get("verify_failures", 0) == 0
+    assert_clean(cache)
+
+
+@pytest.mark.parametrize("window", [4, 64])
+def test_a_missing_swa_page_only_matters_inside_the_window(caches: list[SGLangCache], window: int) -> None:
+    spec = CacheSpec(model="swa_mamba", kv="mha", page_size=1, sliding_window=window)
+    cache = build(caches, spec)
+    cache.serve(A)  # a state at len(A)
+    cache.serve(A + B)  # and at len(A + B)
+    swa_stored = cache.linker.data.pool_statistics()["swa"].objects_offloaded
+    assert 0 < swa_stored <= 2 * max(window, 1) + len(A + B)
+    cache.flush()
+    from array import array
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    pages = list(get_storage_hash_str(RadixKey(array("q", A + B)), None, page_size=1))
+    gone = cache.linker.object_keys("swa", [pages[len(A) + 2]])
+    assert cache.linker.data.call_store(cache.linker.store.remove, gone).result(timeout=10) == 1
+    again = cache.serve(A + B + C)
+    # the stop at len(A+B) needs SWA pages [len(A+B) - window, len(A+B)); with a 64-token window
+    # that covers the removed page, so only the stop at len(A) (its own window whole) is left
+    expected = len(A) if window > len(B) - 2 else len(A + B)
+    assert again.loaded == expected and not again.aborted and again.restore_mismatches == []
+    loaded_swa = cache.linker.data.pool_statistics()["swa"].objects_loaded
+    assert loaded_swa == min(window, expected)  # only the window below the boundary is read
+    assert_clean(cache)
