@@ -16,7 +16,7 @@ fi
 here=$(pwd -P)
 if ! "$PY" - "$here" <<'PYEOF' 2>/dev/null
 import os, sys
-import hylinker, pytest, hypothesis, pytest_asyncio, transformers, matplotlib  # noqa: F401
+import hylinker, pytest, hypothesis, pytest_asyncio, transformers, matplotlib, prometheus_client  # noqa: F401
 sys.exit(0 if os.path.realpath(os.path.dirname(hylinker.__file__)) == sys.argv[1] else 1)
 PYEOF
 then

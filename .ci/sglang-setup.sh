@@ -15,7 +15,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 check() {
     "$VPY" - "$here" <<'PYEOF'
 import os, sys
-import torch, sglang, pytest, mooncake.store  # noqa: F401
+import torch, sglang, pytest, mooncake.store, prometheus_client  # noqa: F401
 import hylinker
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 assert not torch.version.cuda, "the SGLang venv must keep the CPU torch"
@@ -52,7 +52,7 @@ pip_ --no-deps compressed-tensors
 echo "sglang-setup: Mooncake client, test tools, hylinker (editable, no deps)"
 pip_ "torch==2.13.0" "mooncake-transfer-engine-non-cuda>=0.3.13,<0.4" \
     "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" "hypothesis>=6.100" \
-    "anyio>=4.0" "attrs>=23.1" "structlog>=24.1" "xxhash>=3.0"
+    "anyio>=4.0" "attrs>=23.1" "structlog>=24.1" "xxhash>=3.0" "prometheus-client>=0.17"
 pip_ --no-deps -e .
 
 check

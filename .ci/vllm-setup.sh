@@ -55,7 +55,7 @@ echo "vllm-setup: Mooncake client, test tools, hylinker (editable, no deps) with
 # shellcheck disable=SC2086
 pip_ $pins "mooncake-transfer-engine-non-cuda>=0.3.13,<0.4" \
     "pytest>=8" "pytest-asyncio>=0.23" "pytest-timeout>=2.2" \
-    "anyio>=4.0" "attrs>=23.1" "structlog>=24.1" "numpy>=1.24" "xxhash>=3.0" tokenizers
+    "anyio>=4.0" "attrs>=23.1" "structlog>=24.1" "numpy>=1.24" "xxhash>=3.0" "prometheus-client>=0.17" tokenizers
 pip_ --no-deps -e .
 "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 

@@ -46,6 +46,7 @@ import functools
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ from ..runtime.events import record_fence
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
 from .sglang_config import SGLangLinkerConfig
+from .sglang_metrics import STORE_EVENTS, LinkerMetrics
 from .sglang_pools import PoolLayoutError, SGLangPool, draft_pool, full_pool, mamba_pool, swa_pool
 
 try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
@@ -77,6 +79,21 @@ log = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"
 _RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
 _KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, swa, mamba, draft
+#: the linker's counters that are also Prometheus metrics: counter -> (family, labels)
+_METRIC_OF: dict[str, tuple[str, dict[str, str]]] = {
+    "lookup_hits": ("lookups", {"outcome": "hit"}),
+    "lookup_misses": ("lookups", {"outcome": "miss"}),
+    "lookup_errors": ("lookups", {"outcome": "error"}),
+    "hit_tokens": ("hit_tokens", {}),
+    "loads_ok": ("loads", {"outcome": "ok"}),
+    "loads_failed": ("loads", {"outcome": "failed"}),
+    "loads_cancelled": ("loads", {"outcome": "cancelled"}),
+    "loads_refused": ("loads", {"outcome": "refused"}),
+    "offloads_ok": ("offloads", {"outcome": "ok"}),
+    "offloads_failed": ("offloads", {"outcome": "failed"}),
+    "objects_skipped_restored": ("skipped", {"reason": "restored"}),
+    "bad_objects_removed": ("bad_removed", {}),
+}
 #: the order a load's objects (and their keys) are listed in: pages, then the state
 _ORDER = (PoolKind.FULL, PoolKind.DRAFT, PoolKind.SWA, PoolKind.MAMBA)
 
@@ -106,6 +123,7 @@ class _LoadBatch:
         self._lock = threading.Lock()
         self._waiting: dict[int, int] = collections.defaultdict(int)  # layer -> loads still landing it
         self._left = len(loads)
+        self._t0 = time.perf_counter()
         for load, _ in loads:
             for layer in load.layer_ids:
                 self._waiting[layer] += 1
@@ -136,6 +154,8 @@ class _LoadBatch:
         except Exception as exc:  # a bug in the data plane: fail the load, never hang it
             log.error("HylinkerLinker load raised: %r", exc)
             outcome = None
+        if self.linker.metrics is not None:
+            self.linker.metrics.observe("load_seconds", time.perf_counter() - self._t0)
         self.linker._load_ended(self.index, outcome, keys)
 
 
@@ -189,6 +209,8 @@ class HylinkerLinker(UnifiedCacheLinker):
             for kind, p in pools.items()}
         self._writes = {kind: not p.replicated or tp_rank == 0 for kind, p in pools.items()}
         self.tp_rank = tp_rank
+        # SGLang's own switch: with --enable-metrics these appear on the server's /metrics
+        self.metrics = LinkerMetrics.create(bool(getattr(server_args, "enable_metrics", False)), tp_rank)
 
         self._lock = threading.Lock()  # counters and the restored set: scheduler and loop threads
         self._c: collections.Counter[str] = collections.Counter()
@@ -224,6 +246,26 @@ class HylinkerLinker(UnifiedCacheLinker):
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._c[name] += n
+        metric = _METRIC_OF.get(name)
+        if metric is not None and self.metrics is not None:
+            self.metrics.count(metric[0], n, **metric[1])
+
+    def _metric_totals(self) -> dict[tuple[str, ...], int]:
+        """The data plane's and the store's cumulative figures, as metrics keys (see
+        ``sglang_metrics``)."""
+        out: dict[tuple[str, ...], int] = {}
+        for pool, stats in self.data.pool_statistics().items():
+            out[("bytes", pool, "load")] = int(stats.bytes_loaded)
+            out[("bytes", pool, "offload")] = int(stats.bytes_offloaded)
+            out[("verify_failures", pool)] = int(stats.verify_failures)
+        res = self.store.resilience()
+        for name, event in STORE_EVENTS.items():
+            out[("store_events", event)] = int(getattr(res, name))
+        return out
+
+    def _publish_metrics(self, force: bool = False) -> None:
+        if self.metrics is not None and not self._closed:
+            self.metrics.publish(self._metric_totals, force=force)
 
     # ---- lookup -----------------------------------------------------------------------
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
@@ -268,7 +310,10 @@ class HylinkerLinker(UnifiedCacheLinker):
             counts = [n for n in counts if all(window_ok[max(0, n - trailing):n])]
         if counts:
             self._count("lookup_hits")
+            self._count("hit_tokens", counts[-1] * self.page_size)
             self._touch(pages[:counts[-1]], with_state, trailing)
+        else:
+            self._count("lookup_misses")
         return counts
 
     def _touch(self, pages: list[str], with_state: bool, swa_pages: int = 0) -> None:
@@ -319,7 +364,7 @@ class HylinkerLinker(UnifiedCacheLinker):
                     continue
                 with self._lock:
                     keep = [i for i, k in enumerate(keys) if k not in self._restored]
-                    self._c["objects_skipped_restored"] += len(keys) - len(keep)
+                self._count("objects_skipped_restored", len(keys) - len(keep))
                 if len(keep) < len(keys):
                     keys, index = [keys[i] for i in keep], index[keep]
             if keys:
@@ -334,11 +379,13 @@ class HylinkerLinker(UnifiedCacheLinker):
         try:
             trs, keys = self._transfers(transfers, offload=False)
             if not trs:
+                self._count("loads_refused")
                 return False
             # held until start_layer_wise_loading; verified whole before a row is written
             self._pending[rid] = (self.data.load(trs, request_id=rid, start=False, verify_all=True), keys)
         except PoolViewError as exc:  # malformed transfers: the same on every rank
             log.error("HylinkerLinker refuses load rid=%s: %s", rid, exc)
+            self._count("loads_refused")
             return False
         return True
 
@@ -428,16 +475,20 @@ class HylinkerLinker(UnifiedCacheLinker):
             self._offloaded(result, False)
             return True
         fence = _AllEvents(self.record_offload_ready()) if self._on_device and trs else None
+        t0 = time.perf_counter()
         done = self.data.offload(trs, fence=fence)
-        done.add_done_callback(lambda f: self._offloaded(result, _ok(f)))
+        done.add_done_callback(lambda f: self._offloaded(result, _ok(f), t0))
         return True
 
-    def _offloaded(self, result: concurrent.futures.Future[bool], ok: bool) -> None:
+    def _offloaded(self, result: concurrent.futures.Future[bool], ok: bool, t0: float | None = None) -> None:
         self._count("offloads_ok" if ok else "offloads_failed")
+        if t0 is not None and self.metrics is not None:
+            self.metrics.observe("offload_seconds", time.perf_counter() - t0)
         result.set_result(ok)
 
     def num_completed_offloads(self) -> int:
         self.data.pop_completed_offloads()  # ours are the futures in self._results
+        self._publish_metrics()  # called every scheduler round; publishes at most once a second
         n = 0
         for f in self._results:
             if not f.done():
@@ -468,6 +519,8 @@ class HylinkerLinker(UnifiedCacheLinker):
         pending = [f for f in self._results if not f.done()]
         if pending:  # writes in flight get drain_timeout_s, then the store fails fast
             concurrent.futures.wait(pending, timeout=self.config.drain_timeout_s)
+        with contextlib.suppress(Exception):  # the last figures; a dead store must not stop close
+            self._publish_metrics(force=True)
         try:
             self.data.call_store(self.store.shutdown).result(timeout=self.store.policy.close_grace_s + 5)
         except Exception as exc:

@@ -89,6 +89,7 @@ class CacheSpec:
     #: state; page size 1, which SGLang's Mamba component needs without the extra buffer)
     model: str = "hybrid"
     sliding_window: int = 8  # tokens ("swa_mamba")
+    enable_metrics: bool = False  # SGLang's --enable-metrics (the plugin then registers its metrics)
     num_layers: int = 6
     full_layers: tuple[int, ...] = (2, 5)
     kv_pages: int = 2048
@@ -169,7 +170,7 @@ class SGLangCache:
             model_path="dummy", page_size=P,
             enable_unified_cache_external_linker=linker_config is not None,
             unified_cache_external_linker_backend=backend if linker_config is not None else None,
-            unified_cache_external_linker_config=linker_config)
+            unified_cache_external_linker_config=linker_config, enable_metrics=spec.enable_metrics)
         server_args._mamba_cache_chunk_size = max(64, P)
         set_global_server_args_for_scheduler(server_args)
         self.server_args = server_args

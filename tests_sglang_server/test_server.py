@@ -97,13 +97,50 @@ def _restore_after_flush(server: SGLangServer, reference: dict[str, Any]) -> Non
     assert not [line for line in linker_lines(server) if "load" in line and "fail" in line]
 
 
-def test_embedded_store_restores_after_flush(tiny_gpt2: Path, tmp_path: Path,
-                                             reference: dict[str, Any]) -> None:
-    server = start(tiny_gpt2, tmp_path, "embedded", {"store": "embedded", "capacity_mb": 256})
+def scrape(server: SGLangServer) -> dict[str, float]:
+    """The server's ``/metrics``: ``name{labels}`` -> value, for hylinker's families."""
+    status, body = get(f"{server.url}/metrics")
+    assert status == 200, body[:500]
+    out: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        if line.startswith("sglang:hylinker_"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of ``name``'s samples whose labels include ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in samples.items()
+               if k.split("{")[0] == "sglang:hylinker_" + name and all(w in k for w in want))
+
+
+def test_embedded_store_restores_after_flush_with_metrics(tiny_gpt2: Path, tmp_path: Path,
+                                                          reference: dict[str, Any]) -> None:
+    server = start(tiny_gpt2, tmp_path, "embedded", {"store": "embedded", "capacity_mb": 256},
+                   extra_args=["--enable-metrics"])
     try:
         assert any("HylinkerLinker: store=embedded" in line for line in linker_lines(server))
         _restore_after_flush(server, reference)
         assert get(f"{server.url}/health")[0] == 200
+        # SGLang's own /metrics carries the plugin's families (scheduler process, multiprocess dir)
+        deadline = time.monotonic() + 30
+        while True:
+            samples = scrape(server)
+            if metric(samples, "bytes_total", direction="load") > 0 or time.monotonic() > deadline:
+                break
+            server.generate("a short request", max_new_tokens=1)  # a scheduler round publishes
+            time.sleep(1.1)
+        assert metric(samples, "lookups_total", outcome="hit") >= 1
+        assert metric(samples, "lookups_total", outcome="miss") >= 1
+        assert metric(samples, "hit_tokens_total") >= reference["cached"]
+        assert metric(samples, "loads_total", outcome="ok") == 1
+        assert metric(samples, "loads_total", outcome="failed") == 0
+        assert metric(samples, "offloads_total", outcome="ok") >= 1
+        assert metric(samples, "load_seconds_count") == 1
+        assert metric(samples, "bytes_total", pool="kv", direction="load") > 0
+        assert metric(samples, "bytes_total", pool="kv", direction="offload") > 0
     finally:
         assert_stops_cleanly(server)
 

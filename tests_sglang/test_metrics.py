@@ -1,0 +1,61 @@
+"""The plugin's Prometheus metrics inside SGLang's real cache (``--enable-metrics`` on): the
+counters move with a restore, a damaged object and a refused lookup. The families live in
+prometheus_client's global registry of this process, as they do in SGLang's scheduler process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hylinker.testing.sglang_cache import CacheSpec, SGLangCache
+
+PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
+A = list(range(5000, 5032))
+B = list(range(6000, 6008))
+
+
+def sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value("sglang:hylinker_" + name, {"tp_rank": "0", **labels})
+    return float(value or 0.0)
+
+
+def build(made: list[SGLangCache], **spec: Any) -> SGLangCache:
+    cache = SGLangCache(CacheSpec(**spec), {**PLUGIN, "linker_extra_config": {}})
+    made.append(cache)
+    return cache
+
+
+def test_counters_move_with_a_restore(caches: list[SGLangCache]) -> None:
+    cache = build(caches, enable_metrics=True, model="dense", kv="mha", page_size=4, num_layers=2)
+    assert cache.linker.metrics is not None
+    hits0, misses0 = sample("lookups_total", outcome="hit"), sample("lookups_total", outcome="miss")
+    tokens0, loads0 = sample("hit_tokens_total"), sample("loads_total", outcome="ok")
+    bytes_in0 = sample("bytes_total", pool="kv", direction="load")
+    bytes_out0 = sample("bytes_total", pool="kv", direction="offload")
+    offloads0 = sample("offloads_total", outcome="ok")
+    lat0 = sample("load_seconds_count")
+    cache.serve(A)  # a miss, then its pages offloaded
+    cache.flush()
+    restored = cache.serve(A + B)
+    assert restored.loaded == len(A) and restored.restore_mismatches == []
+    cache.linker._publish_metrics(force=True)
+    assert sample("lookups_total", outcome="miss") - misses0 == 1
+    assert sample("lookups_total", outcome="hit") - hits0 == 1
+    assert sample("hit_tokens_total") - tokens0 == len(A)
+    assert sample("loads_total", outcome="ok") - loads0 == 1
+    assert sample("load_seconds_count") - lat0 == 1
+    assert sample("offloads_total", outcome="ok") - offloads0 >= 1
+    from hylinker.stores import framing
+
+    page_bytes = framing.framed_size(cache.linker.pools[next(iter(cache.linker.pools))].payload_bytes)
+    assert sample("bytes_total", pool="kv", direction="load") - bytes_in0 == len(A) // 4 * page_bytes
+    assert sample("bytes_total", pool="kv", direction="offload") - bytes_out0 >= len(A) // 4 * page_bytes
+
+
+def test_metrics_off_without_enable_metrics(caches: list[SGLangCache]) -> None:
+    cache = build(caches, model="dense", kv="mha", page_size=4, num_layers=2)
+    assert cache.linker.metrics is None
+    hits0 = sample("lookups_total", outcome="miss")
+    cache.serve(A)
+    assert sample("lookups_total", outcome="miss") == hits0  # nothing recorded
