@@ -42,7 +42,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import hashlib
 import logging
 import threading
@@ -60,6 +59,7 @@ from ..runtime.events import record_fence
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
 from .sglang_config import SGLangLinkerConfig
+from .sglang_loads import AllEvents, LoadBatch
 from .sglang_metrics import STORE_EVENTS, LinkerMetrics
 from .sglang_pools import PoolLayoutError, SGLangPool, draft_pool, full_pool, mamba_pool, swa_pool
 
@@ -100,63 +100,6 @@ _ORDER = (PoolKind.FULL, PoolKind.DRAFT, PoolKind.SWA, PoolKind.MAMBA)
 
 class LoadFailedError(RuntimeError):
     """A load could not restore its objects; SGLang aborts the request (503)."""
-
-
-class _AllEvents:
-    """One fence over several device events (SGLang's ``record_offload_ready``)."""
-
-    def __init__(self, events: Sequence[Any]) -> None:
-        self.events = list(events)
-
-    def query(self) -> bool:
-        return all(e.query() for e in self.events)
-
-
-class _LoadBatch:
-    """The loads one ``start_layer_wise_loading`` started, behind one counter index: a layer
-    completes once every load of the batch landed it; any failure fails the index."""
-
-    def __init__(self, linker: HylinkerLinker, index: int, loads: list[tuple[SyncLoad, list[str]]]) -> None:
-        self.linker = linker
-        self.index = index
-        self.loads = loads
-        self._lock = threading.Lock()
-        self._waiting: dict[int, int] = collections.defaultdict(int)  # layer -> loads still landing it
-        self._left = len(loads)
-        self._t0 = time.perf_counter()
-        for load, _ in loads:
-            for layer in load.layer_ids:
-                self._waiting[layer] += 1
-        self._open = len(self._waiting)  # layers some load still has to land
-        with self._lock:  # layers no load feeds (a load without a state) need nothing
-            for layer in range(linker.num_layers):
-                if layer not in self._waiting:
-                    linker._complete(index, layer)
-        for load, keys in loads:
-            for layer in load.layer_ids:
-                load.layer(layer).add_done_callback(functools.partial(self._layer, layer))
-            load.result.add_done_callback(functools.partial(self._ended, keys))
-
-    def _layer(self, layer: int, future: concurrent.futures.Future[bool]) -> None:
-        if not future.result():
-            return  # the load failed: _ended fails the index
-        with self._lock:
-            self._waiting[layer] -= 1
-            if self._waiting[layer] == 0:
-                self._open -= 1
-                if self._open == 0:  # every load landed whole: remembered before SGLang can insert
-                    self.linker._remember([k for _, keys in self.loads for k in keys])
-                self.linker._complete(self.index, layer)
-
-    def _ended(self, keys: list[str], future: concurrent.futures.Future[TransferOutcome]) -> None:
-        try:
-            outcome: TransferOutcome | None = future.result()
-        except Exception as exc:  # a bug in the data plane: fail the load, never hang it
-            log.error("HylinkerLinker load raised: %r", exc)
-            outcome = None
-        if self.linker.metrics is not None:
-            self.linker.metrics.observe("load_seconds", time.perf_counter() - self._t0)
-        self.linker._load_ended(self.index, outcome, keys)
 
 
 class HylinkerLinker(UnifiedCacheLinker):
@@ -396,7 +339,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._pending = {}
         index: int = self.layer_done_counter.update_producer()
         self._count("load_batches")
-        _LoadBatch(self, index, loads)
+        LoadBatch(self, index, loads)
         # on a device: no row is written before the forward stream is past the rows' last use
         fence = record_fence(self._device) if self._on_device else None
         self.data.start(*(load for load, _ in loads), fence=fence)
@@ -474,7 +417,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         if not keys:
             self._offloaded(result, False)
             return True
-        fence = _AllEvents(self.record_offload_ready()) if self._on_device and trs else None
+        fence = AllEvents(self.record_offload_ready()) if self._on_device and trs else None
         t0 = time.perf_counter()
         done = self.data.offload(trs, fence=fence)
         done.add_done_callback(lambda f: self._offloaded(result, _ok(f), t0))
