@@ -19,6 +19,8 @@ import json
 import time
 from typing import Any
 
+from ..components.layout import PoolKind
+
 A = list(range(1000, 1024))
 B = list(range(2000, 2016))
 C = list(range(3000, 3008))
@@ -34,7 +36,23 @@ def _page_keys(tokens: list[int]) -> list[str]:
     return list(get_storage_hash_str(RadixKey(array("q", tokens)), None, page_size=1))
 
 
-def run(rank: int, world: int, port: int, master: str, core: str) -> dict[str, Any]:
+def _corrupt(linker: Any, key: str, nbytes: int) -> None:
+    """Replace the object under ``key`` with its bytes, one payload byte flipped."""
+    import torch
+
+    from ..stores.base import Outcome
+
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    got = linker.data.call_store(linker.store.get, [key], [buf]).result(timeout=10)
+    assert got[0].outcome is Outcome.OK, got
+    data = bytearray(buf[: got[0].nbytes].numpy().tobytes())
+    data[-1] ^= 0x5A
+    linker.data.call_store(linker.store.remove, [key]).result(timeout=10)
+    put = linker.data.call_store(linker.store.put, [key], [torch.frombuffer(data, dtype=torch.uint8)]).result(timeout=10)
+    assert put == [Outcome.OK], put
+
+
+def run(rank: int, world: int, port: int, master: str, core: str, damage: str = "remove") -> dict[str, Any]:
     import torch.distributed as dist
 
     from .sglang_cache import CacheSpec, SGLangCache
@@ -56,9 +74,15 @@ def run(rank: int, world: int, port: int, master: str, core: str) -> dict[str, A
         cache.flush()
         dist.barrier()
         keys = _page_keys(A + B + C + D)
-        lose = {0: len(A + B + C), 1: len(A + B)}[rank]  # independent faults: each its own state
-        gone = linker.object_keys("mamba", [keys[lose - 1]])
-        out["removed"] = linker.data.call_store(linker.store.remove, gone).result(timeout=10)
+        if damage == "remove":
+            lose = {0: len(A + B + C), 1: len(A + B)}[rank]  # independent faults: each its own state
+            gone = linker.object_keys("mamba", [keys[lose - 1]])
+            out["removed"] = linker.data.call_store(linker.store.remove, gone).result(timeout=10)
+        elif rank == 1:  # "corrupt": rank 1's deepest state is damaged, rank 0's is whole
+            from ..stores import framing
+
+            key = linker.object_keys("mamba", [keys[len(A + B + C) - 1]])[0]
+            _corrupt(linker, key, framing.framed_size(linker.data.plane.pools[PoolKind.MAMBA].payload_bytes))
         dist.barrier()  # both faults are in place before either rank looks up
 
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
@@ -71,6 +95,10 @@ def run(rank: int, world: int, port: int, master: str, core: str) -> dict[str, A
         out["served"] = {"device_hit": served.device_hit, "store_hit": served.store_hit,
                          "loaded": served.loaded, "aborted": served.aborted,
                          "restore_mismatches": served.restore_mismatches, "s": round(time.monotonic() - t0, 3)}
+        if damage == "corrupt":  # both ranks aborted it; the damaged object is gone: a retry
+            retry = cache.serve(A + B + C + D)
+            out["retry"] = {"device_hit": retry.device_hit, "store_hit": retry.store_hit, "loaded": retry.loaded,
+                            "aborted": retry.aborted, "restore_mismatches": retry.restore_mismatches}
         # the restored state and KV pages are this rank's own bytes: one more request agrees too
         again = cache.serve(A + B + [5, 6])
         out["again"] = {"device_hit": again.device_hit, "loaded": again.loaded, "aborted": again.aborted,
@@ -94,11 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--master", required=True)
     ap.add_argument("--core", default="python")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--damage", choices=["remove", "corrupt"], default="remove",
+                    help="remove: each rank loses a different state; corrupt: rank 1's deepest state is damaged")
     args = ap.parse_args(argv)
     from .sglang_cache import install_cpu_shims
 
     install_cpu_shims()
-    result = run(args.rank, args.world, args.port, args.master, args.core)
+    result = run(args.rank, args.world, args.port, args.master, args.core, args.damage)
     with open(args.out, "w") as f:
         json.dump(result, f)
 

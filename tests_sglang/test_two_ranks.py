@@ -25,16 +25,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.mooncake
-@pytest.mark.slow
-@pytest.mark.parametrize("core", ["python", "rust"])
-def test_two_ranks_take_the_same_hit_through_sglangs_min(mooncake_master: Any, tmp_path: Path, core: str) -> None:
+def _run_ranks(tmp_path: Path, master: str, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both ranks of ``hylinker.testing.sglang_ranks`` (``args`` added), each its own process;
+    returns what each wrote."""
     port = _free_port()
     procs = []
     for rank in (0, 1):
         cmd = [sys.executable, "-m", "hylinker.testing.sglang_ranks", "--rank", str(rank), "--world", "2",
-               "--port", str(port), "--master", mooncake_master.address, "--core", core,
-               "--out", str(tmp_path / f"rank{rank}.json")]
+               "--port", str(port), "--master", master, "--out", str(tmp_path / f"rank{rank}.json"), *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
@@ -48,6 +46,14 @@ def test_two_ranks_take_the_same_hit_through_sglangs_min(mooncake_master: Any, t
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    return r0, r1
+
+
+@pytest.mark.mooncake
+@pytest.mark.slow
+@pytest.mark.parametrize("core", ["python", "rust"])
+def test_two_ranks_take_the_same_hit_through_sglangs_min(mooncake_master: Any, tmp_path: Path, core: str) -> None:
+    r0, r1 = _run_ranks(tmp_path, mooncake_master.address, "--core", core)
     assert (r0["tp_rank"], r1["tp_rank"]) == (0, 1)  # the plugin read its rank from the group
     # MLA latent KV is one rank-replicated object (rank 0 writes it); states are per rank
     assert r0["kv_key"] == r1["kv_key"] and r0["state_key"] != r1["state_key"]
@@ -64,3 +70,22 @@ def test_two_ranks_take_the_same_hit_through_sglangs_min(mooncake_master: Any, t
     assert r0["again"] == r1["again"]
     # rank 1 never writes the replicated KV; rank 0 does
     assert r1["stats"].get("objects_offloaded", 0) < r0["stats"]["objects_offloaded"]
+
+
+@pytest.mark.mooncake
+@pytest.mark.slow
+def test_one_ranks_corrupt_state_aborts_both_then_both_take_the_common_depth(
+        mooncake_master: Any, tmp_path: Path) -> None:
+    r0, r1 = _run_ranks(tmp_path, mooncake_master.address, "--damage", "corrupt")
+    # the damaged object still exists: both ranks claim the deepest state, SGLang's MIN keeps it
+    assert r0["own_lookup"] == r1["own_lookup"] == [24, 40, 48]
+    for r in (r0, r1):
+        # rank 1's load fails verification; SGLang's MIN over finish_layer_wise_loading aborts
+        # the request on both ranks (neither runs on the other's restored rows alone)
+        assert r["served"]["store_hit"] == 48 and r["served"]["aborted"], r
+        # rank 1 removed the damaged state before failing: the retry agrees on 40, restored exactly
+        retry = r["retry"]
+        assert retry["store_hit"] == retry["loaded"] == 40 and not retry["aborted"], r
+        assert retry["restore_mismatches"] == [], r
+        assert r["leaks"] == {"kv_rows": 0, "mamba_slots": 0, "req_slots": 0}, r
+    assert r1["stats"]["bad_objects_removed"] == 1 and r0["stats"].get("bad_objects_removed", 0) == 0
