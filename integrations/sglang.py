@@ -44,6 +44,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolViewError
 from ..runtime.data_plane import DataPlaneConfig, SyncDataPlane, SyncLoad, Transfer, TransferOutcome
 from ..runtime.events import record_fence
+from ..runtime.tracing import enable_trace_logging, trace
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
 from .sglang_config import SGLangLinkerConfig
@@ -111,6 +113,8 @@ class HylinkerLinker(UnifiedCacheLinker):
             raise RuntimeError(
                 f"HylinkerLinker targets sglang=={SGLANG_VERSION}; this is sglang {sglang.__version__}")
         self.config = SGLangLinkerConfig.from_extra_config(extra_config)
+        if self.config.tracing:  # one JSON line per phase event on stderr (SGLang's server log)
+            enable_trace_logging(sys.stderr)
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
@@ -234,6 +238,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             future.cancel()
             self._count("lookup_errors")
             log.warning("HylinkerLinker lookup failed (a miss): %r", exc)
+            trace("sglang.lookup.error", request_id=rid, error=repr(exc))
             return []
         kv_ok = present[PoolKind.FULL]
         if PoolKind.DRAFT in present:
@@ -251,6 +256,8 @@ class HylinkerLinker(UnifiedCacheLinker):
             trailing = max(1, len(swa.keys or ()))
             window_ok = present[PoolKind.SWA]
             counts = [n for n in counts if all(window_ok[max(0, n - trailing):n])]
+        trace("sglang.lookup", request_id=rid, pages=len(pages), hit_pages=counts[-1] if counts else 0,
+              stops=len(counts), state=with_state, swa_window=trailing)
         if counts:
             self._count("lookup_hits")
             self._count("hit_tokens", counts[-1] * self.page_size)
@@ -323,22 +330,26 @@ class HylinkerLinker(UnifiedCacheLinker):
             trs, keys = self._transfers(transfers, offload=False)
             if not trs:
                 self._count("loads_refused")
+                trace("sglang.load.refused", request_id=rid, reason="no objects")
                 return False
             # held until start_layer_wise_loading; verified whole before a row is written
             self._pending[rid] = (self.data.load(trs, request_id=rid, start=False, verify_all=True), keys)
         except PoolViewError as exc:  # malformed transfers: the same on every rank
             log.error("HylinkerLinker refuses load rid=%s: %s", rid, exc)
             self._count("loads_refused")
+            trace("sglang.load.refused", request_id=rid, reason=str(exc))
             return False
+        trace("sglang.load.queued", request_id=rid, objects=len(keys))
         return True
 
     def start_layer_wise_loading(self) -> int:
         if not self._pending:
             return -1
-        loads = list(self._pending.values())
+        rids, loads = list(self._pending), list(self._pending.values())
         self._pending = {}
         index: int = self.layer_done_counter.update_producer()
         self._count("load_batches")
+        trace("sglang.load.start", counter_index=index, request_ids=rids)
         LoadBatch(self, index, loads)
         # on a device: no row is written before the forward stream is past the rows' last use
         fence = record_fence(self._device) if self._on_device else None
@@ -373,6 +384,8 @@ class HylinkerLinker(UnifiedCacheLinker):
 
     def _load_ended(self, index: int, outcome: TransferOutcome | None, keys: list[str]) -> None:
         """On the data plane's loop: remember what landed, or remove what did not and fail."""
+        trace("sglang.load.end", counter_index=index, ok=bool(outcome is not None and outcome.ok),
+              objects=len(keys), faults=outcome.faults if outcome is not None else "error")
         if outcome is not None and outcome.ok:
             self._count("loads_ok")
             return
@@ -419,7 +432,9 @@ class HylinkerLinker(UnifiedCacheLinker):
             return True
         fence = AllEvents(self.record_offload_ready()) if self._on_device and trs else None
         t0 = time.perf_counter()
-        done = self.data.offload(trs, fence=fence)
+        trace("sglang.offload", session_id=session_id or "", objects=sum(len(t.keys) for t in trs),
+              skipped=len(keys) - sum(len(t.keys) for t in trs))
+        done = self.data.offload(trs, fence=fence, request_id=session_id or "")
         done.add_done_callback(lambda f: self._offloaded(result, _ok(f), t0))
         return True
 

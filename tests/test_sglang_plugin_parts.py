@@ -126,3 +126,28 @@ def test_fingerprint_names_the_geometry() -> None:
     assert fp(True) == fp(True)
     assert fp(True) != fp(False)
     assert fp(True) != fp(True, "other")
+
+
+def test_trace_key_and_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hylinker.integrations.sglang_config import TRACE_ENV
+
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    assert not SGLangLinkerConfig.from_extra_config({}).tracing
+    assert SGLangLinkerConfig.from_extra_config({"trace": True}).tracing
+    with pytest.raises(LinkerConfigError, match="true or false"):
+        SGLangLinkerConfig.from_extra_config({"trace": "yes"})
+    monkeypatch.setenv(TRACE_ENV, "1")
+    assert SGLangLinkerConfig.from_extra_config({}).tracing  # the switch without a config edit
+    monkeypatch.setenv(TRACE_ENV, "0")
+    assert not SGLangLinkerConfig.from_extra_config({}).tracing
+
+
+def test_non_row_major_layouts_and_swa_without_its_pool_are_refused() -> None:
+    from hylinker.integrations.sglang_pools import swa_pool
+
+    hnd = _hybrid(False)
+    hnd.full_kv_pool.kv_cache_layout = "hnd"
+    with pytest.raises(PoolLayoutError, match="hnd"):
+        full_pool(hnd)
+    with pytest.raises(PoolLayoutError, match="SWAKVPool"):
+        swa_pool(_hybrid(False))

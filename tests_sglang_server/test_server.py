@@ -16,6 +16,8 @@ recompute must equal a cold run bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import signal
 import subprocess
@@ -116,9 +118,19 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
                if k.split("{")[0] == "sglang:hylinker_" + name and all(w in k for w in want))
 
 
-def test_embedded_store_restores_after_flush_with_metrics(tiny_gpt2: Path, tmp_path: Path,
-                                                          reference: dict[str, Any]) -> None:
-    server = start(tiny_gpt2, tmp_path, "embedded", {"store": "embedded", "capacity_mb": 256},
+def trace_lines(server: SGLangServer) -> list[dict[str, Any]]:
+    """The plugin's JSON trace lines in the server log."""
+    out = []
+    for line in server.text().splitlines():
+        if line.startswith("{") and '"event"' in line:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+def test_embedded_store_restores_after_flush_with_metrics_and_traces(
+        tiny_gpt2: Path, tmp_path: Path, reference: dict[str, Any]) -> None:
+    server = start(tiny_gpt2, tmp_path, "embedded", {"store": "embedded", "capacity_mb": 256, "trace": True},
                    extra_args=["--enable-metrics"])
     try:
         assert any("HylinkerLinker: store=embedded" in line for line in linker_lines(server))
@@ -141,6 +153,23 @@ def test_embedded_store_restores_after_flush_with_metrics(tiny_gpt2: Path, tmp_p
         assert metric(samples, "load_seconds_count") == 1
         assert metric(samples, "bytes_total", pool="kv", direction="load") > 0
         assert metric(samples, "bytes_total", pool="kv", direction="offload") > 0
+        # one restored request followed through the server log by its SGLang request id
+        server.flush_cache()
+        status, body = server.generate(PROMPT)
+        assert status == 200 and body["meta_info"]["cached_tokens"] == reference["cached"]
+        rid = body["meta_info"]["id"]
+        mine = [t for t in trace_lines(server)
+                if t.get("request_id") == rid or rid in t.get("request_ids", [])]
+        events = [t["event"] for t in mine]
+        for event in ("sglang.lookup", "sglang.load.queued", "sglang.load.start", "load"):
+            assert event in events, (event, events)
+        lookup = next(t for t in mine if t["event"] == "sglang.lookup")
+        assert lookup["hit_pages"] * 16 == reference["cached"]
+        data_load = next(t for t in mine if t["event"] == "load")
+        assert data_load["ok"] == data_load["objects"] > 0 and data_load["faults"] == {}
+        index = next(t for t in mine if t["event"] == "sglang.load.start")["counter_index"]
+        ends = [t for t in trace_lines(server) if t["event"] == "sglang.load.end" and t["counter_index"] == index]
+        assert ends and ends[-1]["ok"] is True
     finally:
         assert_stops_cleanly(server)
 
