@@ -125,10 +125,6 @@ class HylinkerLinker(UnifiedCacheLinker):
                 f"HylinkerLinker serves FULL with SWA and/or MAMBA components, not {sorted(names)}")
         if getattr(params, "mtp_draft_device_pools", None):
             raise PoolLayoutError("packed MTP draft KV is not supported yet")
-        if "MAMBA" in names and getattr(params, "enable_mamba_extra_buffer", False):
-            raise PoolLayoutError(
-                "--mamba-radix-cache-strategy extra_buffer is not supported: launch with "
-                "--mamba-radix-cache-strategy no_buffer")
         pools: dict[PoolKind, SGLangPool] = {PoolKind.FULL: full_pool(kvcache)}
         if "SWA" in names:
             pools[PoolKind.SWA] = swa_pool(kvcache)

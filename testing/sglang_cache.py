@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
+import math
 import sys
 import time
 import types
@@ -89,6 +90,10 @@ class CacheSpec:
     #: state; page size 1, which SGLang's Mamba component needs without the extra buffer)
     model: str = "hybrid"
     sliding_window: int = 8  # tokens ("swa_mamba")
+    #: SGLang's ``--mamba-radix-cache-strategy extra_buffer`` ("hybrid"): the forward keeps the
+    #: state at the last checkpoint boundary in the request's ping-pong track buffer, and the
+    #: tree caches that one (page sizes above 1 need it)
+    mamba_extra_buffer: bool = False
     enable_metrics: bool = False  # SGLang's --enable-metrics (the plugin then registers its metrics)
     num_layers: int = 6
     full_layers: tuple[int, ...] = (2, 5)
@@ -202,7 +207,7 @@ class SGLangCache:
                 size=spec.max_reqs, mamba_size=spec.mamba_slots, mamba_spec_state_size=spec.max_reqs,
                 max_context_len=spec.max_context, device="cpu", enable_memory_saver=False,
                 cache_params=cache_params, mamba_layer_ids=self.mamba_layers,
-                enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3)
+                enable_mamba_extra_buffer=spec.mamba_extra_buffer, speculative_num_draft_tokens=3)
             if self.swa:
                 self.kvcache = SWAKVPool(
                     size=size, size_swa=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num,
@@ -229,7 +234,7 @@ class SGLangCache:
         self.params = CacheInitParams(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             page_size=P, disable=False, tree_components=components,
-            enable_mamba_extra_buffer=False, eviction_policy="lru",
+            enable_mamba_extra_buffer=spec.mamba_extra_buffer, eviction_policy="lru",
             sliding_window_size=spec.sliding_window if self.swa else None,
             tp_cache_group=tp_group, attn_tp_cache_group=tp_group)
         with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(spec.tree_core):
@@ -403,8 +408,22 @@ class SGLangCache:
                     for bi, b in enumerate(bufs):
                         b.view(torch.uint8).view(b.shape[0], -1)[swa_new] = torch.from_numpy(expected[li][bi])
         depth = L // P * P
-        for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, depth)):
-            buf.copy_(torch.from_numpy(data))
+        if self.spec.mamba_extra_buffer and not self.dense:
+            # the forward tracks the state at the last checkpoint boundary (SGLang's grid
+            # G = lcm(max(chunk, P), P)) in the ping-pong buffer; the live state runs to L
+            grid = math.lcm(max(int(self.server_args._mamba_cache_chunk_size), P), P)
+            depth = L // grid * grid
+            track = int(req.kv.mamba_ping_pong_track_buffer[0])
+            for buf, data in zip(self.state_buffers(track), self.expected_state(tokens, depth)):
+                buf.copy_(torch.from_numpy(data))
+            req.kv.mamba_last_track_idx = 0
+            req.kv.mamba_last_track_seqlen = depth if depth > 0 else None
+            req.kv.mamba_prev_track_seqlen = None
+            for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, L)):
+                buf.copy_(torch.from_numpy(data))
+        else:
+            for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, depth)):
+                buf.copy_(torch.from_numpy(data))
         req.finished_reason = FINISH_LENGTH(length=0)
         t_offload = time.perf_counter()
         release_kv_cache(req, self.cache, checkpoint=True)

@@ -177,3 +177,20 @@ def test_a_missing_swa_page_only_matters_inside_the_window(caches: list[SGLangCa
     loaded_swa = cache.linker.data.pool_statistics()["swa"].objects_loaded
     assert loaded_swa == min(window, expected)  # only the window below the boundary is read
     assert_clean(cache)
+
+
+# ---- FULL + MAMBA with SGLang's extra_buffer strategy (paged hybrid trees) -----------------
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("kv", ["mla", "mha"])
+def test_full_mamba_extra_buffer_paged_restore(caches: list[SGLangCache], core: str, kv: str) -> None:
+    spec = CacheSpec(model="hybrid", kv=kv, page_size=4, tree_core=core, mamba_extra_buffer=True,
+                     max_context=1024, kv_pages=1024)
+    cache = build(caches, spec)
+    prompt = list(range(7000, 7000 + 150))  # the tracked state sits at 128 (grid 64), pages to 148
+    cache.serve(prompt)
+    cache.flush()
+    again = cache.serve(prompt + C)
+    assert again.device_hit == 0
+    assert again.loaded == 128 and not again.aborted, again  # the deepest state boundary
+    assert again.restore_mismatches == []
+    assert_clean(cache)

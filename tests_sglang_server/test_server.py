@@ -263,17 +263,20 @@ def test_killed_master_recomputes_and_shuts_down(tiny_gpt2: Path, tmp_path: Path
 
 
 @pytest.mark.cuda
-def test_hybrid_model_restores_on_a_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [
+    [],  # the README's block as it is: SGLang's auto strategy (extra_buffer on a GPU with paging)
+    ["--page-size", "1", "--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"],
+], ids=["auto", "no_buffer"])
+def test_hybrid_model_restores_on_a_gpu(tmp_path: Path, flags: list[str]) -> None:
     """A tiny hybrid model (qwen3_next: Gated DeltaNet + full attention) on SGLang's GPU path,
-    with the README's hybrid flags: the restored prefix equals SGLang's own device hit."""
+    launched from the README's block: the restored prefix equals SGLang's own device hit."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("SGLang's hybrid models need a GPU (Triton kernels)")
     from hylinker.testing.tiny_qwen3_next import build_tiny_qwen3_next
 
     model = build_tiny_qwen3_next(tmp_path / "model")
-    hybrid = ["--page-size", "1", "--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule",
-              "--mem-fraction-static", "0.3"]
+    hybrid = [*flags, "--mem-fraction-static", "0.3"]
     ref_server = start(model, tmp_path, "hybrid-reference", None, cpu=False, extra_args=hybrid)
     try:
         cold, _ = generate(ref_server)
