@@ -89,6 +89,17 @@ def test_readme_block_selects_the_dynamic_backend() -> None:
     assert "--enable-unified-cache-external-linker" in args
 
 
+def test_a_bad_linker_key_stops_the_server_at_startup_naming_it(tiny_gpt2: Path, tmp_path: Path) -> None:
+    cmd = launch_command(tiny_gpt2, free_port(), {"store": "embedded", "capacity_mb": 256, "stor": "x"})
+    server = SGLangServer(cmd, tmp_path / "bad-key.log")
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            server.wait_healthy(timeout_s=300)
+        assert "unknown linker_extra_config keys ['stor']" in server.text()
+    finally:
+        server.stop()
+
+
 def _restore_after_flush(server: SGLangServer, reference: dict[str, Any]) -> None:
     cold, cached = generate(server)
     assert cached == 0 and cold == reference["cold"]
