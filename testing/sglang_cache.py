@@ -77,6 +77,14 @@ def install_cpu_shims() -> None:
     sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]  # type: ignore[attr-defined]
 
 
+def page_keys(tokens: Sequence[int], page_size: int = 1) -> list[str]:
+    """SGLang's page keys (the chained hashes its tree gives the linker) of ``tokens``."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return list(get_storage_hash_str(RadixKey(array("q", list(tokens))), None, page_size=page_size))
+
+
 @attrs.frozen
 class CacheSpec:
     """Geometry of the SGLang cache the harness builds."""
@@ -489,6 +497,35 @@ class SGLangCache:
         self.cache.evict(EvictParams(num_tokens=self.spec.kv_pages * self.spec.page_size,
                                      mamba_num=0 if self.dense else self.spec.mamba_slots))
 
+    # ---- the store under the plugin (for damage tests) -------------------------------
+    def stored_bytes(self, key: str, nbytes: int) -> bytes | None:
+        """The object under ``key`` as the store holds it (frame included), or None if absent;
+        ``nbytes``: a buffer at least that large."""
+        from ..stores.base import Outcome
+
+        store = self.linker.store
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        got = self.linker.data.call_store(store.get, [key], [buf]).result(timeout=10)
+        return bytes(buf[: got[0].nbytes].numpy()) if got[0].outcome is Outcome.OK else None
+
+    def replace_object(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key`` in place of what is there, past every check of the plugin."""
+        from ..stores.base import Outcome
+
+        store = self.linker.store
+        self.linker.data.call_store(store.remove, [key]).result(timeout=10)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        put = self.linker.data.call_store(store.put, [key], [buf]).result(timeout=10)
+        assert put == [Outcome.OK], put
+
+    def corrupt_object(self, key: str, nbytes: int, at: int = -1) -> None:
+        """Flip one byte (``at``: an index into the stored frame; the last payload byte by default)."""
+        data = self.stored_bytes(key, nbytes)
+        assert data is not None, f"no object under {key}"
+        damaged = bytearray(data)
+        damaged[at] ^= 0x5A
+        self.replace_object(key, bytes(damaged))
+
     def leaks(self) -> dict[str, int]:
         """KV rows and Mamba slots in use once the tree holds nothing (must be zero)."""
         kv_total = self.spec.kv_pages * self.spec.page_size
@@ -505,4 +542,4 @@ class SGLangCache:
             self.cache.linker.close()
 
 
-__all__ = ["CacheSpec", "SGLangCache", "Served", "install_cpu_shims"]
+__all__ = ["CacheSpec", "SGLangCache", "Served", "install_cpu_shims", "page_keys"]

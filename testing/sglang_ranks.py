@@ -27,35 +27,10 @@ C = list(range(3000, 3008))
 D = [7, 8, 9]
 
 
-def _page_keys(tokens: list[int]) -> list[str]:
-    from array import array
-
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    return list(get_storage_hash_str(RadixKey(array("q", tokens)), None, page_size=1))
-
-
-def _corrupt(linker: Any, key: str, nbytes: int) -> None:
-    """Replace the object under ``key`` with its bytes, one payload byte flipped."""
-    import torch
-
-    from ..stores.base import Outcome
-
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    got = linker.data.call_store(linker.store.get, [key], [buf]).result(timeout=10)
-    assert got[0].outcome is Outcome.OK, got
-    data = bytearray(buf[: got[0].nbytes].numpy().tobytes())
-    data[-1] ^= 0x5A
-    linker.data.call_store(linker.store.remove, [key]).result(timeout=10)
-    put = linker.data.call_store(linker.store.put, [key], [torch.frombuffer(data, dtype=torch.uint8)]).result(timeout=10)
-    assert put == [Outcome.OK], put
-
-
 def run(rank: int, world: int, port: int, master: str, core: str, damage: str = "remove") -> dict[str, Any]:
     import torch.distributed as dist
 
-    from .sglang_cache import CacheSpec, SGLangCache
+    from .sglang_cache import CacheSpec, SGLangCache, page_keys
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
@@ -73,7 +48,7 @@ def run(rank: int, world: int, port: int, master: str, core: str, damage: str = 
             cache.serve(tokens)
         cache.flush()
         dist.barrier()
-        keys = _page_keys(A + B + C + D)
+        keys = page_keys(A + B + C + D)
         if damage == "remove":
             lose = {0: len(A + B + C), 1: len(A + B)}[rank]  # independent faults: each its own state
             gone = linker.object_keys("mamba", [keys[lose - 1]])
@@ -82,7 +57,7 @@ def run(rank: int, world: int, port: int, master: str, core: str, damage: str = 
             from ..stores import framing
 
             key = linker.object_keys("mamba", [keys[len(A + B + C) - 1]])[0]
-            _corrupt(linker, key, framing.framed_size(linker.data.plane.pools[PoolKind.MAMBA].payload_bytes))
+            cache.corrupt_object(key, framing.framed_size(linker.data.plane.pools[PoolKind.MAMBA].payload_bytes))
         dist.barrier()  # both faults are in place before either rank looks up
 
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hylinker.testing.sglang_cache import CacheSpec, SGLangCache
+from hylinker.testing.sglang_cache import CacheSpec, SGLangCache, page_keys
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 CORES = ["python", "rust"]
@@ -76,31 +76,12 @@ def test_dense_restore_is_byte_exact(caches: list[SGLangCache], core: str, kv: s
 
 
 def test_dense_damaged_page_fails_the_load_and_is_removed(caches: list[SGLangCache]) -> None:
-    from hylinker.stores.base import Outcome
-
     cache = build(caches, CacheSpec(model="dense", kv="mha", page_size=4, num_layers=2))
     cache.serve(A)
     cache.flush()
-    from array import array
-
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    pages = list(get_storage_hash_str(RadixKey(array("q", A)), None, page_size=4))
+    pages = page_keys(A, page_size=4)
     key = cache.linker.object_keys("kv", [pages[3]])[0]
-    store = cache.linker.store
-    import torch
-
-    nbytes = 1 << 16
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    got = cache.linker.data.call_store(store.get, [key], [buf]).result(timeout=10)
-    assert got[0].outcome is Outcome.OK
-    data = bytearray(buf[: got[0].nbytes].numpy().tobytes())
-    data[-1] ^= 0x5A  # a payload byte
-    cache.linker.data.call_store(store.remove, [key]).result(timeout=10)
-    put = cache.linker.data.call_store(
-        store.put, [key], [torch.frombuffer(data, dtype=torch.uint8)]).result(timeout=10)
-    assert put == [Outcome.OK]
+    cache.corrupt_object(key, 1 << 16)  # the last payload byte
     failed = cache.serve(A + C)
     assert failed.aborted and failed.restore_mismatches == []  # SGLang aborts it (503), nothing landed
     assert cache.linker.statistics()["bad_objects_removed"] >= 1
@@ -161,12 +142,7 @@ def test_a_missing_swa_page_only_matters_inside_the_window(caches: list[SGLangCa
     swa_stored = cache.linker.data.pool_statistics()["swa"].objects_offloaded
     assert 0 < swa_stored <= 2 * max(window, 1) + len(A + B)
     cache.flush()
-    from array import array
-
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    pages = list(get_storage_hash_str(RadixKey(array("q", A + B)), None, page_size=1))
+    pages = page_keys(A + B)
     gone = cache.linker.object_keys("swa", [pages[len(A) + 2]])
     assert cache.linker.data.call_store(cache.linker.store.remove, gone).result(timeout=10) == 1
     again = cache.serve(A + B + C)

@@ -8,7 +8,6 @@ restore is checked byte for byte against what a recompute writes.
 from __future__ import annotations
 
 import time
-from array import array
 from typing import Any
 
 import anyio
@@ -16,10 +15,10 @@ import pytest
 import torch
 
 from hylinker.stores import framing
-from hylinker.stores.base import GetResult, Outcome, Store, supports_checksums, supports_scatter
+from hylinker.stores.base import Store, supports_checksums, supports_scatter
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.testing.fakes import GatedStore
-from hylinker.testing.sglang_cache import CacheSpec, Served, SGLangCache
+from hylinker.testing.sglang_cache import CacheSpec, Served, SGLangCache, page_keys
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 CORES = ["python", "rust"]
@@ -36,13 +35,6 @@ def build(made: list[SGLangCache], core: str = "python", kv: str = "mla", **extr
     cache = SGLangCache(CacheSpec(tree_core=core, kv=kv), plugin(**extra))
     made.append(cache)
     return cache
-
-
-def page_keys(tokens: list[int]) -> list[str]:
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    return list(get_storage_hash_str(RadixKey(array("q", tokens)), None, page_size=1))
 
 
 def call(cache: SGLangCache, fn: Any, *args: Any) -> Any:
@@ -74,18 +66,6 @@ PASS_THROUGH = "deadline_ms=600000"
 
 def build_swappable(made: list[SGLangCache], core: str = "python", **extra: Any) -> SGLangCache:
     return build(made, core, faults=PASS_THROUGH, **extra)
-
-
-def store_get(cache: SGLangCache, key: str, nbytes: int) -> bytes | None:
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    res: list[GetResult] = call(cache, store(cache).get, [key], [buf])
-    return bytes(buf[: res[0].nbytes].numpy()) if res[0].outcome is Outcome.OK else None
-
-
-def store_replace(cache: SGLangCache, key: str, data: bytes) -> None:
-    call(cache, store(cache).remove, [key])
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    assert call(cache, store(cache).put, [key], [buf]) == [Outcome.OK]
 
 
 def kv_key(cache: SGLangCache, tokens: list[int], page: int, pool: str = "kv") -> str:
@@ -202,7 +182,7 @@ def test_damaged_objects_are_never_restored(caches: list[SGLangCache], core: str
     cache.serve(A + B)
     cache.flush()
     key = kv_key(cache, A + B, 5)
-    good = store_get(cache, key, frame_bytes(cache, "kv"))
+    good = cache.stored_bytes(key, frame_bytes(cache, "kv"))
     assert good is not None
     if damage == "corrupt_payload":
         bad = _flip(good, len(good) - 3)
@@ -212,8 +192,8 @@ def test_damaged_objects_are_never_restored(caches: list[SGLangCache], core: str
         bad = good[: len(good) // 2]
     else:  # an object written under the same key by another layout (another model or salt)
         other = kv_key(cache, A + B, 6)
-        bad = store_get(cache, other, frame_bytes(cache, "kv")) or b""
-    store_replace(cache, key, bad)
+        bad = cache.stored_bytes(other, frame_bytes(cache, "kv")) or b""
+    cache.replace_object(key, bad)
     target: dict[str, torch.Tensor] = {}
 
     def remember_rows(req: Any) -> None:  # the load's private rows, before anything lands
@@ -429,9 +409,9 @@ def test_damaged_object_is_gone_before_the_failed_load_reports(caches: list[SGLa
     cache.serve(A + B)
     cache.flush()
     key = kv_key(cache, A + B, 5)
-    good = store_get(cache, key, frame_bytes(cache, "kv"))
+    good = cache.stored_bytes(key, frame_bytes(cache, "kv"))
     assert good is not None
-    store_replace(cache, key, _flip(good, len(good) - 3))
+    cache.replace_object(key, _flip(good, len(good) - 3))
     assert cache.serve(A + B + C).aborted
     assert call(cache, store(cache).exists, [key]) == [False]
     after = cache.serve(A + B + C + [5])
