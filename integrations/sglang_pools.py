@@ -23,10 +23,11 @@ This module imports no SGLang.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolView, PoolViewError, kv_view, state_view
@@ -36,12 +37,61 @@ class PoolLayoutError(PoolViewError):
     """SGLang's pools have a shape the plugin does not support (the message says which)."""
 
 
+#: SGLang's ``(widened locs, dcp_size, dcp_rank) -> this rank's rows``
+#: (``sglang.srt.layers.dcp.layout.maybe_dcp_kernel_indices``)
+DcpCollapse = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+@attrs.frozen
+class DcpShare:
+    """This decode-context-parallel rank's rows of SGLang's DCP-widened KV locs.
+
+    Under DCP SGLang's KV allocator pages are ``page_size * size`` locs wide (the tree page) and a
+    loc ``w`` lives on rank ``w % size`` at row ``w // size`` of that rank's pool, so a widened
+    page collapses to ``page_size`` rows on every rank. ``collapse`` is SGLang's own function
+    for that (the one its host pools use), ``translate`` the pool's ``host_transfer_translate``
+    (a unified allocator's virtual -> physical row map, applied to collapsed ids as SGLang's L2
+    transfer does), or None for a static pool. Locs that are not whole, aligned widened pages
+    raise :class:`PoolLayoutError` (the same on every rank: a refused load).
+    """
+
+    size: int
+    rank: int
+    page_size: int  # rows of one page in this rank's pool (SGLang's physical page)
+    collapse: DcpCollapse
+    translate: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def widened(self) -> int:
+        return self.page_size * self.size
+
+    def rows(self, locs: torch.Tensor) -> torch.Tensor:
+        flat = locs.detach().reshape(-1).to("cpu", torch.int64)
+        w = self.widened
+        if flat.numel() % w:
+            raise PoolLayoutError(f"DCP {self.size}: {flat.numel()} KV locs are not whole widened pages of {w}")
+        if flat.numel():
+            pages = flat.view(-1, w)
+            if bool((pages[:, 0] % w).any()) or not torch.equal(pages, pages[:, :1] + torch.arange(w)):
+                raise PoolLayoutError(f"DCP {self.size}: KV locs are not aligned, contiguous widened pages of {w}")
+        out = self.collapse(flat, self.size, self.rank)
+        if self.translate is not None:
+            out = self.translate(out)
+        return out.reshape(-1).to("cpu", torch.int64)
+
+
 @attrs.frozen
 class SGLangPool:
-    """One pool's view and whether every TP rank holds the same bytes (then rank 0 writes)."""
+    """One pool's view, whether every TP rank holds the same bytes (then rank 0 writes) and,
+    under DCP, the rule that turns SGLang's widened locs into this rank's rows."""
 
     view: PoolView
     replicated: bool
+    dcp: DcpShare | None = None
+
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """The view's rows for SGLang's transfer indices."""
+        return indices.detach().reshape(-1).to("cpu", torch.int64) if self.dcp is None else self.dcp.rows(indices)
 
 
 def _by_index(mapping: Mapping[int, int], n: int, start: int, what: str) -> list[int]:
@@ -109,6 +159,12 @@ def full_pool(kvcache: Any) -> SGLangPool:
     return _kv_pool(kvcache, start, page, None)
 
 
+def full_kv_device_pool(kvcache: Any) -> Any:
+    """SGLang's full-attention pool object inside ``kvcache`` (a hybrid pool's ``full_kv_pool``, a
+    dense model's pool itself)."""
+    return getattr(kvcache, "full_kv_pool", kvcache)
+
+
 def _swa_layer_maps(kvcache: Any) -> tuple[dict[int, int], dict[int, int]]:
     """An ``SWAKVPool``'s ``layers_mapping`` (``{global id: (buffer index, is_swa)}``) split into
     the full-attention and the sliding-window ``{global id: buffer index}``."""
@@ -163,4 +219,4 @@ def draft_pool(draft_pools: Sequence[Any], page_size: int) -> SGLangPool | None:
     return SGLangPool(view, replicated=False)
 
 
-__all__ = ["PoolLayoutError", "SGLangPool", "draft_pool", "full_pool", "mamba_pool", "swa_pool"]
+__all__ = ["DcpCollapse", "DcpShare", "PoolLayoutError", "SGLangPool", "draft_pool", "full_kv_device_pool", "full_pool", "mamba_pool", "swa_pool"]
