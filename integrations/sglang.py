@@ -28,7 +28,8 @@ pool views of SGLang's tensors (``sglang_pools.py``), its store wrapped in a
 * **no re-offload of restored pages**: what a load just restored is not written back when the
   request's insert offloads it;
 * MHA full-attention pools (SGLang's linker takes MLA only), dense models (component FULL
-  alone: SGLang's linker refuses them) and a draft sidecar pool.
+  alone: SGLang's linker refuses them), decode-context parallelism and packed MTP/DSPARK draft
+  KV (SGLang's linker refuses both for FULL + MAMBA), and a draft sidecar pool.
 
 Without ``--unified-cache-external-linker-backend dynamic`` (its default is ``mooncake``) SGLang
 hands the JSON to its own Mooncake linker and never imports this module.
@@ -68,7 +69,6 @@ from .sglang_pools import (
     PoolLayoutError,
     SGLangPool,
     draft_pool,
-    full_kv_device_pool,
     full_pool,
     mamba_pool,
     swa_pool,
@@ -132,21 +132,24 @@ class HylinkerLinker(UnifiedCacheLinker):
         if unsupported or "FULL" not in names:
             raise PoolLayoutError(
                 f"HylinkerLinker serves FULL with SWA and/or MAMBA components, not {sorted(names)}")
-        if getattr(params, "mtp_draft_device_pools", None):
-            raise PoolLayoutError("packed MTP draft KV is not supported yet")
+        packed = tuple(getattr(params, "mtp_draft_device_pools", None) or ())
+        sidecar = tuple(getattr(params, "sidecar_draft_device_pools", None) or ())
+        if packed and sidecar:
+            raise PoolLayoutError("both packed MTP and sidecar draft KV pools: SGLang builds one or the other")
+        if getattr(params, "mtp_draft_mamba_pools", None):
+            raise PoolLayoutError("packed MTP draft Mamba states (a state pool per draft layer) are not supported yet")
         pools: dict[PoolKind, SGLangPool] = {PoolKind.FULL: full_pool(kvcache)}
         if "SWA" in names:
             pools[PoolKind.SWA] = swa_pool(kvcache)
         if "MAMBA" in names:
             pools[PoolKind.MAMBA] = mamba_pool(params.req_to_token_pool,
                                                int(getattr(kvcache, "start_layer", 0) or 0))
-        draft = draft_pool(getattr(params, "sidecar_draft_device_pools", None) or (), self.page_size)
+        draft = draft_pool(packed or sidecar, self.page_size)
         if draft is not None:
             pools[PoolKind.DRAFT] = draft
         self.dcp_size, self.dcp_rank = _dcp_placement()
         if self.dcp_size > 1:
-            pools[PoolKind.FULL] = _dcp_full(pools, self.page_size, self.dcp_size, self.dcp_rank,
-                                             full_kv_device_pool(kvcache))
+            pools[PoolKind.FULL] = _dcp_full(pools, self.page_size, self.dcp_size, self.dcp_rank)
         views = PoolSet([p.view for p in pools.values()])
         self._kinds = set(pools)
         self.pools: dict[Any, Any] = {PoolName(kind.value): pool.view for kind, pool in pools.items()}
@@ -559,11 +562,9 @@ def _dcp_placement() -> tuple[int, int]:
     return size, (int(parallel.attn_dcp_rank) if size > 1 else 0)
 
 
-def _dcp_full(pools: dict[PoolKind, SGLangPool], tree_page: int, size: int, rank: int,
-              device_pool: Any) -> SGLangPool:
+def _dcp_full(pools: dict[PoolKind, SGLangPool], tree_page: int, size: int, rank: int) -> SGLangPool:
     """FULL under DCP: SGLang's widened locs collapse to this rank's rows (its own
-    ``maybe_dcp_kernel_indices``, then the pool's ``host_transfer_translate`` where a unified
-    allocator set one). What the plugin does not serve with DCP is refused by name."""
+    ``maybe_dcp_kernel_indices``). What the plugin does not serve with DCP is refused by name."""
     from sglang.srt.layers.dcp.layout import maybe_dcp_kernel_indices
 
     if PoolKind.SWA in pools:
@@ -575,9 +576,7 @@ def _dcp_full(pools: dict[PoolKind, SGLangPool], tree_page: int, size: int, rank
     if tree_page != page * size:
         raise PoolLayoutError(
             f"DCP {size}: the tree page is {tree_page} tokens, not the KV pool's page {page} x {size}")
-    translate = getattr(device_pool, "host_transfer_translate", None)
-    share = DcpShare(size, rank, page, maybe_dcp_kernel_indices, translate)
-    return SGLangPool(full.view, full.replicated, share)
+    return SGLangPool(full.view, full.replicated, DcpShare(size, rank, page, maybe_dcp_kernel_indices))
 
 
 def _tp_rank(params: Any) -> int:

@@ -110,6 +110,9 @@ class CacheSpec:
     #: ``KVIndexTranslator.translate_dcp_read_ids(loc)`` (``loc // dcp_size``)
     dcp_size: int = 1
     dcp_rank: int = 0
+    #: packed MTP draft KV (SGLang's ``mtp_draft_device_pools``): one NextN draft runner's KV pool
+    #: per draft depth, one layer each, the target's kind (MLA or MHA), on the target's KV locs
+    draft_layers: int = 0
     num_layers: int = 6
     full_layers: tuple[int, ...] = (2, 5)
     kv_pages: int = 2048
@@ -243,6 +246,16 @@ class SGLangCache:
                     kv_lora_rank=spec.kv_lora_rank if mla else None,
                     qk_rope_head_dim=spec.qk_rope_head_dim if mla else None)
                 components = (ComponentType.FULL, ComponentType.MAMBA)
+        self.draft_pools: list[Any] = []
+        for _ in range(spec.draft_layers):
+            if mla:
+                self.draft_pools.append(MLATokenToKVPool(
+                    size=size, page_size=P, dtype=spec.dtype, kv_lora_rank=spec.kv_lora_rank,
+                    qk_rope_head_dim=spec.qk_rope_head_dim, layer_num=1, device="cpu", enable_memory_saver=False))
+            else:
+                self.draft_pools.append(MHATokenToKVPool(
+                    size=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num, head_dim=spec.head_dim,
+                    layer_num=1, device="cpu", enable_memory_saver=False))
         self.allocator: Any
         if D > 1:  # SGLang's DCP allocator: widened on both axes (kv_cache_configurator)
             self.allocator = PagedTokenToKVPoolAllocator(size * D, page_size=W, dtype=spec.dtype, device="cpu",
@@ -260,7 +273,8 @@ class SGLangCache:
             page_size=W, disable=False, tree_components=components,
             enable_mamba_extra_buffer=spec.mamba_extra_buffer, eviction_policy="lru",
             sliding_window_size=spec.sliding_window if self.swa else None,
-            tp_cache_group=tp_group, attn_tp_cache_group=tp_group)
+            tp_cache_group=tp_group, attn_tp_cache_group=tp_group,
+            mtp_draft_device_pools=tuple(self.draft_pools))
         with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(spec.tree_core):
             self.cache = UnifiedRadixCache(params=self.params)
         self.linker: Any = None
@@ -310,14 +324,18 @@ class SGLangCache:
 
     # ---- the synthetic model ---------------------------------------------------------
     def _kv_buffers(self) -> list[list[torch.Tensor]]:
-        """Per full layer (in ``self.full_layers`` order): its row-indexed buffers."""
+        """Per full layer (in ``self.full_layers`` order), then per draft layer: its row-indexed
+        buffers (named in ``self.kv_names``)."""
         pool = self.kvcache if self.dense else self.kvcache.full_kv_pool
+        layers = [(pool, i) for i in range(len(self.full_layers))] + [(d, 0) for d in self.draft_pools]
+        self.kv_names = [f"kv layer {g}" for g in self.full_layers] + [
+            f"draft layer {d}" for d in range(len(self.draft_pools))]
         out = []
-        for i in range(len(self.full_layers)):
-            if hasattr(pool, "k_buffer"):
-                out.append([pool.k_buffer[i], pool.v_buffer[i]])
+        for owner, i in layers:
+            if hasattr(owner, "k_buffer"):
+                out.append([owner.k_buffer[i], owner.v_buffer[i]])
             else:
-                out.append([pool.kv_buffer[i]])
+                out.append([owner.kv_buffer[i]])
         return out
 
     def state_buffers(self, slot: int) -> list[torch.Tensor]:
@@ -497,7 +515,7 @@ class SGLangCache:
             for bi, b in enumerate(bufs):
                 got = b.view(torch.uint8).view(b.shape[0], -1)[restored].numpy()
                 if not np.array_equal(got, expected[li][bi][mine.numpy()]):
-                    bad.append(f"kv layer {self.full_layers[li]} buffer {bi}")
+                    bad.append(f"{self.kv_names[li]} buffer {bi}")
         if self.swa:  # only the window below the boundary is restored (SGLang's SWA component)
             window = min(hi - lo, self.spec.sliding_window)
             swa_lo = hi - window
