@@ -144,10 +144,12 @@ class HylinkerLinker(UnifiedCacheLinker):
         if "MAMBA" in names:
             pools[PoolKind.MAMBA] = mamba_pool(params.req_to_token_pool,
                                                int(getattr(kvcache, "start_layer", 0) or 0))
+        self.dcp_size, self.dcp_rank = _dcp_placement()
+        if self.dcp_size > 1 and (packed or sidecar):  # SGLang keeps a draft's KV unsharded under DCP
+            raise PoolLayoutError(f"draft KV with DCP {self.dcp_size} is not supported yet")
         draft = draft_pool(packed or sidecar, self.page_size)
         if draft is not None:
             pools[PoolKind.DRAFT] = draft
-        self.dcp_size, self.dcp_rank = _dcp_placement()
         if self.dcp_size > 1:
             pools[PoolKind.FULL] = _dcp_full(pools, self.page_size, self.dcp_size, self.dcp_rank)
         views = PoolSet([p.view for p in pools.values()])
@@ -569,8 +571,6 @@ def _dcp_full(pools: dict[PoolKind, SGLangPool], tree_page: int, size: int, rank
 
     if PoolKind.SWA in pools:
         raise PoolLayoutError(f"FULL + SWA with DCP {size} is not supported yet")
-    if PoolKind.DRAFT in pools:
-        raise PoolLayoutError(f"draft KV with DCP {size} is not supported yet")
     full = pools[PoolKind.FULL]
     page = full.view.unit
     if tree_page != page * size:

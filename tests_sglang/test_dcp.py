@@ -151,3 +151,14 @@ def test_misaligned_dcp_locs_refuse_the_load(caches: list[SGLangCache], monkeypa
     assert cache.linker.statistics()["loads_refused"] == 2
     assert cache.linker.start_layer_wise_loading() == -1  # nothing queued
     assert_clean(cache)
+
+
+def test_draft_kv_with_dcp_is_refused_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SGLang keeps a draft's KV unsharded under DCP (the draft reads every token); the plugin does
+    # not serve that pairing and stops at construction, naming it
+    from hylinker.integrations.sglang_pools import PoolLayoutError
+
+    spec = CacheSpec(page_size=2, dcp_size=2, dcp_rank=0, num_layers=2, kv_pages=64, model="dense", kv="mha",
+                     draft_layers=1)
+    with pytest.raises(PoolLayoutError, match="draft KV with DCP 2"):
+        SGLangCache(spec, {**PLUGIN, "linker_extra_config": {}})
