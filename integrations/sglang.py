@@ -28,7 +28,8 @@ pool views of SGLang's tensors (``sglang_pools.py``), its store wrapped in a
 * **no re-offload of restored pages**: what a load just restored is not written back when the
   request's insert offloads it;
 * MHA full-attention pools (SGLang's linker takes MLA only), dense models (component FULL
-  alone: SGLang's linker refuses them) and a draft sidecar pool.
+  alone: SGLang's linker refuses them), decode-context parallelism and packed MTP/DSPARK draft
+  KV (SGLang's linker refuses both for FULL + MAMBA), and a draft sidecar pool.
 
 Without ``--unified-cache-external-linker-backend dynamic`` (its default is ``mooncake``) SGLang
 hands the JSON to its own Mooncake linker and never imports this module.
@@ -63,7 +64,15 @@ from ..stores.resilient import ResilientStore
 from .sglang_config import SGLangLinkerConfig
 from .sglang_loads import AllEvents, LoadBatch
 from .sglang_metrics import STORE_EVENTS, LinkerMetrics
-from .sglang_pools import PoolLayoutError, SGLangPool, draft_pool, full_pool, mamba_pool, swa_pool
+from .sglang_pools import (
+    DcpShare,
+    PoolLayoutError,
+    SGLangPool,
+    draft_pool,
+    full_pool,
+    mamba_pool,
+    swa_pool,
+)
 
 try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
     import sglang
@@ -123,17 +132,26 @@ class HylinkerLinker(UnifiedCacheLinker):
         if unsupported or "FULL" not in names:
             raise PoolLayoutError(
                 f"HylinkerLinker serves FULL with SWA and/or MAMBA components, not {sorted(names)}")
-        if getattr(params, "mtp_draft_device_pools", None):
-            raise PoolLayoutError("packed MTP draft KV is not supported yet")
+        packed = tuple(getattr(params, "mtp_draft_device_pools", None) or ())
+        sidecar = tuple(getattr(params, "sidecar_draft_device_pools", None) or ())
+        if packed and sidecar:
+            raise PoolLayoutError("both packed MTP and sidecar draft KV pools: SGLang builds one or the other")
+        if getattr(params, "mtp_draft_mamba_pools", None):
+            raise PoolLayoutError("packed MTP draft Mamba states (a state pool per draft layer) are not supported yet")
         pools: dict[PoolKind, SGLangPool] = {PoolKind.FULL: full_pool(kvcache)}
         if "SWA" in names:
             pools[PoolKind.SWA] = swa_pool(kvcache)
         if "MAMBA" in names:
             pools[PoolKind.MAMBA] = mamba_pool(params.req_to_token_pool,
                                                int(getattr(kvcache, "start_layer", 0) or 0))
-        draft = draft_pool(getattr(params, "sidecar_draft_device_pools", None) or (), self.page_size)
+        self.dcp_size, self.dcp_rank = _dcp_placement()
+        if self.dcp_size > 1 and (packed or sidecar):  # SGLang keeps a draft's KV unsharded under DCP
+            raise PoolLayoutError(f"draft KV with DCP {self.dcp_size} is not supported yet")
+        draft = draft_pool(packed or sidecar, self.page_size)
         if draft is not None:
             pools[PoolKind.DRAFT] = draft
+        if self.dcp_size > 1:
+            pools[PoolKind.FULL] = _dcp_full(pools, self.page_size, self.dcp_size, self.dcp_rank)
         views = PoolSet([p.view for p in pools.values()])
         self._kinds = set(pools)
         self.pools: dict[Any, Any] = {PoolName(kind.value): pool.view for kind, pool in pools.items()}
@@ -145,12 +163,20 @@ class HylinkerLinker(UnifiedCacheLinker):
         tp_rank = _tp_rank(params)
         cp_rank, pp_rank = int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "pp_rank", 0) or 0)
         model = str(getattr(server_args, "model_path", "") or "")
-        self.fingerprint = views.fingerprint(f"sglang|model={model}|page={self.page_size}|salt={self.config.salt}")
+        dcp = f"|dcp={self.dcp_size}" if self.dcp_size > 1 else ""
+        self.fingerprint = views.fingerprint(
+            f"sglang|model={model}|page={self.page_size}{dcp}|salt={self.config.salt}")
         ns = hashlib.blake2b(self.fingerprint, digest_size=8).hexdigest()
         self._suffix = {
-            kind: f":{ns}:{kind.value}:{'rep' if p.replicated else f'tp{tp_rank}'}cp{cp_rank}pp{pp_rank}"
+            kind: f":{ns}:{kind.value}:{'rep' if p.replicated else f'tp{tp_rank}'}"
+                  f"{f'dcp{self.dcp_rank}' if p.dcp is not None else ''}cp{cp_rank}pp{pp_rank}"
             for kind, p in pools.items()}
-        self._writes = {kind: not p.replicated or tp_rank == 0 for kind, p in pools.items()}
+        # a replicated pool: TP rank 0 writes; under DCP (the latent sharded by token) the first
+        # DCP group, one writer per DCP rank (SGLang's HiCache rule: tp_rank == dcp_rank)
+        writers = self.dcp_size if self.dcp_size > 1 else 1
+        self._writes = {kind: not p.replicated or tp_rank < (writers if p.dcp is not None else 1)
+                        for kind, p in pools.items()}
+        self._pools = pools
         self.tp_rank = tp_rank
         # SGLang's own switch: with --enable-metrics these appear on the server's /metrics
         self.metrics = LinkerMetrics.create(bool(getattr(server_args, "enable_metrics", False)), tp_rank)
@@ -185,6 +211,11 @@ class HylinkerLinker(UnifiedCacheLinker):
         """Store keys of ``pool``'s objects for SGLang's page keys (on this rank)."""
         suffix = self._suffix[_KINDS[pool]]
         return [k + suffix for k in page_keys]
+
+    def rows(self, pool: str, indices: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``pool`` for SGLang's transfer indices: the indices themselves, or
+        under DCP the rows this DCP rank holds of the widened KV locs (``sglang_pools.DcpShare``)."""
+        return self._pools[_KINDS[pool]].rows(indices)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -303,7 +334,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         out: list[Transfer] = []
         every: list[str] = []
         for kind, keys, indices in named:
-            index = self.data.plane.pools[kind].objects(indices.detach().reshape(-1).to("cpu", torch.int64))
+            index = self.data.plane.pools[kind].objects(self.rows(kind.value, indices))
             every += keys
             if offload:  # a rank-replicated pool is written by rank 0; restored objects not again
                 if not self._writes[kind]:
@@ -519,6 +550,33 @@ def _ok(future: concurrent.futures.Future[TransferOutcome]) -> bool:
 def _retrieve(future: concurrent.futures.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()  # retrieved: never logged as unhandled
+
+
+def _dcp_placement() -> tuple[int, int]:
+    """SGLang's attention DCP size and this process's DCP rank (``get_parallel()``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        size = int(parallel.attn_dcp_size)
+    except (RuntimeError, ValueError):  # nothing published (a bare cache): no DCP
+        return 1, 0
+    return size, (int(parallel.attn_dcp_rank) if size > 1 else 0)
+
+
+def _dcp_full(pools: dict[PoolKind, SGLangPool], tree_page: int, size: int, rank: int) -> SGLangPool:
+    """FULL under DCP: SGLang's widened locs collapse to this rank's rows (its own
+    ``maybe_dcp_kernel_indices``). What the plugin does not serve with DCP is refused by name."""
+    from sglang.srt.layers.dcp.layout import maybe_dcp_kernel_indices
+
+    if PoolKind.SWA in pools:
+        raise PoolLayoutError(f"FULL + SWA with DCP {size} is not supported yet")
+    full = pools[PoolKind.FULL]
+    page = full.view.unit
+    if tree_page != page * size:
+        raise PoolLayoutError(
+            f"DCP {size}: the tree page is {tree_page} tokens, not the KV pool's page {page} x {size}")
+    return SGLangPool(full.view, full.replicated, DcpShare(size, rank, page, maybe_dcp_kernel_indices))
 
 
 def _tp_rank(params: Any) -> int:

@@ -13,20 +13,22 @@ a :class:`~hylinker.components.pool_view.PoolView` whose layer ids are the indic
   cache, one slot per object (per rank);
 * SWA: the sliding-window layers' ``k_buffer[i]``/``v_buffer[i]`` of an ``SWAKVPool``, on SWA rows
   (per rank);
-* DRAFT: a sidecar MHA pool's ``k_buffer[d]``/``v_buffer[d]`` on the same KV rows.
+* DRAFT: a sidecar draft pool or SGLang's packed MTP/DSPARK draft pools (MHA ``k_buffer[d]``/
+  ``v_buffer[d]`` per rank, or MLA ``kv_buffer[d]``, rank-replicated) on the same KV rows.
 
 What the plugin does not support yet is refused here with a :class:`PoolLayoutError` naming
-it (scaled KV, non-row-major KV layouts, DSA, int8 Mamba checkpoints, Mamba side states, packed
-MTP draft KV).
+it (scaled KV, non-row-major KV layouts, DSA, int8 Mamba checkpoints, Mamba side states, SGLang's
+unified memory pool).
 This module imports no SGLang.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolView, PoolViewError, kv_view, state_view
@@ -36,12 +38,56 @@ class PoolLayoutError(PoolViewError):
     """SGLang's pools have a shape the plugin does not support (the message says which)."""
 
 
+#: SGLang's ``(widened locs, dcp_size, dcp_rank) -> this rank's rows``
+#: (``sglang.srt.layers.dcp.layout.maybe_dcp_kernel_indices``)
+DcpCollapse = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+@attrs.frozen
+class DcpShare:
+    """This decode-context-parallel rank's rows of SGLang's DCP-widened KV locs.
+
+    Under DCP SGLang's KV allocator pages are ``page_size * size`` locs wide (the tree page) and a
+    loc ``w`` lives on rank ``w % size`` at row ``w // size`` of that rank's pool, so a widened
+    page collapses to ``page_size`` rows on every rank. ``collapse`` is SGLang's own function
+    for that (the one its host pools use). SGLang's static pools only: a unified memory pool
+    (rows behind a page table) is refused by :func:`full_pool`. Locs that are not whole, aligned widened pages
+    raise :class:`PoolLayoutError` (the same on every rank: a refused load).
+    """
+
+    size: int
+    rank: int
+    page_size: int  # rows of one page in this rank's pool (SGLang's physical page)
+    collapse: DcpCollapse
+
+    @property
+    def widened(self) -> int:
+        return self.page_size * self.size
+
+    def rows(self, locs: torch.Tensor) -> torch.Tensor:
+        flat = locs.detach().reshape(-1).to("cpu", torch.int64)
+        w = self.widened
+        if flat.numel() % w:
+            raise PoolLayoutError(f"DCP {self.size}: {flat.numel()} KV locs are not whole widened pages of {w}")
+        if flat.numel():
+            pages = flat.view(-1, w)
+            if bool((pages[:, 0] % w).any()) or not torch.equal(pages, pages[:, :1] + torch.arange(w)):
+                raise PoolLayoutError(f"DCP {self.size}: KV locs are not aligned, contiguous widened pages of {w}")
+        return self.collapse(flat, self.size, self.rank).reshape(-1).to("cpu", torch.int64)
+
+
 @attrs.frozen
 class SGLangPool:
-    """One pool's view and whether every TP rank holds the same bytes (then rank 0 writes)."""
+    """One pool's view, whether every TP rank holds the same bytes (then rank 0 writes) and,
+    under DCP, the rule that turns SGLang's widened locs into this rank's rows."""
 
     view: PoolView
     replicated: bool
+    dcp: DcpShare | None = None
+
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """The view's rows for SGLang's transfer indices."""
+        return indices.detach().reshape(-1).to("cpu", torch.int64) if self.dcp is None else self.dcp.rows(indices)
 
 
 def _by_index(mapping: Mapping[int, int], n: int, start: int, what: str) -> list[int]:
@@ -92,6 +138,9 @@ def full_pool(kvcache: Any) -> SGLangPool:
     * a dense model's plain ``MHATokenToKVPool`` or ``MLATokenToKVPool`` (component FULL alone):
       every layer of the stage, counter layer ``i`` = buffer ``i``.
     """
+    if getattr(full_kv_device_pool(kvcache), "host_transfer_translate", None) is not None:
+        raise PoolLayoutError("SGLang's unified memory pool (--enable-unified-memory: KV rows behind a "
+                              "virtual-to-physical page table) is not supported yet")
     page = int(kvcache.page_size)
     start = int(getattr(kvcache, "start_layer", 0) or 0)
     if hasattr(kvcache, "swa_kv_pool"):
@@ -107,6 +156,12 @@ def full_pool(kvcache: Any) -> SGLangPool:
     if not hasattr(kvcache, "layer_num"):
         raise PoolLayoutError(f"unsupported KV cache {type(kvcache).__name__}")
     return _kv_pool(kvcache, start, page, None)
+
+
+def full_kv_device_pool(kvcache: Any) -> Any:
+    """SGLang's full-attention pool object inside ``kvcache`` (a hybrid pool's ``full_kv_pool``, a
+    dense model's pool itself)."""
+    return getattr(kvcache, "full_kv_pool", kvcache)
 
 
 def _swa_layer_maps(kvcache: Any) -> tuple[dict[int, int], dict[int, int]]:
@@ -147,20 +202,42 @@ def mamba_pool(req_to_token_pool: Any, start_layer: int = 0) -> SGLangPool:
 
 
 def draft_pool(draft_pools: Sequence[Any], page_size: int) -> SGLangPool | None:
-    """DRAFT from SGLang's sidecar draft pools (MHA), riding the KV rows; None without one."""
-    k: list[Any] = []
-    v: list[Any] = []
+    """DRAFT from SGLang's draft KV pools, riding the target's KV rows; None without one.
+
+    ``draft_pools`` is either the sidecar draft pool (``sidecar_draft_device_pools``) or the packed
+    MTP/DSPARK draft pools (``mtp_draft_device_pools``: each NextN draft runner's own KV pool, one
+    per draft depth, on the target's KV locs; SGLang's own linkers pack their rows into the
+    target's page objects, draft depth ``d`` riding transfer layer ``d``). Either way draft layer
+    ``d`` (every layer of every pool, in order) is counter layer ``d``, on the KV transfer's rows.
+    MHA pools (``k_buffer``/``v_buffer``) are per rank; MLA pools (``kv_buffer``) are the same on
+    every TP rank, like the target's latent. The pools must all be one kind.
+    """
+    parts: list[list[Any]] = []
+    kinds = set()
     for pool in draft_pools:
         if int(getattr(pool, "page_size", page_size)) != page_size:
             raise PoolLayoutError("draft KV page size must match the tree page size")
-        if not (hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer")):
+        _check_row_layout(pool)
+        if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
+            kinds.add("mha")
+            buffers: tuple[Any, ...] = (pool.k_buffer, pool.v_buffer)
+        elif hasattr(pool, "kv_buffer") and not hasattr(pool, "full_kv_pool"):
+            kinds.add("mla")
+            buffers = (pool.kv_buffer,)
+        else:
             raise PoolLayoutError(f"unsupported draft pool {type(pool).__name__}")
-        k.extend(pool.k_buffer)
-        v.extend(pool.v_buffer)
-    if not k:
+        if not parts:
+            parts = [[] for _ in buffers]
+        for into, layers in zip(parts, buffers):
+            into.extend(layers)
+    if not parts:
         return None
-    view = kv_view(k, v, layer_ids=list(range(len(k))), page_size=page_size, kind=PoolKind.DRAFT)
-    return SGLangPool(view, replicated=False)
+    if len(kinds) > 1:
+        raise PoolLayoutError("draft KV pools mix MHA and MLA")
+    layer_ids = list(range(len(parts[0])))
+    view = kv_view(parts[0], parts[1] if len(parts) > 1 else None, layer_ids=layer_ids, page_size=page_size,
+                   kind=PoolKind.DRAFT)
+    return SGLangPool(view, replicated=kinds == {"mla"})
 
 
-__all__ = ["PoolLayoutError", "SGLangPool", "draft_pool", "full_pool", "mamba_pool", "swa_pool"]
+__all__ = ["DcpCollapse", "DcpShare", "PoolLayoutError", "SGLangPool", "draft_pool", "full_kv_device_pool", "full_pool", "mamba_pool", "swa_pool"]

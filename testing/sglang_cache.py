@@ -103,6 +103,16 @@ class CacheSpec:
     #: tree caches that one (page sizes above 1 need it)
     mamba_extra_buffer: bool = False
     enable_metrics: bool = False  # SGLang's --enable-metrics (the plugin then registers its metrics)
+    #: decode-context parallelism as SGLang runs it: ``get_parallel()`` publishes
+    #: ``attn_dcp_size``/``attn_dcp_rank``, the paged allocator's pages (the tree page) are
+    #: ``page_size * dcp_size`` widened locs over ``dcp_size`` times the pool's rows, and this
+    #: rank's forward writes only the locs it owns (``loc % dcp_size == dcp_rank``) at
+    #: ``KVIndexTranslator.translate_dcp_read_ids(loc)`` (``loc // dcp_size``)
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    #: packed MTP draft KV (SGLang's ``mtp_draft_device_pools``): one NextN draft runner's KV pool
+    #: per draft depth, one layer each, the target's kind (MLA or MHA), on the target's KV locs
+    draft_layers: int = 0
     num_layers: int = 6
     full_layers: tuple[int, ...] = (2, 5)
     kv_pages: int = 2048
@@ -176,6 +186,11 @@ class SGLangCache:
         self.swa = spec.model == "swa_mamba"
         if self.swa and (P != 1 or spec.kv != "mha"):
             raise ValueError("CacheSpec(model='swa_mamba') needs page_size=1 and kv='mha'")
+        D = spec.dcp_size
+        if D < 1 or not 0 <= spec.dcp_rank < D or (D > 1 and self.swa):
+            raise ValueError(f"bad DCP {spec.dcp_rank}/{D} for model {spec.model!r} (SWA has no DCP here)")
+        W = P * D  # the tree page: SGLang's tree and allocator page under DCP
+        self.tree_page = W
         self.full_layers = list(range(spec.num_layers)) if self.dense else list(spec.full_layers)
         self.mamba_layers = [] if self.dense else [i for i in range(spec.num_layers) if i not in spec.full_layers]
         self.swa_layers = list(self.mamba_layers) if self.swa else []
@@ -184,9 +199,10 @@ class SGLangCache:
             enable_unified_cache_external_linker=linker_config is not None,
             unified_cache_external_linker_backend=backend if linker_config is not None else None,
             unified_cache_external_linker_config=linker_config, enable_metrics=spec.enable_metrics)
-        server_args._mamba_cache_chunk_size = max(64, P)
+        server_args._mamba_cache_chunk_size = max(64, W)
         set_global_server_args_for_scheduler(server_args)
         self.server_args = server_args
+        self.publish_dcp()
         size = spec.kv_pages * P
         mla = spec.kv == "mla"
         self.req_to_token_pool: Any
@@ -230,8 +246,21 @@ class SGLangCache:
                     kv_lora_rank=spec.kv_lora_rank if mla else None,
                     qk_rope_head_dim=spec.qk_rope_head_dim if mla else None)
                 components = (ComponentType.FULL, ComponentType.MAMBA)
+        self.draft_pools: list[Any] = []
+        for _ in range(spec.draft_layers):
+            if mla:
+                self.draft_pools.append(MLATokenToKVPool(
+                    size=size, page_size=P, dtype=spec.dtype, kv_lora_rank=spec.kv_lora_rank,
+                    qk_rope_head_dim=spec.qk_rope_head_dim, layer_num=1, device="cpu", enable_memory_saver=False))
+            else:
+                self.draft_pools.append(MHATokenToKVPool(
+                    size=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num, head_dim=spec.head_dim,
+                    layer_num=1, device="cpu", enable_memory_saver=False))
         self.allocator: Any
-        if self.swa:
+        if D > 1:  # SGLang's DCP allocator: widened on both axes (kv_cache_configurator)
+            self.allocator = PagedTokenToKVPoolAllocator(size * D, page_size=W, dtype=spec.dtype, device="cpu",
+                                                         kvcache=self.kvcache, need_sort=False)
+        elif self.swa:
             self.allocator = SWATokenToKVPoolAllocator(size=size, size_swa=size, page_size=P, dtype=spec.dtype,
                                                        device="cpu", kvcache=self.kvcache, need_sort=False)
         else:
@@ -241,10 +270,11 @@ class SGLangCache:
                                        need_sort=False, **kwargs)
         self.params = CacheInitParams(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-            page_size=P, disable=False, tree_components=components,
+            page_size=W, disable=False, tree_components=components,
             enable_mamba_extra_buffer=spec.mamba_extra_buffer, eviction_policy="lru",
             sliding_window_size=spec.sliding_window if self.swa else None,
-            tp_cache_group=tp_group, attn_tp_cache_group=tp_group)
+            tp_cache_group=tp_group, attn_tp_cache_group=tp_group,
+            mtp_draft_device_pools=tuple(self.draft_pools))
         with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(spec.tree_core):
             self.cache = UnifiedRadixCache(params=self.params)
         self.linker: Any = None
@@ -260,20 +290,52 @@ class SGLangCache:
             self.linker = self.cache.linker.cache_linker
             self.kvcache.register_layer_transfer_counter(self.cache.linker.layer_done_counter)
         self._next_rid = 0
+        self.translator: Any = None
+        if D > 1:
+            from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+
+            self.translator = KVIndexTranslator(
+                req_to_token=self.req_to_token_pool.req_to_token, token_to_kv_pool_allocator=self.allocator,
+                token_to_kv_pool=self.kvcache, page_size=P, device="cpu")
         self.kv_buffers = self._kv_buffers()
         self.swa_buffers = ([[self.kvcache.swa_kv_pool.k_buffer[i], self.kvcache.swa_kv_pool.v_buffer[i]]
                              for i in range(len(self.swa_layers))] if self.swa else [])
 
+    def publish_dcp(self) -> None:
+        """Publish this cache's DCP size and rank in SGLang's ``get_parallel()`` (process-wide, as
+        in one SGLang rank process; the caches of other DCP ranks republish theirs)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        D = self.spec.dcp_size
+        get_parallel().override_permanently(attn_dcp_size=D, dcp_size=D, dcp_enabled=D > 1,
+                                            attn_dcp_rank=self.spec.dcp_rank if D > 1 else 0,
+                                            dcp_rank=self.spec.dcp_rank if D > 1 else 0)
+
+    def own_rows(self, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of ``locs`` (KV locs as SGLang's tree holds them) this rank holds, and at which
+        rows of its pool: every one without DCP; under DCP the owner rule ``loc % dcp_size ==
+        dcp_rank`` and SGLang's ``KVIndexTranslator.translate_dcp_read_ids`` for the row."""
+        locs = locs.to(torch.int64)
+        D = self.spec.dcp_size
+        if D == 1:
+            return torch.ones(locs.numel(), dtype=torch.bool), locs
+        mine = locs % D == self.spec.dcp_rank
+        return mine, self.translator.translate_dcp_read_ids(locs[mine]).to(torch.int64)
+
     # ---- the synthetic model ---------------------------------------------------------
     def _kv_buffers(self) -> list[list[torch.Tensor]]:
-        """Per full layer (in ``self.full_layers`` order): its row-indexed buffers."""
+        """Per full layer (in ``self.full_layers`` order), then per draft layer: its row-indexed
+        buffers (named in ``self.kv_names``)."""
         pool = self.kvcache if self.dense else self.kvcache.full_kv_pool
+        layers = [(pool, i) for i in range(len(self.full_layers))] + [(d, 0) for d in self.draft_pools]
+        self.kv_names = [f"kv layer {g}" for g in self.full_layers] + [
+            f"draft layer {d}" for d in range(len(self.draft_pools))]
         out = []
-        for i in range(len(self.full_layers)):
-            if hasattr(pool, "k_buffer"):
-                out.append([pool.k_buffer[i], pool.v_buffer[i]])
+        for owner, i in layers:
+            if hasattr(owner, "k_buffer"):
+                out.append([owner.k_buffer[i], owner.v_buffer[i]])
             else:
-                out.append([pool.kv_buffer[i]])
+                out.append([owner.kv_buffer[i]])
         return out
 
     def state_buffers(self, slot: int) -> list[torch.Tensor]:
@@ -342,7 +404,8 @@ class SGLangCache:
         from sglang.srt.mem_cache.common import release_kv_cache
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        P = self.spec.page_size
+        self.publish_dcp()
+        P = self.tree_page
         if rid is None:
             rid = f"req-{self._next_rid}"
             self._next_rid += 1
@@ -405,10 +468,11 @@ class SGLangCache:
         if extend:
             expected = self.expected_rows(tokens, prefix_len, L)
             new_rows = rows[prefix_len:]
+            mine, own = self.own_rows(new_rows)
             for li, bufs in enumerate(self.kv_buffers):
                 for bi, b in enumerate(bufs):
                     view = b.view(torch.uint8).view(b.shape[0], -1)
-                    view[new_rows] = torch.from_numpy(expected[li][bi])
+                    view[own] = torch.from_numpy(expected[li][bi][mine.numpy()])
             if self.swa:
                 expected = self.expected_swa_rows(tokens, prefix_len, L)
                 swa_new = self.swa_rows(new_rows)
@@ -446,12 +510,12 @@ class SGLangCache:
                        slot: int) -> list[str]:
         bad = []
         expected = self.expected_rows(tokens, lo, hi)
-        restored = rows[lo:hi]
+        mine, restored = self.own_rows(rows[lo:hi])
         for li, bufs in enumerate(self.kv_buffers):
             for bi, b in enumerate(bufs):
                 got = b.view(torch.uint8).view(b.shape[0], -1)[restored].numpy()
-                if not np.array_equal(got, expected[li][bi]):
-                    bad.append(f"kv layer {self.full_layers[li]} buffer {bi}")
+                if not np.array_equal(got, expected[li][bi][mine.numpy()]):
+                    bad.append(f"{self.kv_names[li]} buffer {bi}")
         if self.swa:  # only the window below the boundary is restored (SGLang's SWA component)
             window = min(hi - lo, self.spec.sliding_window)
             swa_lo = hi - window
@@ -494,7 +558,7 @@ class SGLangCache:
     def evict_all(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        self.cache.evict(EvictParams(num_tokens=self.spec.kv_pages * self.spec.page_size,
+        self.cache.evict(EvictParams(num_tokens=self.spec.kv_pages * self.tree_page,
                                      mamba_num=0 if self.dense else self.spec.mamba_slots))
 
     # ---- the store under the plugin (for damage tests) -------------------------------
@@ -528,7 +592,7 @@ class SGLangCache:
 
     def leaks(self) -> dict[str, int]:
         """KV rows and Mamba slots in use once the tree holds nothing (must be zero)."""
-        kv_total = self.spec.kv_pages * self.spec.page_size
+        kv_total = self.spec.kv_pages * self.tree_page  # widened locs under DCP
         mamba_used = 0 if self.dense else (
             self.spec.mamba_slots - int(self.req_to_token_pool.mamba_allocator.available_size()))
         return {

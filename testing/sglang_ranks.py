@@ -10,6 +10,8 @@ and offload results the same way. The script writes what this rank saw as JSON t
 Scenario: states are stored at three depths (``len(A)``, ``len(A+B)``, ``len(A+B+C)``); then each
 rank loses a *different* one of its own (per-rank) state objects — rank 0 the deepest, rank 1 the
 middle one — so the ranks' restorable sets differ ({24, 40} and {24, 48}) and only 24 is common.
+``--damage missing``: only rank 1 loses its deepest state ({24, 40, 48} and {24, 40}: 40 is
+common); ``--damage corrupt``: rank 1's deepest state is damaged, not missing.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def run(rank: int, world: int, port: int, master: str, core: str, damage: str = 
             lose = {0: len(A + B + C), 1: len(A + B)}[rank]  # independent faults: each its own state
             gone = linker.object_keys("mamba", [keys[lose - 1]])
             out["removed"] = linker.data.call_store(linker.store.remove, gone).result(timeout=10)
+        elif damage == "missing":  # rank 1 alone loses its deepest state; rank 0 keeps every object
+            gone = linker.object_keys("mamba", [keys[len(A + B + C) - 1]]) if rank == 1 else []
+            out["removed"] = linker.data.call_store(linker.store.remove, gone).result(timeout=10) if gone else 0
         elif rank == 1:  # "corrupt": rank 1's deepest state is damaged, rank 0's is whole
             from ..stores import framing
 
@@ -97,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--master", required=True)
     ap.add_argument("--core", default="python")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--damage", choices=["remove", "corrupt"], default="remove",
-                    help="remove: each rank loses a different state; corrupt: rank 1's deepest state is damaged")
+    ap.add_argument("--damage", choices=["remove", "missing", "corrupt"], default="remove",
+                    help="remove: each rank loses a different state; missing: rank 1 alone loses its deepest "
+                         "state; corrupt: rank 1's deepest state is damaged")
     args = ap.parse_args(argv)
     from .sglang_cache import install_cpu_shims
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from hylinker.testing.sglang_cache import CacheSpec, SGLangCache, page_keys
 
@@ -169,4 +170,58 @@ def test_full_mamba_extra_buffer_paged_restore(caches: list[SGLangCache], core: 
     assert again.device_hit == 0
     assert again.loaded == 128 and not again.aborted, again  # the deepest state boundary
     assert again.restore_mismatches == []
+    assert_clean(cache)
+
+
+# ---- SGLang's unified memory pool ---------------------------------------------------------
+def test_unified_memory_pool_is_refused_by_name(caches: list[SGLangCache]) -> None:
+    # --enable-unified-memory puts KV rows behind a virtual-to-physical page table: SGLang's
+    # unified allocators set the full pool's host_transfer_translate (SGLang's own
+    # translate_token_ids over their v2p table). The plugin's rows would be virtual ids, so it
+    # refuses the pool at startup instead of restoring into the wrong rows.
+    import functools
+
+    from sglang.kernels.ops.memory.virtual_slot import translate_token_ids
+
+    from hylinker.integrations.sglang_pools import PoolLayoutError, full_pool
+
+    cache = SGLangCache(CacheSpec(model="dense", kv="mha", page_size=4, num_layers=2), None)
+    caches.append(cache)
+    assert full_pool(cache.kvcache).view.unit == 4  # a static pool is served
+    v2p = torch.arange(cache.spec.kv_pages, dtype=torch.int64).flip(0)
+    cache.kvcache.host_transfer_translate = functools.partial(translate_token_ids, v2p=v2p, page_size=4)
+    with pytest.raises(PoolLayoutError, match="unified memory pool"):
+        full_pool(cache.kvcache)
+
+
+# ---- packed MTP/DSPARK draft KV -----------------------------------------------------------
+@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("kv", ["mla", "mha"])
+def test_packed_mtp_draft_kv_is_refused_by_sglang_served_by_ours(caches: list[SGLangCache], core: str,
+                                                                 kv: str) -> None:
+    # SGLang's NextN MTP with HiCache or a linker packs the draft runners' KV pools
+    # (params.mtp_draft_device_pools, one per draft depth, on the target's KV locs); its direct
+    # linker refuses them for FULL + MAMBA. Ours restores every draft layer's rows with the KV
+    # pages, byte for byte
+    spec = CacheSpec(model="hybrid", kv=kv, page_size=1, draft_layers=2, tree_core=core)
+    cache = build(caches, spec)
+    if kv == "mla":
+        with pytest.raises(ValueError, match="packed draft KV"):
+            sglang_direct_group(cache)
+    assert {str(getattr(n, "value", n)) for n in cache.linker.pools} == {"kv", "mamba", "draft"}
+    draft_view = cache.linker.pools[next(n for n in cache.linker.pools if str(getattr(n, "value", n)) == "draft")]
+    assert list(draft_view.layer_ids) == [0, 1]  # draft depth d rides counter layer d
+    cache.serve(A + B)
+    keys = page_keys(A + B)
+    draft_keys = cache.linker.object_keys("draft", keys)
+    assert draft_keys[0].split(":")[-1].startswith("rep" if kv == "mla" else "tp0")
+    cache.flush()
+    again = cache.serve(A + B + C)
+    assert again.loaded == len(A + B) and not again.aborted and again.restore_mismatches == []
+    assert any("draft" in name for name in cache.kv_names)
+    # a missing draft page ends the restorable prefix there, as a missing KV page does
+    cache.linker.data.call_store(cache.linker.store.remove, [draft_keys[10]]).result(timeout=10)
+    cache.flush()
+    partial = cache.serve(A + B + C + [7])
+    assert not partial.aborted and partial.restore_mismatches == [] and partial.loaded <= 10
     assert_clean(cache)

@@ -166,8 +166,62 @@ class _Phases:
         self._undo.clear()
 
 
+class _ThreadProfiles:
+    """``--profile DIR``: cProfile in every thread started while a case runs (its whole life: the
+    linkers' load, offload and loop threads, the store's worker threads), so offloads and loads
+    both, and in the scheduler thread during the loads only; written as one ``.pstats`` per thread and a text summary of the
+    functions by cumulative time. The calls' counts and cumulative shares are what to read on a
+    loaded machine, not the seconds."""
+
+    def __init__(self) -> None:
+        import cProfile
+        import sys
+        import threading
+
+        self.by_thread: list[tuple[str, Any]] = []
+        self.scheduler = cProfile.Profile()
+        self._lock = threading.Lock()
+        profiles = self
+
+        # threading.setprofile's hook runs first in every new thread, whatever its class (anyio's
+        # worker threads override run()): it hands the thread to a profiler of its own
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            sys.setprofile(None)
+            prof = cProfile.Profile()
+            with profiles._lock:
+                profiles.by_thread.append((threading.current_thread().name, prof))
+            prof.enable()
+
+        threading.setprofile(hook)
+
+    def stop_patching(self) -> None:
+        import threading
+
+        threading.setprofile(None)
+
+    def write(self, directory: Path, stem: str) -> list[str]:
+        import io
+        import pstats
+
+        directory.mkdir(parents=True, exist_ok=True)
+        files = []
+        summary = io.StringIO()
+        for i, (name, prof) in enumerate([("scheduler-during-loads", self.scheduler), *self.by_thread]):
+            try:
+                stats = pstats.Stats(prof, stream=summary)
+            except TypeError:  # a thread that never ran a profiled call
+                continue
+            path = directory / f"{stem}-{i:02d}-{name.replace('/', '_')}.pstats"
+            stats.dump_stats(str(path))
+            files.append(str(path))
+            summary.write(f"\n===== {stem} thread {name}\n")
+            stats.sort_stats("cumulative").print_stats(25)
+        (directory / f"{stem}-summary.txt").write_text(summary.getvalue())
+        return files
+
+
 def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str,
-             phases: bool = False, cold_segment: bool = False) -> dict[str, Any]:
+             phases: bool = False, cold_segment: bool = False, profile_dir: Path | None = None) -> dict[str, Any]:
     from ..stores.mooncake_master import MooncakeMaster
     from ..testing.sglang_cache import SGLangCache
     from .bench_mooncake import anonymous_mappings, populate_new_segments
@@ -176,7 +230,15 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
     with MooncakeMaster() as master:
         config, backend = _config(linker, master.address)
         before = anonymous_mappings()
-        cache = SGLangCache(_spec(object_kib, tokens, tree_core), config, backend=backend)
+        # every thread started from here on (the linkers' own, and the store's worker threads
+        # started on first use) runs under its own profiler until the profile is written
+        threads = _ThreadProfiles() if profile_dir is not None else None
+        try:
+            cache = SGLangCache(_spec(object_kib, tokens, tree_core), config, backend=backend)
+        except BaseException:
+            if threads is not None:
+                threads.stop_patching()
+            raise
         try:
             out["populated_bytes"] = 0 if cold_segment else populate_new_segments(before)
             kv_bytes = sum(v.payload_bytes for k, v in _views(cache).items() if k == "kv")
@@ -200,7 +262,11 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
                 nbytes = tokens * kv_bytes + state_bytes
                 offload_gbps.append(nbytes / first.offload_s / 1e9)
                 cache.flush()
+                if threads is not None:
+                    threads.scheduler.enable()
                 again = cache.serve([*prompt, 1])
+                if threads is not None:
+                    threads.scheduler.disable()
                 if again.loaded != tokens or again.aborted:
                     raise RuntimeError(f"{linker}: expected a full restore, got {again}")
                 mismatches += len(again.restore_mismatches)
@@ -213,6 +279,11 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
                        offload_call_ms=statistics.median(scheduler_ms), offload_call_ms_runs=scheduler_ms,
                        offload_runs=offload_gbps, load_runs=load_gbps, restore_mismatches=mismatches,
                        kv_object_bytes=kv_bytes, state_object_bytes=state_bytes)
+            if threads is not None and profile_dir is not None:  # the profile covers the runs above only
+                cache.settle()
+                threads.stop_patching()
+                out["profiles"] = threads.write(profile_dir, f"{linker}-{object_kib}KiB")
+                return out
             # a corrupted object
             prompt = [900_000 + i for i in range(16)]
             cache.serve(prompt)
@@ -303,6 +374,9 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
                         help="time the plugin's checksum, copy and store calls (hylinker; adds overhead)")
     parser.add_argument("--cold-segment", action="store_true",
                         help="do not populate the linkers' Mooncake segments before timing")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="cProfile every linker thread and the scheduler thread's loads; write .pstats "
+                             "and a summary to DIR (skips the corrupt and dead-master steps)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     from ..testing.sglang_cache import install_cpu_shims
@@ -312,9 +386,10 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     for kib in args.object_kib:
         for linker in args.linkers:  # side by side: the same sizes, one after the other
             results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core, args.phases,
-                               args.cold_segment))
+                               args.cold_segment, args.profile))
             print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_runs")}), flush=True)
-    print(table(results))
+    if args.profile is None:  # a profiled run stops before the corrupt and dead-master steps
+        print(table(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"results": results, "argv": list(argv or sys.argv[1:]),
