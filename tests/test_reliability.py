@@ -470,9 +470,9 @@ async def test_linker_integrity_level_and_a_corrupt_first_read(level: str) -> No
     read is damaged (fault plan) and read again, so the whole prefix is restored and verified;
     at "header" objects are unhashed frames and restore as well."""
     with pytest.raises(ValueError, match=r"LinkerConfig\.integrity must be one of"):
-        LinkerConfig(integrity="sha")  # type: ignore[arg-type]
+        LinkerConfig(integrity="sha")
     plan = FaultPlan(corrupt_first_read=1.0 if level == "checksum" else 0.0)
-    config = LinkerConfig(staging_bytes_per_pool=SMALL, integrity=level)  # type: ignore[arg-type]
+    config = LinkerConfig(staging_bytes_per_pool=SMALL, integrity=level)
     p = prompt(33, seed=410)
     async with harness(config, wrap=lambda s: FaultyStore(s, plan, seed=2)) as env:
         assert env.linker.data.config.integrity.value == level
