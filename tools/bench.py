@@ -10,7 +10,10 @@ printed; ``--json PATH`` writes one object::
                     "in_place_gbps", "staged_gbps", "raw_gbps", "memcpy_gbps", "torch_copy_gbps",
                     "runtime_vs_raw", "runtime_median_gbps", "raw_median_gbps",
                     "runtime_vs_raw_median", "rounds", "load_average"}...],
-     "key_hashing": {...}}
+     "key_hashing": {...},
+     "host": {"cores", "usable_cores", "memcpy_gbps", "load_average", "load_average_end", ...}}
+
+``host`` (``tools/host_probe.py``): the machine, with its memcpy GB/s measured in this run.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .host_probe import describe, finish, host_record
+
     sections = set(args.only or ["control", "lag", "data", "keys", "facade"])
+    host = host_record()
+    print(describe(host))
     out: dict[str, Any] = {}
     if "keys" in sections:
         out["key_hashing"] = _key_hashing(args.quick)
@@ -69,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         out["sync_facade_us"] = sync_facade(args.quick)
         _print_section("synchronous facade: µs per call, facade vs the async call on the loop",
                        out["sync_facade_us"])
+    out["host"] = finish(host)
+    print(describe(out["host"]))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
