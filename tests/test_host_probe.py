@@ -38,3 +38,19 @@ def test_checksum_bench_json_carries_the_host(tmp_path: Path) -> None:
                                 "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["host"]["memcpy_gbps"] > 0 and data["checksum_cost"]
+
+
+def test_integrity_levels_bench_compares_both_levels_with_the_raw_store(tmp_path: Path) -> None:
+    """``--only levels``: both levels and the raw store side by side, per store, size and
+    direction, with the host beside them."""
+    parser = argparse.ArgumentParser()
+    bench.configure(parser)
+    out = tmp_path / "levels.json"
+    args = parser.parse_args(["--only", "levels", "--quick", "--rounds", "1", "--mooncake", "no", "--json", str(out)])
+    assert bench.run(args) == 0
+    data = json.loads(out.read_text())
+    rows = data["integrity_levels"]
+    assert {(r["store"], r["object_bytes"], r["direction"]) for r in rows} == {
+        ("embedded", size, d) for size in (64 << 10, 1 << 20) for d in ("put", "get")}
+    assert all(r["checksum_gbps"] > 0 and r["header_gbps"] > 0 and r["header_vs_raw"] > 0 for r in rows)
+    assert "data_path" not in data and data["host"]["memcpy_gbps"] > 0
