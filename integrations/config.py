@@ -17,6 +17,7 @@ import attrs
 
 from ..stores.base import Store
 from ..stores.faulty import FaultPlan
+from ..stores.framing import Integrity
 
 STORES = ("embedded", "mooncake")
 MIB = 1 << 20
@@ -72,6 +73,9 @@ class PluginConfig:
     staging_mb: int = attrs.field(default=64, validator=_positive)  # host copies of pages waiting for the store
     lookup_timeout_s: float = attrs.field(default=1.0, validator=_positive)  # longest store probe at admission
     drain_timeout_s: float = attrs.field(default=10.0, validator=_non_negative)  # shutdown: longest wait for writes
+    #: what a stored object's frame proves: "checksum" (header and payload checksum) or
+    #: "header" (key, layout, length; no payload hash): ``DataPlaneConfig.integrity``
+    integrity: str = "checksum"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *,
@@ -106,12 +110,21 @@ class PluginConfig:
                 raise PluginConfigError(f'{where}["master"] must be "HOST:PORT", got {self.master!r}')
         elif self.master is not None:
             raise PluginConfigError(f'{where}["master"] only applies to store "mooncake", not {self.store!r}')
+        try:
+            Integrity.parse(self.integrity, f"{where}['integrity']")
+        except ValueError as exc:
+            raise PluginConfigError(str(exc)) from None
         if self.protocol not in ("tcp", "rdma"):
             raise PluginConfigError(f'{where}["protocol"] must be "tcp" or "rdma", got {self.protocol!r}')
         try:
             FaultPlan.parse(self.faults)
         except ValueError as exc:
             raise PluginConfigError(f'{where}["faults"]: {exc}') from None
+
+    @property
+    def integrity_level(self) -> Integrity:
+        """``integrity`` as the data plane's setting."""
+        return Integrity(self.integrity)
 
     @property
     def fault_plan(self) -> FaultPlan | None:

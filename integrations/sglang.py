@@ -194,7 +194,8 @@ class HylinkerLinker(UnifiedCacheLinker):
         # moves (half of it, at most 32 MiB): fewer, larger calls cost fewer master round trips
         biggest = max(v.payload_bytes for v in views.values())
         staging = max(self.config.staging_mb << 20, 4 * biggest)
-        plane_config = DataPlaneConfig(staging_bytes_per_pool=staging, verify_all_staging_bytes=staging)
+        plane_config = DataPlaneConfig(staging_bytes_per_pool=staging, verify_all_staging_bytes=staging,
+                                       integrity=self.config.integrity_level)
         self.data = SyncDataPlane(views, self._open_store, plane_config, fingerprint=self.fingerprint)
         store = self.data.store
         assert isinstance(store, ResilientStore)
@@ -232,6 +233,8 @@ class HylinkerLinker(UnifiedCacheLinker):
             out[("bytes", pool, "load")] = int(stats.bytes_loaded)
             out[("bytes", pool, "offload")] = int(stats.bytes_offloaded)
             out[("verify_failures", pool)] = int(stats.verify_failures)
+            out[("rereads", pool, "recovered")] = int(stats.rereads_recovered)
+            out[("rereads", pool, "failed")] = int(stats.rereads_failed)
         res = self.store.resilience()
         for name, event in STORE_EVENTS.items():
             out[("store_events", event)] = int(getattr(res, name))
@@ -531,7 +534,8 @@ class HylinkerLinker(UnifiedCacheLinker):
             out = dict(self._c)
         for stats in self.data.pool_statistics().values():
             for name in ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
-                         "bytes_loaded", "load_misses", "verify_failures", "offload_failures"):
+                         "bytes_loaded", "load_misses", "verify_failures", "offload_failures",
+                         "rereads_recovered", "rereads_failed"):
                 out[name] = out.get(name, 0) + int(getattr(stats, name))
         res = self.store.resilience()
         for name in ("retries", "retried_keys", "recovered_keys", "exhausted_keys", "timeouts",

@@ -49,6 +49,8 @@ def _make_families(registry: Any) -> dict[str, Any]:
         "bad_removed": counter("bad_objects_removed", "Damaged objects removed from the store."),
         "bytes": counter("bytes", "Object bytes moved (payload and frame header).", "pool", "direction"),
         "verify_failures": counter("verify_failures", "Objects that did not verify.", "pool"),
+        "rereads": counter("rereads", "Objects read again after a failed verification, by outcome.",
+                           "pool", "outcome"),
         "store_events": counter("store_events", "Retries, timeouts and breaker trips.", "event"),
         "load_seconds": Histogram(PREFIX + "load_seconds", "Load batch latency.", ["tp_rank"],
                                   buckets=_BUCKETS, registry=registry),

@@ -296,7 +296,8 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         fingerprint = hashlib.sha256(self.seed + pages.geometry().encode()).digest()
         self._transfers = PageTransfers(self.host, pages, fingerprint=fingerprint,
                                         with_state=bool(self.groups.state),
-                                        staging_bytes=self.config.staging_mb * MIB)
+                                        staging_bytes=self.config.staging_mb * MIB,
+                                        integrity=self.config.integrity_level)
         log.info("hylinker: registered %d raw KV tensors, pages of %s bytes", len(pages.raws), pages.page_bytes)
         if self.config.store == "embedded" and self.host.users == 1:
             log.warning("hylinker: the embedded store lives in this worker process, apart from vLLM's "

@@ -36,6 +36,7 @@ import torch
 from ..components.layout import PoolKind
 from ..components.pool_view import LayerParts, PoolSet, PoolView, PoolViewError
 from ..runtime.data_plane import DataPlane, DataPlaneConfig, Transfer, TransferOutcome
+from ..stores.framing import Integrity
 from .store_host import StoreHost
 from .vllm_plan import TransferPlan
 
@@ -111,7 +112,7 @@ class PageTransfers:
     """Loads into and saves from vLLM's pages; see the module docstring. Thread-safe."""
 
     def __init__(self, host: StoreHost, pages: RawPages, *, fingerprint: bytes, with_state: bool,
-                 staging_bytes: int) -> None:
+                 staging_bytes: int, integrity: Integrity = Integrity.CHECKSUM) -> None:
         self.host = host
         self.pages = pages
         per_object = sum(pages.page_bytes)
@@ -125,7 +126,7 @@ class PageTransfers:
         self.counters: dict[str, int] = dict.fromkeys(
             ("loads", "loads_ok", "loads_failed", "saves", "saves_ok", "saves_failed", "saves_skipped",
              "objects_saved", "objects_loaded", "objects_removed"), 0)
-        cfg = DataPlaneConfig(staging_bytes_per_pool=max(16 << 20, 4 * per_object))
+        cfg = DataPlaneConfig(staging_bytes_per_pool=max(16 << 20, 4 * per_object), integrity=integrity)
         self._stack = contextlib.ExitStack()
         try:
             self.engine_plane = DataPlane(_views(pages.raws, with_state), host.store, cfg, fingerprint=fingerprint)

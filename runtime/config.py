@@ -6,6 +6,7 @@ from typing import Any
 
 import attrs
 
+from ..stores.framing import Integrity
 from ..stores.resilient import ResiliencePolicy
 
 
@@ -17,6 +18,10 @@ def _positive(inst: Any, attr: Any, value: Any) -> None:
 def _size(inst: Any, attr: Any, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"LinkerConfig.{attr.name} must be an int >= 0, got {value!r}")
+
+
+def _integrity(value: Integrity | str) -> Integrity:
+    return Integrity.parse(value, "LinkerConfig.integrity")
 
 
 @attrs.frozen
@@ -68,6 +73,9 @@ class LinkerConfig:
     fallback_states: int = attrs.field(default=2, validator=attrs.validators.ge(0))
     #: TOUCH batches: how long the toucher waits to gather touches into one call
     touch_batch_s: float = attrs.field(default=0.005, validator=_positive)
+    #: what a stored object's frame proves: ``"checksum"`` (header and a payload checksum) or
+    #: ``"header"`` (key, layout, length; no payload hash); ``DataPlaneConfig.integrity``
+    integrity: Integrity = attrs.field(default=Integrity.CHECKSUM, converter=_integrity)
 
     def __attrs_post_init__(self) -> None:
         if self.latency_low_ms > self.latency_high_ms:

@@ -76,6 +76,7 @@ import torch
 
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView, PoolViewError
+from ..stores import framing
 from ..stores.base import Store, StoreError
 from .device import DeviceCopies
 from .events import DeviceEvent, FenceError
@@ -89,6 +90,10 @@ from .transfer_job import CANCELLED, STORED, LoadResult, OffloadResult, Transfer
 
 class DataPlaneClosedError(RuntimeError):
     """The data plane is not running (not entered yet, closing or closed)."""
+
+
+def _integrity(value: framing.Integrity | str) -> framing.Integrity:
+    return framing.Integrity.parse(value, "DataPlaneConfig.integrity")
 
 
 @attrs.frozen
@@ -113,10 +118,14 @@ class DataPlaneConfig:
     #: allocated and registered with the store at start; 0: ``staging_bytes_per_pool``,
     #: allocated on the first verify-all load. A larger load gets fresh, unregistered memory.
     verify_all_staging_bytes: int = 0
+    #: what a frame proves about its payload: ``"checksum"`` (header and an XXH3-64 of the
+    #: payload) or ``"header"`` (header only: key, layout, length; no pass over the payload).
+    #: Objects are read by what their header says (``stores/framing.py``, "Integrity levels")
+    integrity: framing.Integrity = attrs.field(default=framing.Integrity.CHECKSUM, converter=_integrity)
 
     def __attrs_post_init__(self) -> None:
         for f in attrs.fields(DataPlaneConfig):
-            if f.name == "in_place":
+            if f.name in ("in_place", "integrity"):
                 continue
             if f.name in ("in_place_min_bytes", "verify_all_staging_bytes"):
                 v = getattr(self, f.name)
@@ -387,7 +396,7 @@ class DataPlane:
                 inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s,
                 in_place=self.config.in_place,
                 in_place_min_bytes=self.config.in_place_min_bytes, copies=None if copies is None else copies.get(kind),
-                held_bytes=self.config.verify_all_staging_bytes)
+                held_bytes=self.config.verify_all_staging_bytes, integrity=self.config.integrity)
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)

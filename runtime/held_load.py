@@ -55,6 +55,7 @@ class HeldLoads(InPlaceTransfers):
         job.staged = grid
         batches = self._batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
+        again: list[int] = []  # objects to read once more (a fault a transfer can cause)
 
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
@@ -62,14 +63,17 @@ class HeldLoads(InPlaceTransfers):
             return await self._store_call(self.store.get, job.keys[lo:hi], frames,
                                           GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
 
-        def verify(k: int, results: list[GetResult]) -> None:
-            lo, hi = batches[k]
+        def check(which: list[int] | range, results: list[GetResult], reread: bool) -> list[bool]:
             frames = grid.numpy()
             ok: list[bool] = []
-            for i, r in zip(range(lo, hi), results):
-                verify = partial(framing.verify_array, frames[i, :size], r.nbytes, job.keys[i], self.fingerprint)
-                ok.append(check_landed(r, False, verify, faults)[0])
-            good[k] = ok
+            for i, r in zip(which, results):
+                verify = partial(framing.verify_array, frames[i, :size], r.nbytes, job.keys[i], self.fingerprint,
+                                 integrity=self.integrity)
+                ok.append(check_landed(r, False, verify, faults, partial(again.append, i) if reread else None)[0])
+            return ok
+
+        def verify(k: int, results: list[GetResult]) -> None:
+            good[k] = check(range(*batches[k]), results, True)
 
         async def verify_async(k: int, results: list[GetResult]) -> None:
             if self._inline(batches[k], size):
@@ -87,6 +91,12 @@ class HeldLoads(InPlaceTransfers):
         if fetched is not None:
             await verify_async(*fetched)
         ok = [g for batch in good for g in batch]
+        if again:  # read once more into the same private frames
+            again.sort()
+            results = await self._store_call(self.store.get, [job.keys[i] for i in again],
+                                             [grid[i, :size] for i in again],
+                                             GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
+            self._reread_outcome(ok, again, check(again, results, False))
         return self._loaded(job, ok, faults, size, t0)
 
     async def land_held(self, job: TransferJob, on_layer: Callable[[int], None]) -> None:

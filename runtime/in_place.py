@@ -53,7 +53,7 @@ class InPlaceTransfers(PoolStaging):
         per = max(1, min(self.store.capabilities.max_batch,
                          self.batch * self.stride // framing.HEADER_BYTES,
                          IN_PLACE_CALL_BYTES // self.stride))
-        if not self.store_checksums:
+        if self.hashes_here:
             return _ramped(n, per)
         return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
@@ -124,7 +124,8 @@ class InPlaceTransfers(PoolStaging):
                 if checksums:  # the store sets the checksum as it copies the rows
                     framing.seal_header(heads_np[i], key, self.fingerprint, payload)
                 else:
-                    framing.seal_parts(heads_np[i], [p.numpy() for p in pieces], key, self.fingerprint)
+                    framing.seal_parts(heads_np[i], [p.numpy() for p in pieces], key, self.fingerprint,
+                                       self.integrity)
                 parts.append([heads[i], *pieces])
             return parts
 
@@ -134,7 +135,7 @@ class InPlaceTransfers(PoolStaging):
             results[k] = await self._store_call(call, job.keys[lo:hi], parts, Outcome.UNREACHABLE, Outcome.FAILED)
 
         async def pack_put(k: int, turns: SubBatchTurns) -> None:
-            if checksums or self._inline(batches[k], size):  # headers only, or small: on the loop
+            if not self.hashes_here or self._inline(batches[k], size):  # headers only, or small: on the loop
                 parts = pack(k)
             else:  # hashing the rows: in a thread
                 parts = await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
@@ -149,48 +150,79 @@ class InPlaceTransfers(PoolStaging):
         """Get sub-batch k straight into the pool rows while sub-batch k-1 is verified there.
 
         A failed object may leave partial bytes in its rows; the load then reports it failed
-        (and no layer of it landed), so the engine never uses those rows."""
+        (and no layer of it landed), so the engine never uses those rows. An object that
+        failed verification is read once more (:meth:`_reread_in_place`) before that."""
         faults: dict[str, int] = {}
         batches = self._in_place_batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
+        again: list[int] = []  # objects to read once more (a fault a transfer can cause)
         starts = job.index[:, 0].tolist()
         pieces_of: dict[int, list[list[torch.Tensor]]] = {}
-        checksums = self.store_checksums
 
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
             heads, _ = self._headers("load", batches, k)
             pieces = [codec.pieces(r0) for r0 in starts[lo:hi]]
             pieces_of[k] = pieces
-            call = self.store.get_checked if checksums else self.store.get_parts  # type: ignore[attr-defined]
-            return await self._store_call(call, job.keys[lo:hi], [[h, *p] for h, p in zip(heads, pieces)],
-                                          GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
+            return await self._get_parts(job.keys[lo:hi], [[h, *p] for h, p in zip(heads, pieces)])
 
         def verify(k: int, results: list[GetResult]) -> None:
             lo, hi = batches[k]
             _, heads_np = self._headers("load", batches, k)
-            ok: list[bool] = []
-            for key, h, p, r in zip(job.keys[lo:hi], heads_np, pieces_of.pop(k), results):
-                verify = partial(framing.verify_parts, h, r.nbytes, [x.numpy() for x in p], key, self.fingerprint)
-                ok.append(check_landed(r, checksums, verify, faults)[0])
-            good[k] = ok
+            good[k] = self._verify_parts(job.keys[lo:hi], heads_np, pieces_of.pop(k), results, faults,
+                                         again.append, lo)
 
         async def get_verify(k: int, turns: SubBatchTurns) -> None:
             turns.prepared[k].set()
             await turns.store_turn(k)
             results = await get(k)
             turns.moved[k].set()
-            if checksums or self._inline(batches[k], size):  # headers only, or small: on the loop
+            if not self.hashes_here or self._inline(batches[k], size):  # headers only, or small: on the loop
                 verify(k, results)
             else:  # hashing the rows: in a thread
                 await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
 
         await self._two_in_flight(batches, get_verify)
         ok = [g for batch in good for g in batch]
+        if again:
+            await self._reread_in_place(job, codec, sorted(again), ok, faults)
         if job.on_layer is not None and all(ok):
             for layer in codec.layer_ids:
                 job.on_layer(layer)
         return self._loaded(job, ok, faults, size, t0)
+
+    async def _get_parts(self, keys: list[str], parts: list[list[torch.Tensor]]) -> list[GetResult]:
+        call = self.store.get_checked if self.store_checksums else self.store.get_parts  # type: ignore[attr-defined]
+        return await self._store_call(call, keys, parts, GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
+
+    def _verify_parts(self, keys: list[str], heads_np: list[np.ndarray], pieces: list[list[torch.Tensor]],
+                      results: list[GetResult], faults: dict[str, int],
+                      reread: Callable[[int], None] | None, first: int) -> list[bool]:
+        """Verify objects read in place (header ``heads_np[i]``, rows ``pieces[i]``); the
+        objects to read again go to ``reread(first + i)``."""
+        ok: list[bool] = []
+        for i, (key, h, p, r) in enumerate(zip(keys, heads_np, pieces, results)):
+            verify = partial(framing.verify_parts, h, r.nbytes, [x.numpy() for x in p], key, self.fingerprint,
+                             integrity=self.integrity)
+            ok.append(check_landed(r, self.store_checksums, verify, faults,
+                                   None if reread is None else partial(reread, first + i))[0])
+        return ok
+
+    async def _reread_in_place(self, job: TransferJob, codec: PoolCodec, again: list[int], ok: list[bool],
+                               faults: dict[str, int]) -> None:
+        """Read the objects ``again`` once more into their rows and verify them there; what
+        fails now is counted under its fault (the stored object is bad)."""
+        starts = job.index[:, 0].tolist()
+        batches = self._in_place_batches(len(again))
+        verified: list[bool] = []
+        for k, (lo, hi) in enumerate(batches):  # one at a time: the header slots are free now
+            which = again[lo:hi]
+            heads, heads_np = self._headers("load", batches, k)
+            pieces = [codec.pieces(starts[i]) for i in which]
+            keys = [job.keys[i] for i in which]
+            results = await self._get_parts(keys, [[h, *p] for h, p in zip(heads, pieces)])
+            verified += self._verify_parts(keys, heads_np, pieces, results, faults, None, 0)
+        self._reread_outcome(ok, again, verified)
 
 
 def _ramped(n: int, per: int) -> list[tuple[int, int]]:

@@ -105,7 +105,7 @@ class Linker:
             copy_threads=c.copy_threads, inline_copy_bytes=c.inline_copy_bytes,
             fence_timeout_s=c.fence_timeout_s, latency_high_ms=c.latency_high_ms,
             latency_low_ms=c.latency_low_ms, layer_groups=c.layer_groups, in_place=c.in_place,
-            in_place_min_bytes=c.in_place_min_bytes),
+            in_place_min_bytes=c.in_place_min_bytes, integrity=c.integrity),
             fingerprint=layout.fingerprint)
         self._requests: dict[str, Request] = {}
         self._tg: anyio.abc.TaskGroup | None = None

@@ -165,7 +165,7 @@ class PoolActor(HeldLoads):
                 if checksums:  # the store sets the checksum as it copies the frame
                     framing.seal_header(f, key, self.fingerprint, payload)
                 else:
-                    framing.seal_array(f, key, self.fingerprint)
+                    framing.seal_array(f, key, self.fingerprint, self.integrity)
             return frames
 
         def pack(k: int) -> list[torch.Tensor]:
@@ -220,6 +220,7 @@ class PoolActor(HeldLoads):
             return await self._load_in_place(job, codec, size, t0)
         batches = self._batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
+        again: list[int] = []  # objects to read once more (a fault a transfer can cause)
         checksums = self.store_checksums
 
         def unpack(k: int, results: list[GetResult]) -> DeviceEvent | None:
@@ -233,8 +234,8 @@ class PoolActor(HeldLoads):
             rows = index[:, 0].tolist()
             ok: list[bool] = []
             for i, (key, f, r) in enumerate(zip(job.keys[lo:hi], frames, results)):
-                verify = partial(framing.verify_array, f, r.nbytes, key, self.fingerprint)
-                usable, payload = check_landed(r, checksums, verify, faults)
+                verify = partial(framing.verify_array, f, r.nbytes, key, self.fingerprint, integrity=self.integrity)
+                usable, payload = check_landed(r, checksums, verify, faults, partial(again.append, lo + i))
                 if not usable:
                     ok.append(False)
                     continue
@@ -263,12 +264,7 @@ class PoolActor(HeldLoads):
         async def get(k: int) -> list[GetResult]:
             lo, hi = batches[k]
             _, frames = self._views("load", k % 2, hi - lo, size)
-            if checksums:
-                return await self._store_call(self.store.get_checked,  # type: ignore[attr-defined]
-                                              job.keys[lo:hi], [_split(f) for f in frames],
-                                              GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
-            return await self._store_call(self.store.get, job.keys[lo:hi], frames,
-                                          GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
+            return await self._get_frames(job.keys[lo:hi], frames)
 
         landed: tuple[int, list[GetResult]] | None = None
         for k in range(len(batches)):
@@ -286,10 +282,45 @@ class PoolActor(HeldLoads):
             else:
                 await land(*landed)
         ok = [g for batch in good for g in batch]
+        if again:
+            await self._reread_staged(job, codec, size, sorted(again), ok, faults)
         if job.on_layer is not None and all(ok):  # every object of the job landed
             for layer in codec.layer_ids:
                 job.on_layer(layer)
         return self._loaded(job, ok, faults, size, t0)
+
+    async def _get_frames(self, keys: list[str], frames: list[torch.Tensor]) -> list[GetResult]:
+        """One get of whole frames (a checksumming store's ``get_checked`` where it is used)."""
+        if self.store_checksums:
+            return await self._store_call(self.store.get_checked,  # type: ignore[attr-defined]
+                                          keys, [_split(f) for f in frames],
+                                          GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
+        return await self._store_call(self.store.get, keys, frames,
+                                      GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
+
+    async def _reread_staged(self, job: TransferJob, codec: PoolCodec, size: int, again: list[int],
+                             ok: list[bool], faults: dict[str, int]) -> None:
+        """Read the objects ``again`` once more, into frames of their own (the arena's halves
+        may hold later sub-batches by now), verify them and land the ones that verify; what
+        fails now is counted under its fault (the stored object is bad)."""
+        grid = self._new_arena(len(again) * self.stride).view(len(again), self.stride)
+        frames = [grid[j, :size] for j in range(len(again))]
+        results = await self._get_frames([job.keys[i] for i in again], frames)
+        frames_np = grid.numpy()
+        verified: list[bool] = []
+        for j, (i, r) in enumerate(zip(again, results)):
+            verify = partial(framing.verify_array, frames_np[j, :size], r.nbytes, job.keys[i], self.fingerprint,
+                             integrity=self.integrity)
+            verified.append(check_landed(r, self.store_checksums, verify, faults)[0])
+        sel = [j for j, v in enumerate(verified) if v]
+        if sel:
+            pick = torch.tensor(sel, dtype=torch.int64)
+            index = job.index[torch.tensor([again[j] for j in sel], dtype=torch.int64)]
+            with self.copies.on_stream() if self.copies is not None else contextlib.nullcontext():
+                codec.scatter(grid[pick, framing.HEADER_BYTES: size], index, None)
+                ev = self.copies.record() if self.copies is not None else None
+            await wait_fence(ev, timeout_s=self.fence_timeout_s)
+        self._reread_outcome(ok, again, verified)
 
     def statistics(self) -> PoolActorStatistics:
         return PoolActorStatistics(

@@ -87,13 +87,16 @@ V = TypeVar("V")
 
 
 def check_landed(result: GetResult, checksums: bool, verify: Callable[[int | None], V],
-           faults: dict[str, int]) -> tuple[bool, V | None]:
+                 faults: dict[str, int], reread: Callable[[], None] | None = None) -> tuple[bool, V | None]:
     """Whether an object a get answered for can be used, and what ``verify`` returned for it.
 
     Not OK: counted in ``faults`` under its outcome. A checksumming store that gave no
     checksum broke its word: counted as failed, nothing trusted. Else ``verify(checksum)``
     (the landed checksum, or None where the runtime hashes itself) raising a
-    :class:`~hylinker.stores.framing.FrameError` is counted under its fault."""
+    :class:`~hylinker.stores.framing.FrameError` is counted under its fault, or, for a fault a
+    damaged transfer can cause (``framing.REREAD_FAULTS``) when ``reread`` is given, not
+    counted: ``reread()`` is called so the caller reads the object once more
+    (:meth:`PoolStaging._reread_outcome` counts how that went)."""
     fault: str
     if result.outcome is not Outcome.OK:
         fault = result.outcome.value
@@ -103,6 +106,9 @@ def check_landed(result: GetResult, checksums: bool, verify: Callable[[int | Non
         try:
             return True, verify(result.checksum if checksums else None)
         except framing.FrameError as exc:
+            if reread is not None and exc.fault in framing.REREAD_FAULTS:
+                reread()
+                return False, None
             fault = exc.fault.value
     faults[fault] = faults.get(fault, 0) + 1
     return False, None
@@ -127,6 +133,7 @@ class PoolStaging:
         in_place_min_bytes: int = 0,
         copies: DeviceCopies | None = None,
         held_bytes: int = 0,
+        integrity: framing.Integrity = framing.Integrity.CHECKSUM,
     ) -> None:
         if not codecs:
             raise ValueError("a pool actor needs at least one codec")
@@ -174,7 +181,13 @@ class PoolStaging:
         # a store that checksums while it copies (framing.copy_checksummed): headers only on
         # offload, the landed checksum on load; the bytes cross memory once less per transfer
         # (in place: once in all), no separate hash pass over rows or staging
-        self.store_checksums = supports_checksums(store)
+        # ... at integrity "checksum" only: at "header" nothing hashes the payload (plain
+        # put/get, unhashed frames; a hashed frame written by a "checksum" writer is still
+        # hashed here when read, framing.verify_array)
+        self.integrity = integrity
+        self.store_checksums = supports_checksums(store) and integrity is framing.Integrity.CHECKSUM
+        #: the runtime hashes payloads itself (worth a worker thread for large batches)
+        self.hashes_here = integrity is framing.Integrity.CHECKSUM and not self.store_checksums
         if self.scatter:
             moved = [c for c, yes in zip(self.codecs, self.in_place_groups, strict=True) if yes]
             for region in {id(t): t for c in moved for t in c.regions()}.values():
@@ -185,7 +198,19 @@ class PoolStaging:
         self.fence_timeout_s = fence_timeout_s
         self._c = dict(objects_offloaded=0, objects_already_stored=0, bytes_offloaded=0,
                        offload_failures=0, objects_loaded=0, bytes_loaded=0, load_misses=0,
-                       load_failures=0, verify_failures=0)
+                       load_failures=0, verify_failures=0, rereads_recovered=0, rereads_failed=0)
+
+    def _reread_outcome(self, ok: list[bool], again: list[int], verified: list[bool]) -> None:
+        """Record how the second reads of the objects ``again`` (indices into the job's
+        ``ok``) went: ``verified[j]`` marks ``again[j]`` usable, and each is counted recovered
+        (a transfer fault the second read cured) or failed (the stored object is bad)."""
+        for i, good in zip(again, verified, strict=True):
+            ok[i] = good
+        n = sum(verified)
+        self._c["rereads_recovered"] += n
+        self._c["rereads_failed"] += len(again) - n
+        if again:
+            trace("reread", pool=self.kind.value, objects=len(again), recovered=n)
 
     def _views(self, direction: str, half: int, n: int, size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Frames of ``size`` bytes in one half of a direction's arena (double buffering)."""

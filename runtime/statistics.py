@@ -31,6 +31,8 @@ class PoolActorStatistics:
     load_failures: int
     verify_failures: int
     pending_states: int  # MAMBA states held by queued or in-flight offloads
+    rereads_recovered: int = 0  # objects that failed verification, then verified when read again
+    rereads_failed: int = 0  # ...and failed again: the stored object is bad (counted in verify_failures)
 
 
 @attrs.frozen

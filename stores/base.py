@@ -195,7 +195,8 @@ class ChecksumStore(ScatterStore, Protocol):
     ``capabilities.checksums``.
 
     * :meth:`put_sealed`: like :meth:`put_parts`, but ``parts[i][0]`` is a 64-byte frame header
-      from :func:`~hylinker.stores.framing.seal_header` (checksum not set). The store copies
+      from :func:`~hylinker.stores.framing.seal_header` at integrity ``"checksum"`` (a hashed
+      frame, checksum not set; the runtime at ``"header"`` never calls it). The store copies
       the payload parts, then writes the header with the checksum of the bytes that landed in
       its memory. The stored object equals what ``seal_parts`` + ``put_parts`` store.
     * :meth:`get_checked`: like :meth:`get_parts`, and each OK result carries ``checksum``, the

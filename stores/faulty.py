@@ -20,8 +20,11 @@
   caller's buffer, so zero-copy inners still see registered memory).
 * **corruption** (``corrupt``): one byte is flipped in what a put stores (in the caller's
   buffer for the duration of the inner call, then restored) or in what a get returns. The byte
-  is one that framing verifies (magic, version, layout, key digest, length, checksum or
-  payload) — the header's flags and reserved bytes carry no data and are never picked.
+  is one that framing verifies (magic, version, flags, layout, key digest, length, checksum
+  or payload) — the header's reserved bytes carry no data and are never picked.
+* **a corrupt first read** (``corrupt_first_read``, not part of ``uniform``): the first get
+  of an object (since it was put) returns it with one verified byte flipped, as a transfer
+  fault would; the object in the store is intact and every later get returns it whole.
 * **vanishing objects** (``vanish``): a key that ``exists`` reports present is gone by the
   next get (removed from the inner store where it can remove, and masked in any case until
   the key is put again).
@@ -58,8 +61,8 @@ from .framing import HEADER_BYTES
 T = TypeVar("T")
 
 _SCHEDULED = ("failed", "unavailable", "timeout")
-# Header bytes framing.verify checks: magic+version (0..6) and layout..checksum (8..48).
-_VERIFIED_HEADER = (*range(0, 6), *range(8, 48))
+# Header bytes framing.verify checks: magic, version, flags, layout, key, length, checksum (0..48).
+_VERIFIED_HEADER = tuple(range(0, 48))
 
 
 def _probability(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -106,6 +109,7 @@ class FaultPlan:
     torn: float = attrs.field(default=0.0, converter=float, validator=_probability)
     corrupt: float = attrs.field(default=0.0, converter=float, validator=_probability)
     vanish: float = attrs.field(default=0.0, converter=float, validator=_probability)
+    corrupt_first_read: float = attrs.field(default=0.0, converter=float, validator=_probability)
     latency_ms: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
     jitter_ms: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
     deadline_ms: float | None = attrs.field(
@@ -218,6 +222,7 @@ class FaultStatistics(StoreStatistics):
     torn_writes: int = 0
     corrupted_writes: int = 0
     corrupted_reads: int = 0
+    corrupted_first_reads: int = 0
     vanished: int = 0
 
 
@@ -242,6 +247,7 @@ class FaultyStore:
         self._rng = random.Random(seed)
         self._call_number = 0
         self._vanished: set[str] = set()
+        self._read: set[str] = set()  # keys read since their last put (corrupt_first_read)
         self._faults: dict[str, int] = dict.fromkeys(_FAULT_COUNTERS, 0)
         inner_caps = inner.capabilities
         self._capabilities = attrs.evolve(inner_caps, name=f"faulty({inner_caps.name})")
@@ -341,6 +347,8 @@ class FaultyStore:
                     outcomes[i] = Outcome.UNREACHABLE
                     continue
                 outcomes[i] = answer[j]
+                if answer[j] is Outcome.OK:
+                    self._read.discard(keys[i])
                 if keys[i] in self._vanished:
                     # Stored again from the caller's view (the inner may still hold it).
                     self._vanished.discard(keys[i])
@@ -386,10 +394,11 @@ class FaultyStore:
                     and plan.corrupt
                     and self._rng.random() < plan.corrupt
                 ):
-                    buf = buffers[i]
-                    pos = self._corrupt_position(result.nbytes)
-                    buf[pos] = int(buf[pos]) ^ self._flip_mask()
-                    self._faults["corrupted_reads"] += 1
+                    self._flip(buffers[i], result.nbytes, "corrupted_reads")
+                elif result.outcome is Outcome.OK and result.nbytes > 0 and keys[i] not in self._read:
+                    self._read.add(keys[i])
+                    if plan.corrupt_first_read and self._rng.random() < plan.corrupt_first_read:
+                        self._flip(buffers[i], result.nbytes, "corrupted_first_reads")
             return results
         finally:
             self._calls.exit()
@@ -511,6 +520,12 @@ class FaultyStore:
         if self._inner.capabilities.remove:
             with contextlib.suppress(StoreError):  # the mask hides them anyway
                 await self._inner.remove(keys)
+
+    def _flip(self, buf: torch.Tensor, nbytes: int, counter: str) -> None:
+        """Flip bits of one verified byte among the first ``nbytes`` of a get's buffer."""
+        pos = self._corrupt_position(nbytes)
+        buf[pos] = int(buf[pos]) ^ self._flip_mask()
+        self._faults[counter] += 1
 
     def _corrupt_position(self, nbytes: int) -> int:
         """A byte that framing verifies, among the first ``nbytes``."""

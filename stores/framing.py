@@ -3,18 +3,30 @@
 Header (64 bytes, little endian)::
 
     magic      4s   b"HYLK"
-    version    u16  FORMAT_VERSION
-    flags      u16  reserved, 0
+    version    u16  FORMAT_VERSION (1): payload hashed; UNHASHED_VERSION (2): not
+    flags      u16  0 in version 1; FLAG_UNHASHED in version 2
     layout     8s   first 8 bytes of the model layout fingerprint
     key        16s  BLAKE2b-128 digest of the object key
     length     u64  payload bytes
-    checksum   u64  XXH3-64 of the payload
+    checksum   u64  XXH3-64 of the payload (version 1); 0 (version 2)
     reserved   16s  zeros
 
 A reader verifies all of it before a single payload byte is used: a truncated, corrupted,
 mis-keyed or other-layout object is rejected with a :class:`FrameError` naming the reason,
 and the runtime turns that into a miss. The payload starts at offset ``HEADER_BYTES`` (64),
 so payload views stay 64-byte aligned inside an aligned staging arena.
+
+**Integrity levels** (:class:`Integrity`). A writer at ``"checksum"`` (the default) seals
+version-1 frames with the payload's checksum, byte for byte the frames of every earlier
+release. A writer at ``"header"`` seals version-2 frames: ``flags = FLAG_UNHASHED`` and a zero
+checksum field, no pass over the payload. A frame says which it is, and a reader verifies by
+what it says: version 1 needs flags 0 and a matching payload checksum, version 2 needs exactly
+``FLAG_UNHASHED`` and a zero checksum field (any other combination is ``bad_version``, so one
+flipped byte cannot turn a hashed frame into an unhashed one). A ``"header"`` reader still
+checks the checksum of a version-1 frame (it never trusts less than the writer recorded); a
+``"checksum"`` reader rejects a version-2 frame as ``unhashed`` (it was asked for payload
+checksums and the object has none). A release before version 2 rejects version-2 frames as
+``bad_version``: clear, never silent.
 
 **Checksum while copying.** Hashing a payload in a pass of its own costs as much memory
 traffic as copying it (a 1 MiB object is read from DRAM twice). :func:`copy_checksummed`
@@ -38,6 +50,10 @@ import xxhash
 
 MAGIC = b"HYLK"
 FORMAT_VERSION = 1
+"""A frame whose payload is hashed (integrity ``"checksum"``)."""
+UNHASHED_VERSION = 2
+"""A frame whose payload is not hashed (integrity ``"header"``)."""
+FLAG_UNHASHED = 1
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<4sHH8s16sQQ16s")
 assert _HEADER.size == HEADER_BYTES
@@ -46,6 +62,24 @@ CHECKSUM_OFFSET = 40  # magic 4 + version 2 + flags 2 + layout 8 + key 16 + leng
 CHECKSUM_CHUNK_BYTES = 256 << 10
 """Piece size of :func:`copy_checksummed`: a piece and its source fit in a core's L2 cache
 (2 MiB here) together, and the Python work per piece (~3 µs) stays small next to its copy."""
+
+
+class Integrity(enum.Enum):
+    """What a frame proves about its payload (see the module doc)."""
+
+    CHECKSUM = "checksum"  # header fields and an XXH3-64 of the payload
+    HEADER = "header"  # header fields only: magic, version, layout, key, length
+
+    @classmethod
+    def parse(cls, value: object, where: str) -> Integrity:
+        """``value`` (a level or its name) as a level; a :class:`ValueError` naming ``where``
+        (the setting) otherwise."""
+        if isinstance(value, Integrity):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{where} must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 class FrameFault(enum.Enum):
@@ -58,6 +92,13 @@ class FrameFault(enum.Enum):
     OTHER_KEY = "other_key"
     BAD_LENGTH = "bad_length"
     BAD_CHECKSUM = "bad_checksum"
+    UNHASHED = "unhashed"  # a "checksum" reader got a frame written without a payload checksum
+
+
+REREAD_FAULTS = frozenset(FrameFault) - {FrameFault.UNHASHED}
+"""Faults a damaged transfer can cause: a load reads such an object once more before it
+declares it bad. ``unhashed`` needs a consistent version-2 header, which a flipped byte does
+not make."""
 
 
 class FrameError(ValueError):
@@ -87,60 +128,73 @@ def payload_view(frame: torch.Tensor) -> torch.Tensor:
     return frame[HEADER_BYTES:]
 
 
-def seal(frame: torch.Tensor, key: str, layout_fingerprint: bytes) -> None:
+def seal(frame: torch.Tensor, key: str, layout_fingerprint: bytes,
+         integrity: Integrity = Integrity.CHECKSUM) -> None:
     """Write the header of ``frame`` for the payload already in ``payload_view(frame)``."""
-    seal_array(_as_numpy(frame), key, layout_fingerprint)
+    seal_array(_as_numpy(frame), key, layout_fingerprint, integrity)
 
 
-def verify(frame: torch.Tensor, nbytes: int, key: str, layout_fingerprint: bytes) -> torch.Tensor:
+def verify(frame: torch.Tensor, nbytes: int, key: str, layout_fingerprint: bytes,
+           integrity: Integrity = Integrity.CHECKSUM) -> torch.Tensor:
     """Check the first ``nbytes`` of ``frame`` as the object for ``key``; return the payload.
 
     Raises :class:`FrameError` on any mismatch.
     """
     if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
         raise ValueError(f"frames are contiguous uint8 1-D tensors, got {getattr(frame, 'shape', type(frame))}")
-    length = verify_array(_as_numpy(frame), nbytes, key, layout_fingerprint).shape[0]
+    length = verify_array(_as_numpy(frame), nbytes, key, layout_fingerprint, integrity=integrity).shape[0]
     return frame[HEADER_BYTES: HEADER_BYTES + length]
 
 
-def seal_array(frame: np.ndarray, key: str, layout_fingerprint: bytes) -> None:
+def _pack(key: str, layout_fingerprint: bytes, length: int, checksum: int | None) -> np.ndarray:
+    """A header: hashed (version 1) with ``checksum``, or unhashed (version 2) for None."""
+    if checksum is None:
+        version, flags, checksum = UNHASHED_VERSION, FLAG_UNHASHED, 0
+    else:
+        version, flags = FORMAT_VERSION, 0
+    return np.frombuffer(_HEADER.pack(MAGIC, version, flags, layout_fingerprint[:8], key_digest(key), length,
+                                      checksum, b"\0" * 16), dtype=np.uint8)
+
+
+def seal_array(frame: np.ndarray, key: str, layout_fingerprint: bytes,
+               integrity: Integrity = Integrity.CHECKSUM) -> None:
     """:func:`seal` on a 1-D uint8 NumPy view (the runtime's hot path: no tensor per object)."""
     payload = frame[HEADER_BYTES:]
-    frame[:HEADER_BYTES] = np.frombuffer(_HEADER.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        0,
-        layout_fingerprint[:8],
-        key_digest(key),
-        payload.shape[0],
-        xxhash.xxh3_64_intdigest(payload.data),
-        b"\0" * 16,
-    ), dtype=np.uint8)
+    hashed = integrity is Integrity.CHECKSUM
+    frame[:HEADER_BYTES] = _pack(key, layout_fingerprint, payload.shape[0],
+                                 xxhash.xxh3_64_intdigest(payload.data) if hashed else None)
 
 
-def _header_fields(header: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes) -> tuple[int, int]:
-    """Check a header's magic, version, layout and key (one rule for whole and scattered
-    objects); its payload length and checksum. Raises :class:`FrameError`."""
+def _header_fields(header: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes,
+                   integrity: Integrity) -> tuple[int, int | None]:
+    """Check a header's magic, version and flags, layout and key (one rule for whole and
+    scattered objects); its payload length and checksum (None: the frame is unhashed, which a
+    ``"checksum"`` reader refuses). Raises :class:`FrameError`."""
     if nbytes < HEADER_BYTES or header.shape[0] < HEADER_BYTES:
         raise FrameError(FrameFault.TRUNCATED, key, f"{nbytes} bytes, header needs {HEADER_BYTES}")
-    magic, version, _flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(header.data, 0)
+    magic, version, flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(header.data, 0)
     if magic != MAGIC:
         raise FrameError(FrameFault.BAD_MAGIC, key)
-    if version != FORMAT_VERSION:
-        raise FrameError(FrameFault.BAD_VERSION, key, f"version {version}")
+    hashed = version == FORMAT_VERSION and flags == 0
+    if not hashed and not (version == UNHASHED_VERSION and flags == FLAG_UNHASHED and checksum == 0):
+        raise FrameError(FrameFault.BAD_VERSION, key, f"version {version}, flags {flags:#x}")
     if layout != layout_fingerprint[:8]:
         raise FrameError(FrameFault.OTHER_LAYOUT, key)
     if digest != key_digest(key):
         raise FrameError(FrameFault.OTHER_KEY, key)
-    return length, checksum
+    if not hashed and integrity is Integrity.CHECKSUM:
+        raise FrameError(FrameFault.UNHASHED, key, "written at integrity 'header', read at 'checksum'")
+    return length, checksum if hashed else None
 
 
 def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes,
-                 landed_checksum: int | None = None) -> np.ndarray:
+                 landed_checksum: int | None = None,
+                 integrity: Integrity = Integrity.CHECKSUM) -> np.ndarray:
     """:func:`verify` on a 1-D uint8 NumPy view; returns the payload view. ``landed_checksum``:
     the payload's checksum as computed by whoever wrote it into ``frame``
-    (:func:`copy_checksummed`); otherwise the payload is hashed here."""
-    length, checksum = _header_fields(frame, nbytes, key, layout_fingerprint)
+    (:func:`copy_checksummed`); otherwise the payload is hashed here, if the frame says it is
+    hashed. ``integrity``: the reader's level (a ``"checksum"`` reader refuses unhashed frames)."""
+    length, checksum = _header_fields(frame, nbytes, key, layout_fingerprint, integrity)
     room = frame.shape[0] - HEADER_BYTES
     if length != nbytes - HEADER_BYTES or length > room:
         raise FrameError(
@@ -149,6 +203,8 @@ def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: b
             f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}",
         )
     payload = frame[HEADER_BYTES: HEADER_BYTES + length]
+    if checksum is None:  # unhashed frame, "header" reader: the header is all there is
+        return payload
     if landed_checksum is None:
         landed_checksum = xxhash.xxh3_64_intdigest(payload.data)
     if landed_checksum != checksum:
@@ -156,28 +212,30 @@ def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: b
     return payload
 
 
-def seal_parts(header: np.ndarray, pieces: list[np.ndarray], key: str, layout_fingerprint: bytes) -> None:
+def seal_parts(header: np.ndarray, pieces: list[np.ndarray], key: str, layout_fingerprint: bytes,
+               integrity: Integrity = Integrity.CHECKSUM) -> None:
     """Write into ``header`` (64 bytes) the header of the object ``header ‖ pieces...``: the
     same object :func:`seal_array` makes, for a payload scattered over several buffers (pool
     rows read in place by a zero-copy put)."""
-    h = xxhash.xxh3_64()
-    length = 0
-    for p in pieces:
-        h.update(p.data)
-        length += p.shape[0]
-    header[:HEADER_BYTES] = np.frombuffer(_HEADER.pack(
-        MAGIC, FORMAT_VERSION, 0, layout_fingerprint[:8], key_digest(key), length, h.intdigest(),
-        b"\0" * 16), dtype=np.uint8)
+    length = sum(p.shape[0] for p in pieces)
+    checksum: int | None = None
+    if integrity is Integrity.CHECKSUM:
+        h = xxhash.xxh3_64()
+        for p in pieces:
+            h.update(p.data)
+        checksum = h.intdigest()
+    header[:HEADER_BYTES] = _pack(key, layout_fingerprint, length, checksum)
 
 
-def seal_header(header: np.ndarray, key: str, layout_fingerprint: bytes, length: int) -> None:
+def seal_header(header: np.ndarray, key: str, layout_fingerprint: bytes, length: int,
+                integrity: Integrity = Integrity.CHECKSUM) -> None:
     """Write into ``header`` (64 bytes) the header of a ``length``-byte payload whose checksum
     is not known yet: every field but the checksum (0). Whoever copies the payload sets it
     with :func:`set_checksum` once the payload has landed (a store that checksums while
-    copying, see :func:`copy_checksummed`)."""
-    header[:HEADER_BYTES] = np.frombuffer(_HEADER.pack(
-        MAGIC, FORMAT_VERSION, 0, layout_fingerprint[:8], key_digest(key), length, 0,
-        b"\0" * 16), dtype=np.uint8)
+    copying, see :func:`copy_checksummed`). At ``integrity="header"`` the header is complete:
+    an unhashed frame, nothing to set."""
+    header[:HEADER_BYTES] = _pack(key, layout_fingerprint, length,
+                                  0 if integrity is Integrity.CHECKSUM else None)
 
 
 def set_checksum(header: np.ndarray, checksum: int) -> None:
@@ -209,18 +267,21 @@ def copy_checksummed(targets: list[np.ndarray], sources: list[np.ndarray]) -> in
 
 
 def verify_parts(header: np.ndarray, nbytes: int, pieces: list[np.ndarray], key: str,
-                 layout_fingerprint: bytes, landed_checksum: int | None = None) -> None:
+                 layout_fingerprint: bytes, landed_checksum: int | None = None,
+                 integrity: Integrity = Integrity.CHECKSUM) -> None:
     """:func:`verify_array` for an object read as ``header ‖ pieces...`` (a zero-copy get into
     pool rows): the header's fields, the length against the pieces, and the checksum over the
     bytes as they landed. ``landed_checksum``: that checksum, when whoever wrote the pieces
     computed it over them as they landed (:func:`copy_checksummed`); otherwise the pieces are
-    hashed here. Raises :class:`FrameError`."""
-    length, checksum = _header_fields(header, nbytes, key, layout_fingerprint)
+    hashed here (if the frame says it is hashed). Raises :class:`FrameError`."""
+    length, checksum = _header_fields(header, nbytes, key, layout_fingerprint, integrity)
     room = sum(p.shape[0] for p in pieces)
     if length != nbytes - HEADER_BYTES or length != room:
         raise FrameError(
             FrameFault.BAD_LENGTH if nbytes - HEADER_BYTES >= room else FrameFault.TRUNCATED, key,
             f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}, rows hold {room}")
+    if checksum is None:
+        return
     if landed_checksum is None:
         h = xxhash.xxh3_64()
         for p in pieces:

@@ -6,18 +6,24 @@ import hashlib
 import struct
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from hylinker.stores.framing import (
     FORMAT_VERSION,
     HEADER_BYTES,
+    UNHASHED_VERSION,
     FrameError,
     FrameFault,
+    Integrity,
     framed_size,
     payload_view,
     seal,
+    seal_header,
+    seal_parts,
     verify,
+    verify_parts,
 )
 
 LAYOUT = hashlib.sha256(b"test-framing-layout").digest()
@@ -25,11 +31,12 @@ OTHER_LAYOUT = hashlib.sha256(b"another-layout").digest()
 KEY = "page/0123abcd/kv/tp0"
 
 
-def sealed(payload_bytes: int = 256, key: str = KEY, seed: int = 0) -> torch.Tensor:
+def sealed(payload_bytes: int = 256, key: str = KEY, seed: int = 0,
+           integrity: Integrity = Integrity.CHECKSUM) -> torch.Tensor:
     frame = torch.empty(framed_size(payload_bytes), dtype=torch.uint8)
     gen = torch.Generator().manual_seed(seed)
     payload_view(frame).copy_(torch.randint(0, 256, (payload_bytes,), dtype=torch.uint8, generator=gen))
-    seal(frame, key, LAYOUT)
+    seal(frame, key, LAYOUT, integrity)
     return frame
 
 
@@ -115,18 +122,106 @@ def test_frame_buffer_smaller_than_the_header_claims_is_truncated() -> None:
     assert info.value.fault is FrameFault.TRUNCATED
 
 
-def test_every_verified_byte_is_guarded() -> None:
-    """Flipping any byte framing checks is rejected; flags and reserved bytes carry no data."""
-    unverified = set(range(6, 8)) | set(range(48, HEADER_BYTES))
-    original = sealed(64)
-    for pos in range(original.numel()):
-        frame = original.clone()
-        frame[pos] ^= 0x01
-        if pos in unverified:
-            assert torch.equal(verify(frame, frame.numel(), KEY, LAYOUT), payload_view(original))
-        else:
-            with pytest.raises(FrameError):
-                verify(frame, frame.numel(), KEY, LAYOUT)
+@pytest.mark.parametrize("level", list(Integrity), ids=lambda i: i.value)
+def test_every_verified_byte_is_guarded(level: Integrity) -> None:
+    """Flipping any byte framing checks is rejected, the flags included; the reserved bytes
+    carry no data. An unhashed frame (integrity "header") guards its header only: a flipped
+    payload byte goes through, as documented."""
+    unverified = set(range(48, HEADER_BYTES))
+    original = sealed(64, integrity=level)
+    if level is Integrity.HEADER:
+        unverified |= set(range(HEADER_BYTES, original.numel()))
+    for bit in (0x01, 0x80):
+        for pos in range(original.numel()):
+            frame = original.clone()
+            frame[pos] ^= bit
+            if pos in unverified:
+                assert verify(frame, frame.numel(), KEY, LAYOUT, level).numel() == 64
+            else:
+                with pytest.raises(FrameError):
+                    verify(frame, frame.numel(), KEY, LAYOUT, level)
+
+
+def test_a_checksum_frame_is_the_format_of_every_earlier_release() -> None:
+    """Integrity "checksum" writes version-1 frames with flags 0: what older releases wrote
+    and read."""
+    frame = sealed(100)
+    version, flags = struct.unpack_from("<HH", frame.numpy().tobytes(), 4)
+    assert (version, flags) == (FORMAT_VERSION, 0) == (1, 0)
+
+
+def test_a_header_frame_says_it_is_unhashed() -> None:
+    frame = sealed(100, integrity=Integrity.HEADER)
+    version, flags = struct.unpack_from("<HH", frame.numpy().tobytes(), 4)
+    checksum = struct.unpack_from("<Q", frame.numpy().tobytes(), 40)[0]
+    assert (version, flags, checksum) == (UNHASHED_VERSION, 1, 0)
+
+
+@pytest.mark.parametrize("writer", list(Integrity), ids=lambda i: f"written-{i.value}")
+@pytest.mark.parametrize("reader", list(Integrity), ids=lambda i: f"read-{i.value}")
+def test_cross_level_reads_go_by_the_header(writer: Integrity, reader: Integrity) -> None:
+    """A hashed frame is checked against its checksum whatever the reader's level; an
+    unhashed frame is accepted by a "header" reader and refused as ``unhashed`` by a
+    "checksum" reader (never a silent pass)."""
+    frame = sealed(256, integrity=writer)
+    if writer is Integrity.HEADER and reader is Integrity.CHECKSUM:
+        with pytest.raises(FrameError) as info:
+            verify(frame, frame.numel(), KEY, LAYOUT, reader)
+        assert info.value.fault is FrameFault.UNHASHED and "integrity 'header'" in str(info.value)
+        return
+    assert torch.equal(verify(frame, frame.numel(), KEY, LAYOUT, reader), payload_view(frame))
+    frame[-1] ^= 0x10
+    if writer is Integrity.CHECKSUM:  # the header says hashed: a "header" reader checks it too
+        with pytest.raises(FrameError) as info:
+            verify(frame, frame.numel(), KEY, LAYOUT, reader)
+        assert info.value.fault is FrameFault.BAD_CHECKSUM
+    else:
+        verify(frame, frame.numel(), KEY, LAYOUT, reader)
+
+
+@pytest.mark.parametrize("level", list(Integrity), ids=lambda i: i.value)
+def test_scattered_frames_follow_the_same_levels(level: Integrity) -> None:
+    """``seal_parts`` / ``seal_header`` make the frame ``seal`` makes at each level, and
+    ``verify_parts`` reads it by its header."""
+    whole = sealed(300, integrity=level)
+    body = whole.numpy()[HEADER_BYTES:]
+    pieces = [body[:100].copy(), body[100:].copy()]
+    head = np.zeros(HEADER_BYTES, dtype=np.uint8)
+    seal_parts(head, pieces, KEY, LAYOUT, level)
+    assert bytes(head) == whole.numpy()[:HEADER_BYTES].tobytes()
+    if level is Integrity.HEADER:
+        bare = np.zeros(HEADER_BYTES, dtype=np.uint8)
+        seal_header(bare, KEY, LAYOUT, 300, level)
+        assert bytes(bare) == bytes(head)  # complete: nothing for a store to fill in
+    verify_parts(head, whole.numel(), pieces, KEY, LAYOUT, integrity=Integrity.HEADER)
+    if level is Integrity.HEADER:
+        with pytest.raises(FrameError, match="unhashed"):
+            verify_parts(head, whole.numel(), pieces, KEY, LAYOUT, integrity=Integrity.CHECKSUM)
+
+
+@pytest.mark.parametrize("case", ["hashed flags set", "unhashed flags cleared", "unhashed with checksum",
+                                  "unknown version"])
+def test_inconsistent_version_flags_and_checksum_are_rejected(case: str) -> None:
+    """Version, flags and checksum field must agree, so a damaged header cannot pass as an
+    unhashed one (and skip the payload check)."""
+    level = Integrity.CHECKSUM if case == "hashed flags set" else Integrity.HEADER
+    frame = sealed(64, integrity=level)
+    raw = frame.numpy()
+    edits = {"hashed flags set": (6, struct.pack("<H", 1)), "unhashed flags cleared": (6, struct.pack("<H", 0)),
+             "unhashed with checksum": (40, struct.pack("<Q", 12345)),
+             "unknown version": (4, struct.pack("<H", 3))}
+    at, data = edits[case]
+    raw[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    for reader in Integrity:
+        with pytest.raises(FrameError) as info:
+            verify(frame, frame.numel(), KEY, LAYOUT, reader)
+        assert info.value.fault is FrameFault.BAD_VERSION
+
+
+def test_an_unknown_level_names_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"X\.integrity must be one of \['checksum', 'header'\], got 'crc'"):
+        Integrity.parse("crc", "X.integrity")
+    assert Integrity.parse("header", "X") is Integrity.HEADER
 
 
 @pytest.mark.parametrize(

@@ -459,3 +459,34 @@ async def test_a_store_that_is_down_trips_the_breaker_and_the_linker_resumes() -
         await lk.release(req)
         r = lk.resilience_statistics()
         assert r is not None and r.breaker_trips == 1 and r.resumes == 1
+
+
+# ---- integrity levels and second reads through the Linker -----------------------------------
+
+
+@pytest.mark.parametrize("level", ["checksum", "header"])
+async def test_linker_integrity_level_and_a_corrupt_first_read(level: str) -> None:
+    """``LinkerConfig.integrity`` reaches the data plane; at "checksum" every object's first
+    read is damaged (fault plan) and read again, so the whole prefix is restored and verified;
+    at "header" objects are unhashed frames and restore as well."""
+    with pytest.raises(ValueError, match=r"LinkerConfig\.integrity must be one of"):
+        LinkerConfig(integrity="sha")
+    plan = FaultPlan(corrupt_first_read=1.0 if level == "checksum" else 0.0)
+    config = LinkerConfig(staging_bytes_per_pool=SMALL, integrity=level)
+    p = prompt(33, seed=410)
+    async with harness(config, wrap=lambda s: FaultyStore(s, plan, seed=2)) as env:
+        assert env.linker.data.config.integrity.value == level
+        assert await donate(env, p) == 32
+        env.linker.flush_device()
+        req = env.linker.request("reader", p)
+        assert (await env.linker.lookup(req)).store_tokens == 32
+        load = await env.linker.load(req)
+        assert load is not None
+        assert await env.linker.commit(load) == 32
+        assert env.content.prefix_problems(env.linker, req) == []
+        stats = env.linker.pool_statistics()
+        recovered = sum(s.rereads_recovered for s in stats.values())
+        assert recovered == (sum(s.objects_loaded for s in stats.values()) if level == "checksum" else 0)
+        assert sum(s.rereads_failed + s.verify_failures for s in stats.values()) == 0
+        assert env.linker.statistics().dropped_loads == 0
+        await env.linker.release(req)

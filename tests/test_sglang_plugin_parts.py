@@ -48,6 +48,7 @@ def test_config_defaults_and_keys() -> None:
     ({"touch": 1}, "true or false"),
     ({"faults": "explode=1"}, "unknown fault plan field"),
     ({"protocol": "udp"}, "tcp"),
+    ({"integrity": "none"}, r"linker_extra_config\['integrity'\] must be one of \['checksum', 'header'\]"),
 ])
 def test_config_errors_name_the_key(extra: dict[str, object], message: str) -> None:
     with pytest.raises(LinkerConfigError, match=message):

@@ -23,6 +23,7 @@ from hylinker.integrations.vllm_plan import (
     restorable_blocks,
     state_key,
 )
+from hylinker.stores.framing import Integrity
 
 W = "kv_connector_extra_config"
 
@@ -33,6 +34,8 @@ def test_config_defaults_and_keys() -> None:
     c = PluginConfig.from_extra_config({"store": "mooncake", "master": "127.0.0.1:5000", "segment_mb": 0,
                                         "salt": "t1", "faults": "corrupt=1"}, where=W)
     assert c.segment_mb == 0 and c.fault_plan is not None and c.fault_plan.corrupt == 1.0
+    assert c.integrity_level is Integrity.CHECKSUM  # the default
+    assert PluginConfig.from_extra_config({"integrity": "header"}, where=W).integrity_level is Integrity.HEADER
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -46,6 +49,8 @@ def test_config_defaults_and_keys() -> None:
     ({"capacity_mb": 0}, "capacity_mb"),
     ({"faults": "explode=1"}, "faults"),
     ({"salt": 3}, "string"),
+    ({"integrity": "crc32"}, r"kv_connector_extra_config\['integrity'\] must be one of \['checksum', 'header'\]"),
+    ({"integrity": 1}, "integrity.*string"),
 ])
 def test_config_rejects_bad_values(extra: dict[str, object], words: str) -> None:
     with pytest.raises(PluginConfigError, match=words) as info:
@@ -171,6 +176,34 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
         assert pt.statistics()["saves_skipped"] == 1
         pt.fail_now(["e"])
         assert pt.finished_loads() == (set(), {"e"})
+    finally:
+        pt.close(5.0)
+        store_host.release(host)
+
+
+def test_page_transfers_store_and_read_at_the_configured_integrity() -> None:
+    """``integrity`` from the connector's extra config reaches both data planes: saved objects
+    are unhashed frames (version 2) at "header" and load back byte-exactly."""
+    cfg = PluginConfig.from_extra_config({"capacity_mb": 8, "integrity": "header"}, where=W)
+    host = store_host.acquire(cfg)
+    raw, caches = _kv_caches(8)
+    raw.copy_(torch.randint(-100, 100, raw.shape, dtype=torch.int8))
+    pages = RawPages(caches, 8)
+    pt = PageTransfers(host, pages, fingerprint=b"f" * 32, with_state=False, staging_bytes=4 * 128,
+                       integrity=cfg.integrity_level)
+    try:
+        before = pages.raws[0].clone()
+        pt.save([TransferPlan("a", ("h1",), (1,))])
+        assert pt.drain(10.0) and pt.statistics()["saves_ok"] == 1
+        frame = torch.zeros(4096, dtype=torch.uint8)
+        got = host.portal.call(host.store.get, ["h1"], [frame])
+        assert got[0].outcome.value == "ok" and bytes(frame[4:8].tolist()) == bytes([2, 0, 1, 0])
+        pt.load(TransferPlan("b", ("h1",), (6,)))
+        done: set[str] = set()
+        bad: set[str] = set()
+        while not (done or bad):
+            done, bad = pt.finished_loads()
+        assert done == {"b"} and torch.equal(pages.raws[0][6], before[1])
     finally:
         pt.close(5.0)
         store_host.release(host)

@@ -59,3 +59,26 @@ def test_metrics_off_without_enable_metrics(caches: list[SGLangCache]) -> None:
     hits0 = sample("lookups_total", outcome="miss")
     cache.serve(A)
     assert sample("lookups_total", outcome="miss") == hits0  # nothing recorded
+
+
+def test_a_damaged_object_moves_the_verification_and_second_read_counters(caches: list[SGLangCache]) -> None:
+    """A stored object with a flipped payload byte: the load reads it twice, fails, SGLang
+    aborts the request, and the counters say so (one verify failure, one second read that
+    failed, none recovered)."""
+    from hylinker.stores import framing
+    from hylinker.testing.sglang_cache import page_keys
+
+    cache = build(caches, enable_metrics=True, model="dense", kv="mha", page_size=4, num_layers=2)
+    fail0 = sample("verify_failures_total", pool="kv")
+    failed0 = sample("rereads_total", pool="kv", outcome="failed")
+    recovered0 = sample("rereads_total", pool="kv", outcome="recovered")
+    cache.serve(A)
+    cache.flush()
+    key = cache.linker.object_keys("kv", [page_keys(A, 4)[2]])[0]
+    pool = cache.linker.pools[next(iter(cache.linker.pools))]
+    cache.corrupt_object(key, framing.framed_size(pool.payload_bytes))
+    assert cache.serve(A + B).aborted
+    cache.linker._publish_metrics(force=True)
+    assert sample("verify_failures_total", pool="kv") - fail0 == 1
+    assert sample("rereads_total", pool="kv", outcome="failed") - failed0 == 1
+    assert sample("rereads_total", pool="kv", outcome="recovered") == recovered0

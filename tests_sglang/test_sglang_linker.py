@@ -169,6 +169,32 @@ def test_page_evicted_from_the_store_gives_a_shorter_hit(caches: list[SGLangCach
 
 
 # ---- integrity ------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["none", "corrupt_header", "corrupt_payload"])
+def test_integrity_header_is_taken_from_the_extra_config(caches: list[SGLangCache], damage: str) -> None:
+    """``linker_extra_config = {"integrity": "header"}``: objects are stored as unhashed
+    frames (version 2) and restored bit for bit; a damaged header is still refused (read
+    twice, removed); a flipped payload byte is not caught at this level (documented) and is
+    restored as stored."""
+    cache = build(caches, integrity="header")
+    cache.serve(A + B)
+    cache.flush()
+    key = kv_key(cache, A + B, 5)
+    good = cache.stored_bytes(key, frame_bytes(cache, "kv"))
+    assert good is not None and good[4:8] == bytes([2, 0, 1, 0])  # version 2, flags FLAG_UNHASHED
+    if damage != "none":
+        cache.replace_object(key, _flip(good, 20 if damage == "corrupt_header" else len(good) - 3))
+    served = cache.serve(A + B + C)
+    stats = cache.linker.statistics()
+    if damage == "corrupt_header":
+        assert served.aborted
+        assert (stats["verify_failures"], stats["rereads_failed"]) == (1, 1)
+    else:
+        assert not served.aborted and served.loaded == len(A + B)
+        assert (served.restore_mismatches == []) is (damage == "none")
+        assert stats["verify_failures"] == 0
+    assert_clean(cache)
+
+
 def _flip(data: bytes, at: int) -> bytes:
     b = bytearray(data)
     b[at] ^= 0x5A
@@ -207,6 +233,7 @@ def test_damaged_objects_are_never_restored(caches: list[SGLangCache], core: str
     assert torch.equal(after.view(torch.uint8), target["before"].view(torch.uint8))  # nothing landed
     stats = cache.linker.statistics()
     assert stats["verify_failures"] == 1 and stats["loads_failed"] == 1
+    assert (stats["rereads_failed"], stats["rereads_recovered"]) == (1, 0)  # read twice, bad both times
     # the damaged object was removed: the next request recomputes above it instead of failing
     retry = cache.serve(A + B + C + [5])
     assert not retry.aborted and retry.loaded < len(A + B)

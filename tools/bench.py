@@ -10,7 +10,12 @@ printed; ``--json PATH`` writes one object::
                     "in_place_gbps", "staged_gbps", "raw_gbps", "memcpy_gbps", "torch_copy_gbps",
                     "runtime_vs_raw", "runtime_median_gbps", "raw_median_gbps",
                     "runtime_vs_raw_median", "rounds", "load_average"}...],
-     "key_hashing": {...}}
+     "key_hashing": {...},
+     "integrity_levels": [{"store", "object_bytes", "direction", "checksum_gbps", "header_gbps",
+                           "raw_gbps", "checksum_vs_raw", "header_vs_raw", ..._median...}...],
+     "host": {"cores", "usable_cores", "memcpy_gbps", "load_average", "load_average_end", ...}}
+
+``host`` (``tools/host_probe.py``): the machine, with its memcpy GB/s measured in this run.
 """
 
 from __future__ import annotations
@@ -42,16 +47,23 @@ HELP = "benchmarks: control path, event-loop lag, data path (JSON with --json PA
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
-    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade"], action="append",
-                        help="run only these sections (repeatable)")
+    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade", "levels"], action="append",
+                        help="run only these sections (repeatable; 'levels' is --integrity-levels alone)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="data path: interleaved rounds, best and median kept (default 5, 3 with --quick)")
     parser.add_argument("--mooncake", choices=["auto", "yes", "no"], default="auto",
                         help="include Mooncake in the data path (auto: when importable)")
+    parser.add_argument("--integrity-levels", action="store_true",
+                        help="also compare the runtime at integrity 'checksum' and 'header' with the raw store "
+                             "(embedded and Mooncake in-process, 64 KiB and 1 MiB; JSON 'integrity_levels')")
 
 
 def run(args: argparse.Namespace) -> int:
+    from .host_probe import describe, finish, host_record
+
     sections = set(args.only or ["control", "lag", "data", "keys", "facade"])
+    host = host_record()
+    print(describe(host))
     out: dict[str, Any] = {}
     if "keys" in sections:
         out["key_hashing"] = _key_hashing(args.quick)
@@ -65,10 +77,16 @@ def run(args: argparse.Namespace) -> int:
     if "data" in sections:
         out["data_path"] = data_path(args.quick, args.mooncake, args.rounds)
         _print_data_path(out["data_path"])
+    if args.integrity_levels or "levels" in sections:
+        out["integrity_levels"] = data_path(args.quick, args.mooncake, args.rounds, variants=LEVEL_VARIANTS,
+                                            stores=("embedded", "mooncake-inproc"))
+        _print_data_path(out["integrity_levels"], LEVEL_VARIANTS, "integrity levels, runtime vs raw store")
     if "facade" in sections:
         out["sync_facade_us"] = sync_facade(args.quick)
         _print_section("synchronous facade: µs per call, facade vs the async call on the loop",
                        out["sync_facade_us"])
+    out["host"] = finish(host)
+    print(describe(out["host"]))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
@@ -203,10 +221,12 @@ StoreFactory = Callable[[int], Awaitable[Store]]
 
 
 async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
-                           in_place: bool = True, in_place_min_bytes: int | None = None) -> dict[str, float]:
+                           in_place: bool = True, in_place_min_bytes: int | None = None,
+                           integrity: str = "checksum") -> dict[str, float]:
     """Offload then load ``n_objects`` KV page objects through the whole runtime (GB/s);
     ``in_place=False`` forces the staged path (stage, checksum, scatter) for comparison,
-    ``in_place_min_bytes=0`` the in-place path at every size; None keeps the default."""
+    ``in_place_min_bytes=0`` the in-place path at every size; None keeps the default;
+    ``integrity``: ``LinkerConfig.integrity``."""
     from ..stores.framing import HEADER_BYTES
 
     page = 64
@@ -217,7 +237,7 @@ async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
     pools = HybridPools(layout, kv_pages=n_objects + 1)
     tokens = np.random.default_rng(object_bytes).integers(1, 50000, n_objects * page + 1)
     cfg = LinkerConfig(touch=False, latency_high_ms=1e6, latency_low_ms=1e5,
-                       staging_bytes_per_pool=256 << 20, in_place=in_place)
+                       staging_bytes_per_pool=256 << 20, in_place=in_place, integrity=integrity)
     if in_place_min_bytes is not None:
         cfg = attrs.evolve(cfg, in_place_min_bytes=in_place_min_bytes)
     nbytes = n_objects * (HEADER_BYTES + payload)
@@ -248,16 +268,35 @@ async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
     return {"put": nbytes / t_put / 1e9, "get": nbytes / t_get / 1e9}
 
 
-def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None) -> list[dict[str, Any]]:
-    """Offload then load through the runtime, the store's raw batch API, and memcpy.
+#: what the data path compares with the raw store API, by name: ``runtime_transfer`` keywords
+DEFAULT_VARIANTS: dict[str, dict[str, Any]] = {
+    "runtime": {},  # the default (in place from LinkerConfig.in_place_min_bytes up, staged below)
+    "in_place": {"in_place_min_bytes": 0},  # in place forced at every size
+    "staged": {"in_place": False},  # staged forced
+}
+#: ``--integrity-levels``: the runtime's default paths at each integrity level
+LEVEL_VARIANTS: dict[str, dict[str, Any]] = {
+    "checksum": {"integrity": "checksum"},
+    "header": {"integrity": "header"},
+}
+
+
+def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
+              variants: dict[str, dict[str, Any]] | None = None,
+              stores: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """Offload then load through the runtime (each of ``variants``), the store's raw batch
+    API, and memcpy. ``stores``: only these setups (None: all).
 
     ``memcpy_gbps`` is ``numpy.copyto`` per object between two preallocated buffers: the copy
     routine the embedded store runs, so raw/memcpy compares like with like;
-    ``torch_copy_gbps`` is ``Tensor.copy_`` on one thread, for reference (slower here)."""
+    ``torch_copy_gbps`` is ``Tensor.copy_`` on one thread, for reference (slower here). Each
+    variant ``v`` gives ``v_gbps`` (best of the rounds), ``v_median_gbps``, ``v_vs_raw`` (best
+    over best) and ``v_vs_raw_median``."""
     import contextlib
     import os
 
     rounds = rounds if rounds is not None else (3 if quick else 5)
+    variants = variants if variants is not None else DEFAULT_VARIANTS
 
     from .bench_store import measure_raw_vs_memcpy
 
@@ -275,6 +314,8 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None) ->
                     raise
                 print(f"bench: skipping Mooncake ({exc})")
         for name, make in setups:
+            if stores is not None and name not in stores:
+                continue
             for object_bytes in (64 << 10, 1 << 20):
                 n = max(16, total // object_bytes)
                 if name == "mooncake-remote" and object_bytes < (1 << 20):
@@ -282,23 +323,17 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None) ->
                 factory: Callable[[], Any] = functools.partial(_warm_store, make, total * 8, object_bytes, 3 * n)
 
                 async def _rt(make: Callable[[int], Any] = make, object_bytes: int = object_bytes,
-                              n: int = n, in_place: bool = True,
-                              in_place_min_bytes: int | None = None) -> dict[str, float]:
+                              n: int = n, **options: Any) -> dict[str, float]:
                     store = await _maybe_await(make(total * 8))
                     try:
                         await _warm(store, object_bytes, n)
-                        return await runtime_transfer(store, object_bytes, n, in_place, in_place_min_bytes)
+                        return await runtime_transfer(store, object_bytes, n, **options)
                     finally:
                         await store.close()
 
-                # the default (in place from LinkerConfig.in_place_min_bytes up, staged below),
-                # in place forced at every size, staged forced, and the raw store API:
-                # interleaved in every round (the order rotates), so all four see the same
-                # machine; best and median over the rounds
-                paths: dict[str, Callable[[], Any]] = {
-                    "runtime": _rt,
-                    "in_place": functools.partial(_rt, in_place_min_bytes=0),
-                    "staged": functools.partial(_rt, in_place=False)}
+                # every variant and the raw store API, interleaved in every round (the order
+                # rotates), so all see the same machine; best and median over the rounds
+                paths: dict[str, Callable[[], Any]] = {v: functools.partial(_rt, **kw) for v, kw in variants.items()}
                 samples: dict[str, dict[str, list[float]]] = {
                     p: {"put": [], "get": []} for p in ("raw", "memcpy", "torch_copy", *paths)}
                 load_before = os.getloadavg()[0]
@@ -319,24 +354,20 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None) ->
                 for direction in ("put", "get"):
                     best = {p: max(v[direction]) for p, v in samples.items()}
                     med = {p: float(np.median(v[direction])) for p, v in samples.items()}
-                    rows.append({
-                        "store": name,
-                        "object_bytes": object_bytes,
-                        "objects": n,
-                        "direction": direction,
-                        "runtime_gbps": round(best["runtime"], 2),
-                        "in_place_gbps": round(best["in_place"], 2),
-                        "staged_gbps": round(best["staged"], 2),
-                        "raw_gbps": round(best["raw"], 2),
-                        "memcpy_gbps": round(best["memcpy"], 2),
-                        "torch_copy_gbps": round(best["torch_copy"], 2),
-                        "runtime_vs_raw": round(best["runtime"] / best["raw"], 3) if best["raw"] else None,
-                        "runtime_median_gbps": round(med["runtime"], 2),
-                        "raw_median_gbps": round(med["raw"], 2),
-                        "runtime_vs_raw_median": round(med["runtime"] / med["raw"], 3) if med["raw"] else None,
-                        "rounds": rounds,
-                        "load_average": [round(load_before, 2), round(load_after, 2)],
-                    })
+                    row: dict[str, Any] = {"store": name, "object_bytes": object_bytes, "objects": n,
+                                           "direction": direction}
+                    for v in variants:
+                        row[f"{v}_gbps"] = round(best[v], 2)
+                    for p in ("raw", "memcpy", "torch_copy"):
+                        row[f"{p}_gbps"] = round(best[p], 2)
+                    for v in variants:
+                        row[f"{v}_vs_raw"] = round(best[v] / best["raw"], 3) if best["raw"] else None
+                        row[f"{v}_median_gbps"] = round(med[v], 2)
+                        row[f"{v}_vs_raw_median"] = round(med[v] / med["raw"], 3) if med["raw"] else None
+                    row["raw_median_gbps"] = round(med["raw"], 2)
+                    row["rounds"] = rounds
+                    row["load_average"] = [round(load_before, 2), round(load_after, 2)]
+                    rows.append(row)
     return rows
 
 
@@ -362,14 +393,17 @@ async def _maybe_await(x: Any) -> Any:
     return x
 
 
-def _print_data_path(rows: list[dict[str, Any]]) -> None:
+def _print_data_path(rows: list[dict[str, Any]], variants: dict[str, dict[str, Any]] = DEFAULT_VARIANTS,
+                     title: str = "data path") -> None:
     from .report import format_table
 
-    print(f"\n== data path (GB/s; best of {rows[0]['rounds'] if rows else 0} interleaved rounds, "
+    print(f"\n== {title} (GB/s; best of {rows[0]['rounds'] if rows else 0} interleaved rounds, "
           "ratios of the best and of the medians)")
-    print(format_table(rows, ["store", "object_bytes", "direction", "runtime_gbps", "in_place_gbps",
-                              "staged_gbps", "raw_gbps", "memcpy_gbps", "runtime_vs_raw",
-                              "runtime_vs_raw_median", "load_average"]))
+    first = next(iter(variants))
+    ratios = [f"{first}_vs_raw", f"{first}_vs_raw_median"] if variants is DEFAULT_VARIANTS else [
+        f"{v}_vs_raw{m}" for m in ("", "_median") for v in variants]
+    print(format_table(rows, ["store", "object_bytes", "direction", *(f"{v}_gbps" for v in variants),
+                              "raw_gbps", "memcpy_gbps", *ratios, "load_average"]))
 
 
 # ---- synchronous facade ----------------------------------------------------------------

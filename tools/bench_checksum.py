@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import torch
 
 from ..stores import framing
 from ..stores.embedded import EmbeddedStore
+from .host_probe import describe, finish, host_record
 
 _LAYOUT = b"bench-checksum-layout-fingerprint"
 WAYS = ("raw", "fused", "two_pass")
@@ -103,19 +103,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    load = [round(os.getloadavg()[0], 2)]
+    host = host_record()
     rows = [anyio.run(measure, ob, args.total_mib << 20, args.rounds)
             for ob in (args.object_bytes or [64 << 10, 1 << 20])]
-    load.append(round(os.getloadavg()[0], 2))
+    host = finish(host)
     for row in rows:
         for d in ("put", "get"):
             print(f"{row['object_bytes']:>9,} B {d}: " + "  ".join(
                 f"{w} {row[f'{w}_{d}']['median_gbps']:.2f} GB/s (x{row[f'{w}_{d}']['vs_raw_median']:.2f})"
                 for w in WAYS))
-    print(f"load average {load[0]} -> {load[1]}")
+    print(describe(host))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"checksum_cost": rows, "load_average": load}, indent=2))
+        args.json.write_text(json.dumps({"checksum_cost": rows, "host": host}, indent=2))
     return 0
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_mooncake import copy_path_setting
+from .host_probe import describe, finish, host_record
 
 MIB = 1 << 20
 FINGERPRINT = b"overlap-bench-layout"
@@ -161,11 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.objects < 1 or args.rounds < 1 or any(k < 1 for k in args.object_kib):
         parser.error("--objects, --rounds and --object-kib must be positive")
+    host = host_record()
     results = [run(kib, args.objects, args.rounds) for kib in args.object_kib]
     print(table(results))
+    host = finish(host)
+    print(describe(host))
     if args.json is not None:
         payload = {"results": results, "argv": list(sys.argv[1:] if argv is None else argv),
-                   "MC_STORE_MEMCPY": copy_path_setting()}
+                   "MC_STORE_MEMCPY": copy_path_setting(), "host": host}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2))
     return 0

@@ -29,8 +29,14 @@ to its host that costs ~10 µs a page (0.4 GB/s): measured here, 1 MiB offloads 
 (hylinker) and 31–33 ms (SGLang's linker) on fresh segments against ~26 and ~16 ms on populated
 ones (docs/figures.md). ``--cold-segment`` skips it.
 
+hylinker runs once per ``--integrity`` level (both by default: ``"checksum"`` and ``"header"``,
+the plugin's ``integrity`` key), side by side with SGLang's linker. At ``"header"`` the corrupt
+case flips a payload byte that level does not hash, so it restores the damaged bytes: that row
+shows the price of the level.
+
 Each figure is the median of ``--repeats`` runs; the machine may be shared, so compare the
-ratios of one run, not absolute numbers across runs.
+ratios of one run, not absolute numbers across runs. The JSON's ``host`` (``tools/host_probe.py``)
+records the cores, the memcpy GB/s measured in the run and the load average.
 """
 
 from __future__ import annotations
@@ -59,10 +65,11 @@ def _spec(object_kib: int, tokens: int, tree_core: str) -> Any:
                      max_context=4 * tokens + 64, tree_core=tree_core)
 
 
-def _config(linker: str, master: str) -> tuple[dict[str, Any], str]:
+def _config(linker: str, master: str, integrity: str = "checksum") -> tuple[dict[str, Any], str]:
     if linker == "hylinker":
         return ({"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang",
-                 "linker_extra_config": {"store": "mooncake", "master": master, "segment_mb": 1024}},
+                 "linker_extra_config": {"store": "mooncake", "master": master, "segment_mb": 1024,
+                                         "integrity": integrity}},
                 "dynamic")
     return ({"master_server_address": master, "protocol": "tcp", "global_segment_size": 1 << 30,
              "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}, "mooncake")
@@ -221,14 +228,16 @@ class _ThreadProfiles:
 
 
 def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str,
-             phases: bool = False, cold_segment: bool = False, profile_dir: Path | None = None) -> dict[str, Any]:
+             phases: bool = False, cold_segment: bool = False, profile_dir: Path | None = None,
+             integrity: str = "checksum") -> dict[str, Any]:
     from ..stores.mooncake_master import MooncakeMaster
     from ..testing.sglang_cache import SGLangCache
     from .bench_mooncake import anonymous_mappings, populate_new_segments
 
-    out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens}
+    out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens,
+                           "integrity": integrity if linker == "hylinker" else None}
     with MooncakeMaster() as master:
-        config, backend = _config(linker, master.address)
+        config, backend = _config(linker, master.address, integrity)
         before = anonymous_mappings()
         # every thread started from here on (the linkers' own, and the store's worker threads
         # started on first use) runs under its own profiler until the profile is written
@@ -348,17 +357,20 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         corrupt += (f"; next request: {n['device_hit']} tokens from the device tree"
                     + (" (the garbage, inserted)" if c["restored_garbage"] and n["device_hit"] else "")
                     + f", {n['store_loaded']} from the store" + (", aborted (503)" if n["aborted"] else ""))
+        name = r["linker"] + (f" ({r['integrity']})" if r.get("integrity") else "")
         lines.append(
-            f"| {r['object_kib']} KiB | {r['linker']} | {r['offload_gbps']:.2f} | {r['offload_call_ms']:.2f} ms | "
+            f"| {r['object_kib']} KiB | {name} | {r['offload_gbps']:.2f} | {r['offload_call_ms']:.2f} ms | "
             f"{r['load_gbps']:.2f} | "
             f"{r['restore_mismatches']} | {corrupt} | "
             f"{d['scheduler_calls_s']} s / {d['offloads_reported_s']} s / {d['close_s']} s |")
-    by = {(r["object_kib"], r["linker"]): r for r in results}
+    by = {(r["object_kib"], r["linker"], r.get("integrity")): r for r in results}
     for kib in sorted({r["object_kib"] for r in results}):
-        h, s = by.get((kib, "hylinker")), by.get((kib, "sglang-mooncake"))
-        if h and s:
-            lines.append(f"\n{kib} KiB: hylinker / SGLang = offload {h['offload_gbps'] / s['offload_gbps']:.2f}x, "
-                         f"load {h['load_gbps'] / s['load_gbps']:.2f}x")
+        s = by.get((kib, "sglang-mooncake", None))
+        for level in ("checksum", "header"):
+            h = by.get((kib, "hylinker", level))
+            if h and s:
+                lines.append(f"\n{kib} KiB: hylinker ({level}) / SGLang = offload "
+                             f"{h['offload_gbps'] / s['offload_gbps']:.2f}x, load {h['load_gbps'] / s['load_gbps']:.2f}x")
     return "\n".join(lines)
 
 
@@ -377,23 +389,31 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="cProfile every linker thread and the scheduler thread's loads; write .pstats "
                              "and a summary to DIR (skips the corrupt and dead-master steps)")
+    parser.add_argument("--integrity", nargs="+", choices=("checksum", "header"), default=["checksum", "header"],
+                        help="the plugin's integrity levels, each run side by side with the others")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     from ..testing.sglang_cache import install_cpu_shims
+    from .host_probe import describe, finish, host_record
 
     install_cpu_shims()
+    host = host_record()
+    print(describe(host), flush=True)
     results = []
     for kib in args.object_kib:
         for linker in args.linkers:  # side by side: the same sizes, one after the other
-            results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core, args.phases,
-                               args.cold_segment, args.profile))
-            print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_runs")}), flush=True)
+            for level in args.integrity if linker == "hylinker" else ["checksum"]:
+                results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core, args.phases,
+                                   args.cold_segment, args.profile, integrity=level))
+                print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_runs")}), flush=True)
     if args.profile is None:  # a profiled run stops before the corrupt and dead-master steps
         print(table(results))
+    host = finish(host)
+    print(describe(host))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"results": results, "argv": list(argv or sys.argv[1:]),
-                                         "MC_STORE_MEMCPY": copy_path_setting()}, indent=2))
+                                         "MC_STORE_MEMCPY": copy_path_setting(), "host": host}, indent=2))
     return 0
 
 
