@@ -124,26 +124,36 @@ async def test_a_lost_offload_is_a_counted_loss_not_an_expected_restore(
 
 
 async def test_the_demo_waits_for_offloads_to_settle(qwen35: ReferenceEngine) -> None:
-    # turn 1's offload is held in the store's gate; turn 2 must not look up before it settled
+    # turn 1's offload is held in the store's gate until turn 2 has started to wait for it: the
+    # lookup of turn 2 must come after the offload settled, and find its checkpoint
     import anyio
 
     store = GatedStore(EmbeddedStore(64 << 20), hold_puts=True)
-    released: list[int] = []
+    held_when_waiting: list[int] = []
 
-    async def release_later(k: int, linker: Any) -> None:
-        if k == 1:
-            async def release() -> None:
-                await store.wait_held(1)
-                await anyio.sleep(0.2)
-                released.append(store.held)
-                store.open()
+    async def hold_until_waited(k: int, linker: Any) -> None:
+        if k != 1:
+            return
+        waiting = anyio.Event()
+        settle = linker.drain
 
-            linker._spawn(release)  # the demo's drain must outwait it
+        async def drain() -> None:  # the next wait is turn 2's
+            waiting.set()
+            await settle()
+
+        async def release() -> None:
+            await waiting.wait()
+            held_when_waiting.append(store.held)
+            await anyio.sleep(0.1)
+            store.open()
+
+        linker.drain = drain
+        linker._spawn(release)
 
     report, lines = await _run(qwen35, store, ConversationShape(100, (60, 90), 3, 2),
-                               before_turn=release_later)
-    assert released and released[0] >= 1
+                               before_turn=hold_until_waited)
+    assert held_when_waiting and held_when_waiting[0] >= 1  # turn 1's put was still held
     assert report["passed"], "\n".join(lines)
     second = report["turns"][1]
-    assert second["settle_wait_s"] >= 0.2
-    assert second["restored_tokens"] == second["donated_tokens"] > 0
+    assert second["settle_wait_s"] >= 0.1
+    assert second["restored_tokens"] == second["expected_restored_tokens"] == second["donated_tokens"] > 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -86,9 +87,10 @@ def test_model_types_come_from_the_library() -> None:
         kinds, _ = get_layer_types_and_kwargs(CONFIG_MAPPING[t]().get_text_config(decoder=True))
         if not RECURRENT_LAYER_KINDS & set(kinds):
             assert t in ("lfm2", "lfm2_moe"), t  # attention on every layer by default
-            pattern = _LAYER_PATTERN[t]
-            kinds, _ = get_layer_types_and_kwargs(
-                CONFIG_MAPPING[t](num_hidden_layers=len(pattern["layer_types"]), **pattern))
+            pattern: dict[str, Any] = {"num_hidden_layers": len(_LAYER_PATTERN[t]["layer_types"]),
+                                       **_LAYER_PATTERN[t]}
+            config_class: Any = CONFIG_MAPPING[t]
+            kinds, _ = get_layer_types_and_kwargs(config_class(**pattern))
         assert RECURRENT_LAYER_KINDS & set(kinds), t
     # multimodal wrappers appear as their text model, once
     assert "qwen3_5" not in types and "qwen3_5_text" in types

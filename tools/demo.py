@@ -176,6 +176,7 @@ async def run_demo(
     of the turns before settled; tests use it to make the store fail or the latency watermark
     drop an offload.
     """
+    import anyio
     import torch
 
     from ..components.mamba import restorable_ceiling
@@ -234,9 +235,10 @@ async def run_demo(
     controls = [c for c in CONTROLS if c.applies(g)]
     results: list[ControlResult] = []
     async with Linker(layout, pools, store, config=config) as linker:
-        # the forward runs in a worker thread, as a serving engine's does: on the event loop it
-        # would stall the store calls' completions, and the store-latency watermark would read
-        # the model's seconds as a slow store and drop offloads
+        # every forward (prefill, recompute, decode) runs in a worker thread, as a serving
+        # engine's does: on the event loop it would stall the completion of the store calls in
+        # flight, and the store-latency watermark would read the model's seconds as a slow
+        # store and drop offloads
         served = LinkedEngine(engine, linker, forward_in_thread=True)
         losses_before = _offload_losses(linker)
         for k, message in enumerate(messages):
@@ -256,7 +258,8 @@ async def run_demo(
             res = await served.prefill(f"turn{k + 1}", prompt)
             cpu_restore = time.process_time() - c0  # includes donating the turns' checkpoints
             t0, c0 = time.perf_counter(), time.process_time()
-            ref = served.recompute(prompt)
+            # off the loop too: the turn's offloads are in flight meanwhile
+            ref = await anyio.to_thread.run_sync(served.recompute, prompt)
             ttft_recompute = time.perf_counter() - t0
             cpu_recompute = time.process_time() - c0
             want = ref.logprobs[res.cached_tokens:]
@@ -264,7 +267,8 @@ async def run_demo(
             if res.draft_logprobs is not None and ref.draft_logprobs is not None:
                 draft_diff = max_abs_diff(res.draft_logprobs, ref.draft_logprobs[res.cached_tokens:])
             donated.extend(res.checkpoints)
-            reply, _ = engine.decode_greedy(res.sequence, shape.response_tokens)
+            reply, _ = await anyio.to_thread.run_sync(
+                engine.decode_greedy, res.sequence, shape.response_tokens)
             history = prompt + reply
             last_ref = ref.logprobs
             turns.append({
