@@ -5,7 +5,8 @@ with the device tree flushed before it, so every cached token comes back from th
 Before each lookup the demo waits for the previous turns' offloads to settle, so the store
 holds what it will ever hold of them; each turn must restore exactly what the store's probe
 found at its lookup, and a checkpoint a turn donated that the store lacks must be explained by
-a counted offload loss (dropped by the latency watermark, skipped by backpressure, failed).
+a counted loss (an offload dropped by the latency watermark, skipped by backpressure, failed;
+an object the store evicted).
 Each turn is also recomputed from scratch on the same chunk schedule: the two must give the
 very same logprobs (max |Δ| = 0, KL = 0). Last come the negative controls
 (``tools/demo_controls.py``): the last prompt restored with part of its state taken from
@@ -240,7 +241,7 @@ async def run_demo(
         # flight, and the store-latency watermark would read the model's seconds as a slow
         # store and drop offloads
         served = LinkedEngine(engine, linker, forward_in_thread=True)
-        losses_before = _offload_losses(linker)
+        losses_before = _offload_losses(linker, store)
         for k, message in enumerate(messages):
             prompt = history + message
             t_settle = time.perf_counter()
@@ -248,7 +249,7 @@ async def run_demo(
             settle_s = time.perf_counter() - t_settle
             if before_turn is not None:
                 await before_turn(k + 1, linker)
-            losses = _offload_losses(linker)
+            losses = _offload_losses(linker, store)
             turn_losses = {name: losses[name] - losses_before[name] for name in losses}
             losses_before = losses
             linker.flush_device()
@@ -307,6 +308,7 @@ async def run_demo(
                                    neg.logprobs))
         await linker.drain()
         stats = linker.statistics()
+        final_losses = _offload_losses(linker, store)
 
     rows = [{
         **t,
@@ -332,7 +334,7 @@ async def run_demo(
     out("offloads settled before every lookup (the demo waits for them: "
         f"{sum(t['settle_wait_s'] for t in turns) * 1e3:.1f} ms in all); 'in store' is what the "
         "store's probe found at the lookup, 'lost' counts the offloads dropped, skipped or "
-        "failed since the turn before")
+        "failed and the objects the store evicted since the turn before")
     if not controls:
         out("negative control: the model has no state to corrupt")
     for r in results:
@@ -354,7 +356,7 @@ async def run_demo(
     out(f"store hits: {stats.store_hit_tokens} tokens; verify failures {stats.verify_failures}; "
         f"offloads dropped (latency watermark) {stats.offloads_dropped}, skipped (backpressure) "
         f"{stats.offloads_skipped + stats.offloads_skipped_kv + stats.offloads_skipped_breaker}, "
-        f"failed {stats.offload_failures}")
+        f"failed {stats.offload_failures}; store evictions {final_losses['store_evictions']}")
     exact = all(t["max_abs_logprob_diff"] == 0.0 and t["kl"] == 0.0
                 and t["draft_max_abs_logprob_diff"] in (None, 0.0) for t in turns)
     restored_ok = all(t["restored_tokens"] == t["expected_restored_tokens"] for t in turns)
@@ -390,7 +392,7 @@ async def run_demo(
         "negative_control_kl": min((r.kl for r in runs if r.kl is not None), default=None),
         "negative_control_max_abs_logprob_diff": min(
             (r.max_abs_logprob_diff for r in runs if r.max_abs_logprob_diff is not None), default=None),
-        "offload_losses": {name: getattr(stats, name) for name in _LOSSES},
+        "offload_losses": final_losses,
         "ttft_ratio_recompute_over_restore": ratio,
         "cpu_ratio_recompute_over_restore": cpu_ratio,
         "passed": passed,
@@ -402,6 +404,10 @@ _LOSSES = ("offloads_dropped", "offloads_skipped", "offloads_skipped_kv", "offlo
            "offload_failures")
 
 
-def _offload_losses(linker: Any) -> dict[str, int]:
+def _offload_losses(linker: Any, store: Any) -> dict[str, int]:
+    """What kept a donated checkpoint out of the store: the linker's offload losses, and the
+    objects the store evicted (a capacity-bound store may evict a stored checkpoint)."""
     stats = linker.statistics()
-    return {name: int(getattr(stats, name)) for name in _LOSSES}
+    out = {name: int(getattr(stats, name)) for name in _LOSSES}
+    out["store_evictions"] = int(store.statistics().evictions)
+    return out
