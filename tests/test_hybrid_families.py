@@ -2,7 +2,8 @@
 
 The list comes from the installed transformers (:func:`recurrent_model_types`), not from us.
 Each type either restores bit-exactly through ``hylinker demo --arch T`` (KL = 0 on every turn,
-the negative control detected) or is refused with a clear error. Refusals caused by a
+every negative control above its margin: ``tools/demo_controls.py``) or is refused with a clear
+error. Refusals caused by a
 transformers defect are each backed by a test below that shows the defect and fails once
 transformers fixes it; the others are limits of hylinker's layout, named in the message.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -19,6 +21,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hylinker.tools.cli import main
+from hylinker.tools.demo_controls import MARGIN
 from hylinker.tools.reference import UnsupportedModelError, build_model
 from hylinker.tools.reference.engine import _forward, _new_cache, cache_geometry
 from hylinker.tools.reference.models import RECURRENT_LAYER_KINDS, recurrent_model_types
@@ -47,6 +50,8 @@ EXPECTED: dict[str, str] = {
     "jamba": STATE_IGNORED,
     "kimi_linear": PASS,
     "lara_mini": PASS,
+    "lfm2": PASS,
+    "lfm2_moe": PASS,
     "lfm3": PASS,
     "lfm3_vl_vision": NO_CAUSAL_LM,
     "mamba": STATE_IGNORED,
@@ -73,11 +78,19 @@ def test_model_types_come_from_the_library() -> None:
     from transformers import CONFIG_MAPPING
     from transformers.cache_utils import get_layer_types_and_kwargs
 
+    from hylinker.tools.reference.models import _LAYER_PATTERN
+
     types = recurrent_model_types()
     assert list(types) == sorted(set(types))
-    assert {"kimi_linear", "qwen3_next", "nemotron_h", "falcon_h1", "lfm3"} <= set(types)
-    for t in types:  # each one's default decoder really has a recurrent layer kind
+    assert {"kimi_linear", "qwen3_next", "nemotron_h", "falcon_h1", "lfm3", "lfm2"} <= set(types)
+    for t in types:  # each one's default decoder, or its checkpoints' pattern, has a recurrent kind
         kinds, _ = get_layer_types_and_kwargs(CONFIG_MAPPING[t]().get_text_config(decoder=True))
+        if not RECURRENT_LAYER_KINDS & set(kinds):
+            assert t in ("lfm2", "lfm2_moe"), t  # attention on every layer by default
+            pattern: dict[str, Any] = {"num_hidden_layers": len(_LAYER_PATTERN[t]["layer_types"]),
+                                       **_LAYER_PATTERN[t]}
+            config_class: Any = CONFIG_MAPPING[t]
+            kinds, _ = get_layer_types_and_kwargs(config_class(**pattern))
         assert RECURRENT_LAYER_KINDS & set(kinds), t
     # multimodal wrappers appear as their text model, once
     assert "qwen3_5" not in types and "qwen3_5_text" in types
@@ -101,7 +114,11 @@ def test_demo_restores_exactly_or_refuses(arch: str, tmp_path: Path,
         assert first["restored_tokens"] == 0
         assert second["restored_tokens"] == second["expected_restored_tokens"] > 0
         assert all(t["kl"] == 0.0 and t["max_abs_logprob_diff"] == 0.0 for t in report["turns"])
-        assert report["negative_control_max_abs_logprob_diff"] > 0
+        controls = report["negative_controls"]
+        assert controls and controls[0]["name"] == "state"
+        for c in controls:  # each control moved the output by more than its margin
+            assert c["detected"] and c["restored_tokens"] > 0, c
+            assert c["kl"] >= MARGIN.kl and c["max_abs_logprob_diff"] >= MARGIN.max_abs_logprob_diff, c
         assert expected in (PASS, None), f"{arch} now restores exactly: update EXPECTED"
         return
     assert rc == 2, captured.out[-2000:] + captured.err[-2000:]
@@ -208,6 +225,21 @@ async def _demo(engine: object, turns: int = 3) -> dict[str, object]:
         await store.close()
     assert report["passed"], "\n".join(lines)
     return report
+
+
+async def test_conv_only_layers_restore_exactly() -> None:
+    # LFM2: short-conv layers (one conv state each, no recurrent state) and attention layers.
+    # Its config defaults to attention on every layer; the tiny one has the checkpoints' mix
+    from hylinker.tools.reference import ReferenceEngine, build_draft_model
+
+    engine = ReferenceEngine(build_model("lfm2", seed=0), build_draft_model(seed=1), chunk_tokens=64)
+    g = engine.geometry
+    assert len(g.linear) == 3 and all(s.temporal_shape is None for s in g.linear)
+    assert g.full_layers == (3,)
+    report = await _demo(engine, turns=2)
+    controls = report["negative_controls"]
+    assert isinstance(controls, list) and [c["name"] for c in controls] == ["state"]
+    assert controls[0]["detected"]
 
 
 async def test_sliding_window_layers_restore_past_their_window() -> None:

@@ -11,6 +11,7 @@ chunk schedule); a restore that skips the recurrent state must be caught (KL > 0
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -25,6 +26,7 @@ from hylinker.runtime.linker import Linker, Request
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.tools.reference import (
+    BoundaryState,
     ExtendResult,
     LinearStateMode,
     ReferenceEngine,
@@ -170,8 +172,8 @@ class _SlotWipingEngine(LinkedEngine):
 
     wiped = False
 
-    def _restore(self, req: Request, toks: list[int], linear_state: LinearStateMode
-                 ) -> ReferenceSequence:
+    def _restore(self, req: Request, toks: list[int], linear_state: LinearStateMode,
+                 corrupt: Callable[[BoundaryState], BoundaryState] | None = None) -> ReferenceSequence:
         assert req.state_source is not None
         for t in self.views.temporal:
             assert t is not None
@@ -263,7 +265,11 @@ async def test_demo_conversation_is_exact(kimi: Oracle) -> None:
     assert second["restored_tokens"] == second["expected_restored_tokens"] == \
         first["prompt_tokens"] // 64 * 64 > 0
     assert all(t["max_abs_logprob_diff"] == 0.0 and t["kl"] == 0.0 for t in report["turns"])
-    assert report["negative_control_kl"] > 0
+    from hylinker.tools.demo_controls import MARGIN
+
+    assert [c["name"] for c in report["negative_controls"]] == ["state", "recurrent state"]
+    assert report["negative_control_kl"] >= MARGIN.kl
+    assert report["negative_control_max_abs_logprob_diff"] >= MARGIN.max_abs_logprob_diff
     assert any("flushed before every turn" in line for line in lines)
     assert lines[-1].startswith("result: PASS")
 

@@ -2,9 +2,15 @@
 
 Every turn goes through the runtime (LOOKUP → LOAD → COMMIT → forward → INSERT → OFFLOAD)
 with the device tree flushed before it, so every cached token comes back from the store.
+Before each lookup the demo waits for the previous turns' offloads to settle, so the store
+holds what it will ever hold of them; each turn must restore exactly what the store's probe
+found at its lookup, and a checkpoint a turn donated that the store lacks must be explained by
+a counted loss (an offload dropped by the latency watermark, skipped by backpressure, failed;
+an object the store evicted).
 Each turn is also recomputed from scratch on the same chunk schedule: the two must give the
-very same logprobs (max |Δ| = 0, KL = 0). A last request restores the final prompt with the
-recurrent state zeroed at COMMIT: that negative control must show (logprobs differ, KL reported).
+very same logprobs (max |Δ| = 0, KL = 0). Last come the negative controls
+(``tools/demo_controls.py``): the last prompt restored with part of its state taken from
+another prefix must move the output by at least a stated margin, or the run fails.
 
 ``--large`` replays a conversation of thousands of tokens (a long system prompt, tool
 results), where restoring the prefix beats recomputing it, and reports the time-to-first-token
@@ -17,7 +23,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -158,18 +164,26 @@ async def run_demo(
     engine: Any = None,
     warmup: bool = True,
     out: Callable[[str], None] = print,
+    config: Any = None,
+    before_turn: Callable[[int, Any], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
     """Run the conversation on ``store``; print the table; return the JSON report.
 
     ``engine``: a prebuilt :class:`ReferenceEngine` (with a draft model) to reuse.
     ``warmup``: first run one forward over the longest prompt, so that one-time setup of each
     chunk shape (several times a warm prefill on CPU) is billed to neither side of the ttft.
+    ``config``: the :class:`LinkerConfig` (default: the production defaults).
+    ``before_turn(k, linker)``: awaited before turn ``k``'s lookup (1-based), once the offloads
+    of the turns before settled; tests use it to make the store fail or the latency watermark
+    drop an offload.
     """
+    import anyio
     import torch
 
     from ..components.mamba import restorable_ceiling
     from ..components.pools import HybridPools
     from ..runtime.linker import Linker
+    from .demo_controls import CONTROLS, MARGIN, ControlResult, measure, other_prefix
     from .reference import (
         ReferenceEngine,
         build_draft_model,
@@ -219,19 +233,34 @@ async def run_demo(
     donated: list[int] = []
     history: list[int] = []
     last_ref: torch.Tensor | None = None
-    async with Linker(layout, pools, store) as linker:
-        served = LinkedEngine(engine, linker)
+    controls = [c for c in CONTROLS if c.applies(g)]
+    results: list[ControlResult] = []
+    async with Linker(layout, pools, store, config=config) as linker:
+        # every forward (prefill, recompute, decode) runs in a worker thread, as a serving
+        # engine's does: on the event loop it would stall the completion of the store calls in
+        # flight, and the store-latency watermark would read the model's seconds as a slow
+        # store and drop offloads
+        served = LinkedEngine(engine, linker, forward_in_thread=True)
+        losses_before = _offload_losses(linker, store)
         for k, message in enumerate(messages):
             prompt = history + message
-            await linker.drain()
+            t_settle = time.perf_counter()
+            await linker.drain()  # every offload of the turns before has settled
+            settle_s = time.perf_counter() - t_settle
+            if before_turn is not None:
+                await before_turn(k + 1, linker)
+            losses = _offload_losses(linker, store)
+            turn_losses = {name: losses[name] - losses_before[name] for name in losses}
+            losses_before = losses
             linker.flush_device()
             ceiling = restorable_ceiling(len(prompt), layout.grid)
-            expected = max((d for d in donated if d <= ceiling), default=0)
+            donated_below = max((d for d in donated if d <= ceiling), default=0)
             c0 = time.process_time()
             res = await served.prefill(f"turn{k + 1}", prompt)
-            cpu_restore = time.process_time() - c0  # includes donating the turn's checkpoints
+            cpu_restore = time.process_time() - c0  # includes donating the turns' checkpoints
             t0, c0 = time.perf_counter(), time.process_time()
-            ref = served.recompute(prompt)
+            # off the loop too: the turn's offloads are in flight meanwhile
+            ref = await anyio.to_thread.run_sync(served.recompute, prompt)
             ttft_recompute = time.perf_counter() - t0
             cpu_recompute = time.process_time() - c0
             want = ref.logprobs[res.cached_tokens:]
@@ -239,14 +268,20 @@ async def run_demo(
             if res.draft_logprobs is not None and ref.draft_logprobs is not None:
                 draft_diff = max_abs_diff(res.draft_logprobs, ref.draft_logprobs[res.cached_tokens:])
             donated.extend(res.checkpoints)
-            reply, _ = engine.decode_greedy(res.sequence, shape.response_tokens)
+            reply, _ = await anyio.to_thread.run_sync(
+                engine.decode_greedy, res.sequence, shape.response_tokens)
             history = prompt + reply
             last_ref = ref.logprobs
             turns.append({
                 "turn": k + 1,
                 "prompt_tokens": len(prompt),
                 "restored_tokens": res.restored_tokens,
-                "expected_restored_tokens": expected,
+                # what the store's probe found at this turn's lookup (offloads settled before it)
+                "expected_restored_tokens": res.store_tokens,
+                # the deepest checkpoint the turns before donated that this prompt could restore
+                "donated_tokens": donated_below,
+                "offload_losses_before": turn_losses,
+                "settle_wait_s": settle_s,
                 "recomputed_tokens": res.computed_tokens,
                 "max_abs_logprob_diff": max_abs_diff(res.logprobs, want),
                 "draft_max_abs_logprob_diff": draft_diff,
@@ -259,21 +294,25 @@ async def run_demo(
                 "cpu_restore_s": cpu_restore,
                 "cpu_recompute_s": cpu_recompute,
             })
-        # negative control: the last prompt again, recurrent state zeroed at COMMIT
-        await linker.drain()
-        linker.flush_device()
-        neg = await served.prefill("negative-control", history[: turns[-1]["prompt_tokens"]],
-                                   linear_state="zero")
+        # negative controls: the last prompt again, part of its restored state from another prefix
         assert last_ref is not None
-        neg_kl = neg_diff = None
-        if neg.cached_tokens:
-            neg_kl = kl_divergence(last_ref[neg.cached_tokens:], neg.logprobs)
-            neg_diff = max_abs_diff(last_ref[neg.cached_tokens:], neg.logprobs)
+        last_prompt = history[: turns[-1]["prompt_tokens"]]
+        other = other_prefix(len(last_prompt), vocab, seed)
+        for control in controls:
+            await linker.drain()
+            linker.flush_device()
+            neg = await served.prefill(f"negative-control-{control.name}", last_prompt,
+                                       corrupt=control.corrupt(engine, other))
+            results.append(measure(control, neg.restored_tokens,
+                                   last_ref[neg.cached_tokens:] if neg.cached_tokens else None,
+                                   neg.logprobs))
         await linker.drain()
         stats = linker.statistics()
+        final_losses = _offload_losses(linker, store)
 
     rows = [{
         **t,
+        "lost": sum(t["offload_losses_before"].values()),
         "ttft_restore_ms": 1e3 * t["ttft_restore_s"],
         "ttft_recompute_ms": 1e3 * t["ttft_recompute_s"],
         "speedup": t["ttft_recompute_s"] / t["ttft_restore_s"],
@@ -281,7 +320,8 @@ async def run_demo(
     out("")
     out(format_table(rows, [
         ("turn", "turn"), ("prompt_tokens", "prompt"), ("restored_tokens", "restored"),
-        ("expected_restored_tokens", "expected"), ("recomputed_tokens", "recomputed"),
+        ("expected_restored_tokens", "in store"), ("donated_tokens", "donated"),
+        ("lost", "lost"), ("recomputed_tokens", "recomputed"),
         ("ttft_restore_ms", "ttft restore ms"), ("ttft_recompute_ms", "ttft recompute ms"),
         ("speedup", "recompute/restore"), ("max_abs_logprob_diff", "max|Δ logprob|"),
         ("draft_max_abs_logprob_diff", "draft max|Δ|"), ("kl", "KL")]))
@@ -291,15 +331,14 @@ async def run_demo(
         ratio = (sum(t["ttft_recompute_s"] for t in restored_turns)
                  / sum(t["ttft_restore_s"] for t in restored_turns))
     out("")
-    # detected: the continuation differs at all (KL alone can round to 0 or below when a
-    # zeroed state barely moves a tiny random model's distribution)
-    detected = neg_diff is not None and neg_diff > 0
-    if neg_kl is None:
-        out("negative control: nothing was restored, so it could not run")
-    else:
-        out(f"negative control (recurrent state zeroed at COMMIT, {neg.cached_tokens} tokens "
-            f"restored): KL = {neg_kl:.3e}, max|Δ logprob| = {neg_diff:.3e} -> "
-            f"{'detected' if detected else 'NOT DETECTED'}")
+    out("offloads settled before every lookup (the demo waits for them: "
+        f"{sum(t['settle_wait_s'] for t in turns) * 1e3:.1f} ms in all); 'in store' is what the "
+        "store's probe found at the lookup, 'lost' counts the offloads dropped, skipped or "
+        "failed and the objects the store evicted since the turn before")
+    if not controls:
+        out("negative control: the model has no state to corrupt")
+    for r in results:
+        out(r.line())
     if ratio is not None:
         out(f"time to first token, recompute / restore over the {len(restored_turns)} turns that "
             f"restored: {ratio:.2f}x")
@@ -315,29 +354,60 @@ async def run_demo(
         out("where the restoring turns' time to first token went: " + ", ".join(
             f"{p} {1e3 * v:.1f} ms ({100 * v / whole:.0f}%)" for p, v in total.items()))
     out(f"store hits: {stats.store_hit_tokens} tokens; verify failures {stats.verify_failures}; "
-        f"offload failures {stats.offload_failures}")
+        f"offloads dropped (latency watermark) {stats.offloads_dropped}, skipped (backpressure) "
+        f"{stats.offloads_skipped + stats.offloads_skipped_kv + stats.offloads_skipped_breaker}, "
+        f"failed {stats.offload_failures}; store evictions {final_losses['store_evictions']}")
     exact = all(t["max_abs_logprob_diff"] == 0.0 and t["kl"] == 0.0
                 and t["draft_max_abs_logprob_diff"] in (None, 0.0) for t in turns)
     restored_ok = all(t["restored_tokens"] == t["expected_restored_tokens"] for t in turns)
-    passed = exact and restored_ok and detected
+    # a checkpoint donated and settled but missing from the store, with no counted loss, is
+    # a checkpoint the runtime lost
+    accounted = all(t["expected_restored_tokens"] >= t["donated_tokens"]
+                    or sum(t["offload_losses_before"].values()) > 0 for t in turns)
+    detected = bool(results) and all(r.detected for r in results)
+    passed = exact and restored_ok and accounted and detected
     problems = [msg for ok, msg in (
         (exact, "restored logprobs differ from the recompute"),
         (restored_ok, "a turn restored fewer tokens than the store holds"),
-        (detected, "the negative control was not detected"),
+        (accounted, "a donated checkpoint is missing from the store and no offload loss was counted"),
+        (detected, "a negative control was not run or moved the output less than its margin "
+                   f"(max|Δ logprob| >= {MARGIN.max_abs_logprob_diff:g}, KL >= {MARGIN.kl:g})"),
     ) if not ok]
-    out("result: " + ("PASS (every restore bit-exact)" if passed else "FAIL: " + "; ".join(problems)))
+    out("result: " + ("PASS (every restore bit-exact, every control above its margin)" if passed
+                      else "FAIL: " + "; ".join(problems)))
+    runs = [r for r in results if r.kl is not None]
     return {
         "arch": g.model_type,
         "store": store_name,
         "large": large,
         "turns": [{key: t[key] for key in (
-            "prompt_tokens", "restored_tokens", "expected_restored_tokens", "recomputed_tokens",
+            "prompt_tokens", "restored_tokens", "expected_restored_tokens", "donated_tokens",
+            "offload_losses_before", "settle_wait_s", "recomputed_tokens",
             "max_abs_logprob_diff", "draft_max_abs_logprob_diff", "kl", "ttft_restore_s",
             "ttft_recompute_s", "restore_phases_s", "cpu_restore_s", "cpu_recompute_s")}
             for t in turns],
-        "negative_control_kl": neg_kl,
-        "negative_control_max_abs_logprob_diff": neg_diff,
+        "negative_controls": [r.as_json() for r in results],
+        "negative_control_margin": attrs.asdict(MARGIN),
+        # the weakest control (what the margin is checked against)
+        "negative_control_kl": min((r.kl for r in runs if r.kl is not None), default=None),
+        "negative_control_max_abs_logprob_diff": min(
+            (r.max_abs_logprob_diff for r in runs if r.max_abs_logprob_diff is not None), default=None),
+        "offload_losses": final_losses,
         "ttft_ratio_recompute_over_restore": ratio,
         "cpu_ratio_recompute_over_restore": cpu_ratio,
         "passed": passed,
     }
+
+
+#: the linker's counters of offloads that did not reach the store
+_LOSSES = ("offloads_dropped", "offloads_skipped", "offloads_skipped_kv", "offloads_skipped_breaker",
+           "offload_failures")
+
+
+def _offload_losses(linker: Any, store: Any) -> dict[str, int]:
+    """What kept a donated checkpoint out of the store: the linker's offload losses, and the
+    objects the store evicted (a capacity-bound store may evict a stored checkpoint)."""
+    stats = linker.statistics()
+    out = {name: int(getattr(stats, name)) for name in _LOSSES}
+    out["store_evictions"] = int(store.statistics().evictions)
+    return out

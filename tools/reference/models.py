@@ -115,6 +115,10 @@ _FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "zamba2": {"num_hidden_layers": 6, "attention_head_dim": 32,
                "layers_block_type": ["mamba", "mamba", "hybrid", "mamba", "mamba", "hybrid"]},
     "zaya": {"num_experts_per_tok": 1, "num_key_value_heads": 2},
+    # Nemotron-H's default mixer is 128 heads x 64 wide with a 128-dim state in 8 groups, for a
+    # hidden size of 128: the tiny model gets the other Mamba2 families' mixer
+    "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1,
+                   "chunk_size": 64},
     # Gated DeltaNet + QSA indexed attention; the default config leaves the indexer unset (the
     # model cannot be built so). A budget of 16 tokens in blocks of 4: sparse at every prompt
     # the tests use, so the indexer keys decide what attention sees
@@ -150,6 +154,10 @@ _GENERIC_OVERRIDES: dict[str, Any] = {
     "linear_key_head_dim": 32,
     "linear_value_head_dim": 32,
     "linear_conv_kernel_dim": 4,
+    # weights drawn 10x wider than the library's 0.02: at 0.02 the recurrent state of several
+    # tiny families (the Mamba2 ones, Inkling's conv states, ...) moves the logprobs by ~1e-6,
+    # so a negative control could not show that a wrong state is caught (tools/demo_controls.py)
+    "initializer_range": 0.2,
     **_TOKEN_IDS,
 }
 
@@ -162,6 +170,10 @@ _LAYER_PATTERN: dict[str, dict[str, Any]] = {
     "bailing_hybrid": {"layer_types": _HYBRID_4},
     "olmo_hybrid": {"layer_types": _HYBRID_4},
     "qwen3_5_text": {"layer_types": _HYBRID_4},
+    # LFM2's config defaults to attention on every layer (``full_attn_idxs`` = all), so its
+    # default config has no conv layer; the released checkpoints are mostly short-conv layers
+    "lfm2": {"layer_types": ["conv", "conv", "conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "conv", "conv", "full_attention"]},
 }
 
 
@@ -180,8 +192,10 @@ def recurrent_model_types() -> tuple[str, ...]:
 
     Read from the installed library, not from a list: each registered config is built with
     its defaults and its decoder's cache layer kinds are derived the way ``DynamicCache``
-    derives them. Multimodal wrappers count as their text model (``qwen3_5`` ->
-    ``qwen3_5_text``), so each decoder appears once. Takes a few seconds (every config is
+    derives them. A type whose defaults declare no recurrent layer but whose released
+    checkpoints do (LFM2: attention on every layer by default) counts when its config, built
+    with the layer pattern :data:`_LAYER_PATTERN` gives it, has one. Multimodal wrappers count
+    as their text model (``qwen3_5`` -> ``qwen3_5_text``), so each decoder appears once. Takes a few seconds (every config is
     instantiated once); the result is cached.
     """
     import warnings
@@ -200,6 +214,11 @@ def recurrent_model_types() -> tuple[str, ...]:
                 try:
                     text = CONFIG_MAPPING[model_type]().get_text_config(decoder=True)
                     kinds, _ = get_layer_types_and_kwargs(text)
+                    if not RECURRENT_LAYER_KINDS & set(kinds) and str(text.model_type) in _LAYER_PATTERN:
+                        pattern = dict(_LAYER_PATTERN[str(text.model_type)])
+                        pattern.setdefault("num_hidden_layers", len(pattern.get("layer_types", ())))
+                        text = type(text)(**pattern)
+                        kinds, _ = get_layer_types_and_kwargs(text)
                 except Exception:  # configs of vision/audio models have no decoder layers
                     continue
             if RECURRENT_LAYER_KINDS & set(kinds):

@@ -17,14 +17,15 @@ memory the cache is restored from and donated to. A restored prefix continues wi
 chunk schedule an uninterrupted run uses (64-token chunks on the absolute grid, explicit
 position ids), so its logprobs are bit-identical to a run that never left the device.
 
-A negative control (``linear_state="zero"``/``"skip"``) restores the KV but not the recurrent
-state; such a request never donates (it would poison the cache with a wrong state).
+A negative control (``linear_state="zero"``/``"skip"``, or ``corrupt``: a function that replaces
+the state read from the pools, e.g. with another prefix's) restores the KV but not the real
+recurrent state; such a request never donates (it would poison the cache with a wrong state).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -37,6 +38,7 @@ from ...components.mamba import restorable_ceiling
 from ...components.pools import HybridPools
 from ...runtime.linker import Linker, Request
 from .engine import (
+    BoundaryState,
     ExtendResult,
     LinearStateMode,
     ReferenceEngine,
@@ -162,13 +164,16 @@ class LinkedEngine:
         tokens: Sequence[int] | npt.NDArray[np.integer],
         *,
         linear_state: LinearStateMode = "load",
+        corrupt: Callable[[BoundaryState], BoundaryState] | None = None,
         donate: bool = True,
     ) -> PrefillResult:
         """LOOKUP → LOAD → COMMIT → forward → INSERT → RELEASE for one prompt.
 
         ``linear_state`` other than ``"load"`` is a negative control (the recurrent state of
-        the cached prefix is zeroed or skipped); it never donates. ``donate=False`` computes
-        without inserting anything.
+        the cached prefix is zeroed or skipped), and so is ``corrupt``: the cached prefix's
+        state, as read from the pools, is replaced by ``corrupt(state)`` before the engine's
+        cache is rebuilt. A negative control never donates. ``donate=False`` computes without
+        inserting anything.
         """
         toks = _tokens(tokens)
         if not toks:
@@ -188,10 +193,11 @@ class LinkedEngine:
                 restored = await linker.commit(load)
                 t_commit = time.perf_counter()
             prefix = req.prefix_tokens
-            seq = self._restore(req, toks, linear_state)
+            seq = self._restore(req, toks, linear_state, corrupt)
             t_rebuild = time.perf_counter()
             restore_s = t_rebuild - t0
-            depths = self._donation_depths(req, len(toks)) if donate and linear_state == "load" else []
+            control = linear_state != "load" or corrupt is not None
+            depths = self._donation_depths(req, len(toks)) if donate and not control else []
             slots: dict[int, int | None] = {}
             if depths:
                 # what a real engine does before its forward: rows for the prompt, checkpoint slots
@@ -229,7 +235,8 @@ class LinkedEngine:
             with anyio.CancelScope(shield=True):
                 await linker.release(req)
 
-    def _restore(self, req: Request, toks: list[int], linear_state: LinearStateMode) -> ReferenceSequence:
+    def _restore(self, req: Request, toks: list[int], linear_state: LinearStateMode,
+                 corrupt: Callable[[BoundaryState], BoundaryState] | None = None) -> ReferenceSequence:
         """The engine's sequence for the request's cached prefix (fresh when nothing is cached)."""
         prefix = req.prefix_tokens
         if prefix == 0:
@@ -240,6 +247,8 @@ class LinkedEngine:
                 f"request {req.id!r}: a cached prefix of {prefix} tokens without a state "
                 "(the tree must only match nodes that hold one)")
         state = read_boundary(self.views, req.rows[:prefix], slot)
+        if corrupt is not None:
+            state = corrupt(state)
         return self.engine.restore(state, toks[:prefix], linear_state=linear_state)
 
     def _donation_depths(self, req: Request, prompt_len: int) -> list[int]:
