@@ -68,6 +68,14 @@ class LinkerConfig:
     fallback_states: int = attrs.field(default=2, validator=attrs.validators.ge(0))
     #: TOUCH batches: how long the toucher waits to gather touches into one call
     touch_batch_s: float = attrs.field(default=0.005, validator=_positive)
+    #: restores that pay for themselves (``runtime/restore_cost.py``): a lookup declines a store
+    #: hit whose load, at the bandwidth observed so far, would take longer than ``restore_margin``
+    #: times recomputing its tokens. Off by default
+    decline_slow_restores: bool = False
+    #: the engine's prefill rate, tokens per second (None: what ``Linker.observe_prefill`` saw)
+    prefill_tokens_per_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive))
+    restore_margin: float = attrs.field(default=1.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.latency_low_ms > self.latency_high_ms:
