@@ -10,6 +10,7 @@ This module imports no engine and no store client, so it can be checked anywhere
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -20,6 +21,10 @@ from ..stores.faulty import FaultPlan
 
 STORES = ("embedded", "mooncake")
 MIB = 1 << 20
+
+
+#: the environment variable that turns a plugin's trace lines on, whatever its config says
+TRACE_ENV = "HYLINKER_TRACE"
 
 
 class PluginConfigError(ValueError):
@@ -72,6 +77,12 @@ class PluginConfig:
     staging_mb: int = attrs.field(default=64, validator=_positive)  # host copies of pages waiting for the store
     lookup_timeout_s: float = attrs.field(default=1.0, validator=_positive)  # longest store probe at admission
     drain_timeout_s: float = attrs.field(default=10.0, validator=_non_negative)  # shutdown: longest wait for writes
+    trace: bool = False  # JSON trace lines per phase on stderr (also: HYLINKER_TRACE=1)
+
+    @property
+    def tracing(self) -> bool:
+        """``trace`` or the ``HYLINKER_TRACE`` environment variable (``1``/``true``/``yes``)."""
+        return self.trace or os.environ.get(TRACE_ENV, "").strip().lower() in ("1", "true", "yes")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *,
@@ -178,4 +189,4 @@ def _kind(default: Any) -> str:
     return "a string"
 
 
-__all__ = ["STORES", "PluginConfig", "PluginConfigError", "coerce_value", "range_validators"]
+__all__ = ["STORES", "TRACE_ENV", "PluginConfig", "PluginConfigError", "coerce_value", "range_validators"]

@@ -409,11 +409,16 @@ class DataPlane:
         self._c: dict[str, int] = dict.fromkeys(
             ("loads", "loads_ok", "loads_failed", "loads_cancelled", "offloads", "offloads_ok",
              "offloads_failed", "exists_calls", "exists_errors"), 0)
+        #: ``fn(direction, seconds, ok)`` when a load or offload ends (not cancelled), on the loop
+        self.observers: list[Callable[[str, float, bool], None]] = []
         #: the data path's metrics (None: no registry, or it could not take them: logged once)
         self.metrics: Exporter | None = None
         if registry is not None:
             self.metrics = Exporter.create(registry, naming, PLANE_KEYS, who="DataPlane", base_values=label_values,
                                            figures=self.metric_figures, refresh_on_scrape=True)
+        if self.metrics is not None:
+            metrics = self.metrics
+            self.observers.append(lambda direction, seconds, ok: metrics.observe(f"{direction}_seconds", seconds))
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> DataPlane:
@@ -632,12 +637,12 @@ class DataPlane:
             self._c[f"{kind}_ok"] += 1
         elif not ticket.outcome.cancelled:
             self._c[f"{kind}_failed"] += 1
-        if ticket.t_submit is not None:
+        if ticket.t_submit is not None and not ticket.outcome.cancelled:
             seconds = time.perf_counter() - ticket.t_submit
             if kind == "loads" and ticket.outcome.ok:
                 self.bandwidth.observe(ticket.nbytes, seconds)
-            if self.metrics is not None and not ticket.outcome.cancelled:
-                self.metrics.observe("load_seconds" if kind == "loads" else "offload_seconds", seconds)
+            for observer in self.observers:
+                observer("load" if kind == "loads" else "offload", seconds, ticket.outcome.ok)
         if self.metrics is not None:
             self.metrics.publish()
         if not self._open:

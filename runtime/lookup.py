@@ -76,6 +76,7 @@ class LookupRoom(LinkerRoom):
             declined = (max(boundaries) - max(paying, default=0)) * self.page
             self._c["declined_lookups"] += 1
             self._c["declined_hit_tokens"] += declined
+            req.declined_tokens = declined
             trace("lookup.declined", request_id=req.id, tokens=declined, prefill_tokens_per_s=rate,
                   load_bytes_per_s=self.data.bandwidth.per_s)
         return paying
