@@ -176,3 +176,23 @@ async def test_a_slow_store_restore_is_declined_and_counted() -> None:
         assert await serve(linker, content, p, "p2") == 40  # off by default: always restored
         assert linker.statistics().declined_lookups == 0
         linker.flush_device()
+
+
+def test_a_sync_data_plane_exports_the_data_path() -> None:
+    import torch
+
+    from hylinker.runtime.data_plane import SyncDataPlane, Transfer
+
+    registry = CollectorRegistry()
+    views = HybridPools(LAYOUT, kv_pages=16, mamba_slots=4).views()
+    rows = torch.arange(2 * P).view(2, P)
+    with SyncDataPlane(views, lambda: EmbeddedStore(8 << 20), registry=registry) as dp:
+        assert dp.plane.metrics is not None
+        assert dp.offload([Transfer(PoolKind.FULL, ["a", "b"], rows)]).result(30).ok
+        assert dp.load([Transfer(PoolKind.FULL, ["a", "b"], rows)]).result.result(30).ok
+        frame = framing.framed_size(dp.plane.object_bytes(PoolKind.FULL))
+        assert value(registry, "offloads_total", outcome="ok") == 1
+        assert value(registry, "loads_total", outcome="ok") == 1
+        assert value(registry, "objects_total", pool="kv", direction="offload") == 2
+        assert value(registry, "bytes_total", pool="kv", direction="load") == 2 * frame
+        assert value(registry, "load_seconds_count") == 1 and value(registry, "offload_seconds_count") == 1
