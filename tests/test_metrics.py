@@ -196,3 +196,35 @@ def test_a_sync_data_plane_exports_the_data_path() -> None:
         assert value(registry, "objects_total", pool="kv", direction="offload") == 2
         assert value(registry, "bytes_total", pool="kv", direction="load") == 2 * frame
         assert value(registry, "load_seconds_count") == 1 and value(registry, "offload_seconds_count") == 1
+
+
+async def test_store_retries_and_damaged_objects_reach_the_metrics() -> None:
+    """Transient store failures are retried and corrupt objects fail verification: the retry,
+    verification, removal and failed-load counters equal what the statistics saw, and are not
+    zero."""
+    registry = CollectorRegistry()
+    async with running(registry, store=FaultyStore(EmbeddedStore(8 << 20), FaultPlan(fail=0.3), seed=1)) as (
+            linker, content):
+        for i in range(3):
+            await serve(linker, content, prompt(41, 10 + i), f"w{i}")
+        res = linker.resilience_statistics()
+        assert res is not None and res.retries > 0
+        assert value(registry, "store_events_total", event="retry") == res.retries
+        linker.flush_device()
+    inner = EmbeddedStore(8 << 20)
+    p = prompt(41, 5)
+    async with running(None, store=inner) as (linker, content):
+        await serve(linker, content, p, "donor")
+        linker.flush_device()
+    registry = CollectorRegistry()
+    async with running(registry, store=FaultyStore(inner, FaultPlan(corrupt=1.0), seed=3)) as (linker, content):
+        assert await serve(linker, content, p, "damaged") == 0  # every object damaged: recomputed
+        st = linker.statistics()
+        verify = {pool: s.verify_failures for pool, s in linker.pool_statistics().items()}
+        assert sum(verify.values()) > 0 and st.bad_objects_removed > 0
+        for pool, n in verify.items():
+            assert value(registry, "verify_failures_total", pool=pool) == n
+        assert value(registry, "bad_objects_removed_total") == st.bad_objects_removed
+        assert value(registry, "loads_total", outcome="failed") == 1
+        assert value(registry, "hit_tokens_total", source="store") == 0
+        linker.flush_device()
