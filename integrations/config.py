@@ -10,6 +10,7 @@ This module imports no engine and no store client, so it can be checked anywhere
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -21,6 +22,10 @@ from ..stores.framing import Integrity
 
 STORES = ("embedded", "mooncake")
 MIB = 1 << 20
+
+
+#: the environment variable that turns a plugin's trace lines on, whatever its config says
+TRACE_ENV = "HYLINKER_TRACE"
 
 
 class PluginConfigError(ValueError):
@@ -76,6 +81,12 @@ class PluginConfig:
     #: what a stored object's frame proves: "checksum" (header and payload checksum) or
     #: "header" (key, layout, length; no payload hash): ``DataPlaneConfig.integrity``
     integrity: str = "checksum"
+    trace: bool = False  # JSON trace lines per phase on stderr (also: HYLINKER_TRACE=1)
+
+    @property
+    def tracing(self) -> bool:
+        """``trace`` or the ``HYLINKER_TRACE`` environment variable (``1``/``true``/``yes``)."""
+        return self.trace or os.environ.get(TRACE_ENV, "").strip().lower() in ("1", "true", "yes")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *,
@@ -191,4 +202,4 @@ def _kind(default: Any) -> str:
     return "a string"
 
 
-__all__ = ["STORES", "PluginConfig", "PluginConfigError", "coerce_value", "range_validators"]
+__all__ = ["STORES", "TRACE_ENV", "PluginConfig", "PluginConfigError", "coerce_value", "range_validators"]

@@ -58,12 +58,13 @@ from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolViewError
 from ..runtime.data_plane import DataPlaneConfig, SyncDataPlane, SyncLoad, Transfer, TransferOutcome
 from ..runtime.events import record_fence
+from ..runtime.metrics import Figures, plane_figures, store_figures
 from ..runtime.tracing import enable_trace_logging, trace
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
 from .sglang_config import SGLangLinkerConfig
 from .sglang_loads import AllEvents, LoadBatch
-from .sglang_metrics import STORE_EVENTS, LinkerMetrics
+from .sglang_metrics import create_metrics
 from .sglang_pools import (
     DcpShare,
     PoolLayoutError,
@@ -91,19 +92,19 @@ SGLANG_VERSION = "0.5.23"
 _RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
 _KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, swa, mamba, draft
 #: the linker's counters that are also Prometheus metrics: counter -> (family, labels)
-_METRIC_OF: dict[str, tuple[str, dict[str, str]]] = {
-    "lookup_hits": ("lookups", {"outcome": "hit"}),
-    "lookup_misses": ("lookups", {"outcome": "miss"}),
-    "lookup_errors": ("lookups", {"outcome": "error"}),
-    "hit_tokens": ("hit_tokens", {}),
-    "loads_ok": ("loads", {"outcome": "ok"}),
-    "loads_failed": ("loads", {"outcome": "failed"}),
-    "loads_cancelled": ("loads", {"outcome": "cancelled"}),
-    "loads_refused": ("loads", {"outcome": "refused"}),
-    "offloads_ok": ("offloads", {"outcome": "ok"}),
-    "offloads_failed": ("offloads", {"outcome": "failed"}),
-    "objects_skipped_restored": ("skipped", {"reason": "restored"}),
-    "bad_objects_removed": ("bad_removed", {}),
+_METRIC_OF: dict[str, tuple[str, ...]] = {
+    "lookup_hits": ("lookups", "hit"),
+    "lookup_misses": ("lookups", "miss"),
+    "lookup_errors": ("lookups", "error"),
+    "hit_tokens": ("hit_tokens", "store"),
+    "loads_ok": ("loads", "ok"),
+    "loads_failed": ("loads", "failed"),
+    "loads_cancelled": ("loads", "cancelled"),
+    "loads_refused": ("loads", "refused"),
+    "offloads_ok": ("offloads", "ok"),
+    "offloads_failed": ("offloads", "failed"),
+    "objects_skipped_restored": ("objects_skipped", "restored"),
+    "bad_objects_removed": ("bad_objects_removed",),
 }
 #: the order a load's objects (and their keys) are listed in: pages, then the state
 _ORDER = (PoolKind.FULL, PoolKind.DRAFT, PoolKind.SWA, PoolKind.MAMBA)
@@ -179,7 +180,8 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._pools = pools
         self.tp_rank = tp_rank
         # SGLang's own switch: with --enable-metrics these appear on the server's /metrics
-        self.metrics = LinkerMetrics.create(bool(getattr(server_args, "enable_metrics", False)), tp_rank)
+        self.metrics = create_metrics(bool(getattr(server_args, "enable_metrics", False)), tp_rank,
+                                      self._metric_totals)
 
         self._lock = threading.Lock()  # counters and the restored set: scheduler and loop threads
         self._c: collections.Counter[str] = collections.Counter()
@@ -223,26 +225,16 @@ class HylinkerLinker(UnifiedCacheLinker):
             self._c[name] += n
         metric = _METRIC_OF.get(name)
         if metric is not None and self.metrics is not None:
-            self.metrics.count(metric[0], n, **metric[1])
+            self.metrics.count(metric[0], n, *metric[1:])
 
-    def _metric_totals(self) -> dict[tuple[str, ...], int]:
+    def _metric_totals(self) -> Figures:
         """The data plane's and the store's cumulative figures, as metrics keys (see
-        ``sglang_metrics``)."""
-        out: dict[tuple[str, ...], int] = {}
-        for pool, stats in self.data.pool_statistics().items():
-            out[("bytes", pool, "load")] = int(stats.bytes_loaded)
-            out[("bytes", pool, "offload")] = int(stats.bytes_offloaded)
-            out[("verify_failures", pool)] = int(stats.verify_failures)
-            out[("rereads", pool, "recovered")] = int(stats.rereads_recovered)
-            out[("rereads", pool, "failed")] = int(stats.rereads_failed)
-        res = self.store.resilience()
-        for name, event in STORE_EVENTS.items():
-            out[("store_events", event)] = int(getattr(res, name))
-        return out
+        ``runtime/metrics``); the plugin counts loads and offloads itself."""
+        return {**plane_figures(self.data.pool_statistics()), **store_figures(self.store.resilience())}
 
     def _publish_metrics(self, force: bool = False) -> None:
         if self.metrics is not None and not self._closed:
-            self.metrics.publish(self._metric_totals, force=force)
+            self.metrics.publish(force=force)
 
     # ---- lookup -----------------------------------------------------------------------
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:

@@ -13,17 +13,14 @@ This module imports neither SGLang nor a store client, so it can be checked anyw
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
 
 from ..stores.resilient import ResiliencePolicy
-from .config import PluginConfig, PluginConfigError, range_validators
+from .config import TRACE_ENV, PluginConfig, PluginConfigError, range_validators
 
-#: the environment variable that turns the plugin's trace lines on, whatever the config says
-TRACE_ENV = "HYLINKER_TRACE"
 #: the error the SGLang plugin's config raises (the shared parser's)
 LinkerConfigError = PluginConfigError
 
@@ -41,12 +38,6 @@ class SGLangLinkerConfig(PluginConfig):
     retry_backoff_ms: float = attrs.field(default=20.0, validator=_non_negative)  # first backoff, doubles
     store_timeout_s: float = attrs.field(default=5.0, validator=_positive)  # longest one store transfer
     touch: bool = True  # refresh store recency of prefixes that hit
-    trace: bool = False  # JSON trace lines per phase on stderr (also: HYLINKER_TRACE=1)
-
-    @property
-    def tracing(self) -> bool:
-        """``trace`` or the ``HYLINKER_TRACE`` environment variable (``1``/``true``/``yes``)."""
-        return self.trace or os.environ.get(TRACE_ENV, "").strip().lower() in ("1", "true", "yes")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *,

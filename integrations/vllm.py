@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,7 +53,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-from . import store_host
+from ..runtime.tracing import enable_trace_logging, trace
+from . import store_host, vllm_metrics
 from .config import PluginConfig
 from .vllm_pages import PageTransfers, RawPages
 from .vllm_plan import (
@@ -69,6 +71,10 @@ from .vllm_plan import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -135,6 +141,9 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         assert ktc is not None
         self.config = PluginConfig.from_extra_config(ktc.kv_connector_extra_config,
                                                      where="kv_connector_extra_config")
+        if self.config.tracing:  # one JSON line per phase event on stderr, with vLLM's request id
+            enable_trace_logging(sys.stderr)
+        self.stats = vllm_metrics.StatsReporter()  # figures for vLLM's stats path (vllm_metrics)
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("HylinkerConnector supports tensor_parallel_size 1 only")
         if ktc.kv_load_failure_policy != "recompute":
@@ -146,7 +155,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.seed = namespace_seed(str(vllm_config.model_config.model), geometry, self.config.salt)
         self.host = store_host.acquire(self.config)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("lookups", "lookup_errors", "hit_tokens", "loads_planned", "loads_refused",
+            ("lookups", "lookup_hits", "lookup_errors", "hit_tokens", "loads_planned", "loads_refused",
              "kv_saves_planned", "state_saves_planned"), 0)
         # scheduler side
         self._requests: dict[str, _Tracked] = {}
@@ -195,7 +204,9 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         if n <= local:
             return 0, False
         self._pending[request.request_id] = LoadSpec(request.request_id, local, n, tuple(keys[:n]))
+        self.counters["lookup_hits"] += 1
         self.counters["hit_tokens"] += (n - local) * bs
+        trace("vllm.lookup", request_id=request.request_id, device_tokens=local * bs, store_tokens=(n - local) * bs)
         return (n - local) * bs, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -214,6 +225,8 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         tracked.stored_states.add(spec.last)
         self.counters["loads_planned"] += 1
         self._step.loads.append(plan)
+        trace("vllm.load.planned", request_id=request.request_id, kv_objects=len(plan.kv_keys),
+              state_objects=len(plan.state_keys))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         step, self._step = self._step, HylinkerConnectorMetadata()
@@ -269,6 +282,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             self.counters["kv_saves_planned"] += len(kn)
             self.counters["state_saves_planned"] += len(sn)
             step.saves.append(TransferPlan(rid, tuple(kn), tuple(kb), tuple(sn), tuple(sb)))
+            trace("vllm.save.planned", request_id=rid, kv_objects=len(kn), state_objects=len(sn))
         return step
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -298,6 +312,8 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
                                         with_state=bool(self.groups.state),
                                         staging_bytes=self.config.staging_mb * MIB,
                                         integrity=self.config.integrity_level)
+        for plane in (self._transfers.engine_plane, self._transfers.staging_plane):
+            self.stats.watch(plane)
         log.info("hylinker: registered %d raw KV tensors, pages of %s bytes", len(pages.raws), pages.page_bytes)
         if self.config.store == "embedded" and self.host.users == 1:
             log.warning("hylinker: the embedded store lives in this worker process, apart from vLLM's "
@@ -329,11 +345,26 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         if self._transfers is None:
             return KVConnectorTransferResults()
         ok, failed = self._transfers.finished_loads()
+        for rid in ok | failed:
+            trace("vllm.load.done", request_id=rid, ok=rid in ok)
         return KVConnectorTransferResults(finished_recving=ok | failed, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving
+
+    # ---- metrics: vLLM's connector-stats path (integrations/vllm_metrics.py) ----
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return vllm_metrics.report(self.stats, self.counters, self._transfers)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return vllm_metrics.HylinkerStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return vllm_metrics.HylinkerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def statistics(self) -> dict[str, int]:
         out = dict(self.counters)

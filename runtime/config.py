@@ -76,6 +76,14 @@ class LinkerConfig:
     #: what a stored object's frame proves: ``"checksum"`` (header and a payload checksum) or
     #: ``"header"`` (key, layout, length; no payload hash); ``DataPlaneConfig.integrity``
     integrity: Integrity = attrs.field(default=Integrity.CHECKSUM, converter=_integrity)
+    #: restores that pay for themselves (``runtime/restore_cost.py``): a lookup declines a store
+    #: hit whose load, at the bandwidth observed so far, would take longer than ``restore_margin``
+    #: times recomputing its tokens. Off by default
+    decline_slow_restores: bool = False
+    #: the engine's prefill rate, tokens per second (None: what ``Linker.observe_prefill`` saw)
+    prefill_tokens_per_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive))
+    restore_margin: float = attrs.field(default=1.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.latency_low_ms > self.latency_high_ms:

@@ -78,10 +78,13 @@ from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores import framing
 from ..stores.base import Store, StoreError
+from ..stores.resilient import ResilientStore
 from .device import DeviceCopies
 from .events import DeviceEvent, FenceError
+from .metrics import LIBRARY, PLANE_KEYS, Exporter, Figures, Naming, plane_figures, store_figures
 from .pool_actor import PoolActor
 from .pool_staging import LatencyMonitor
+from .restore_cost import LoadBandwidth
 from .statistics import PoolActorStatistics
 from .tracing import trace
 from .transfer import PoolCodec
@@ -179,6 +182,8 @@ class _Ticket:
         self._outcome: TransferOutcome | None = None
         self._done_callbacks: list[Callable[[TransferOutcome], None]] = []
         self._submitted = False
+        self.t_submit: float | None = None  # perf_counter at submit: the latency metrics
+        self.nbytes = sum(n * plane.object_bytes(pool) for pool, n in sizes.items())  # payload bytes
 
     @property
     def done(self) -> bool:
@@ -374,14 +379,20 @@ class DataPlane:
 
     def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView], store: Store,
                  config: DataPlaneConfig | None = None, *, fingerprint: bytes | None = None,
-                 namespace: bytes | str = b"", copies: Mapping[PoolKind, DeviceCopies] | None = None) -> None:
+                 namespace: bytes | str = b"", copies: Mapping[PoolKind, DeviceCopies] | None = None,
+                 registry: Any = None, naming: Naming = LIBRARY, label_values: Sequence[str] = ()) -> None:
         """``copies``: a device copy engine per pool (default: a CUDA stream for CUDA pools,
-        none for host pools); tests pass ``testing.fakes.FakeDeviceCopies`` here."""
+        none for host pools); tests pass ``testing.fakes.FakeDeviceCopies`` here.
+        ``registry``: a ``prometheus_client`` registry to export the data path's metrics on
+        (:mod:`.metrics`; default none: nothing exported), named by ``naming`` with
+        ``label_values`` for its base labels."""
         self.pools = pools if isinstance(pools, PoolSet) else PoolSet(pools)
         self.store = store
         self.config = config or DataPlaneConfig()
         self.fingerprint = fingerprint if fingerprint is not None else self.pools.fingerprint(namespace)
         self.latency = LatencyMonitor(self.config.latency_high_ms, self.config.latency_low_ms)
+        #: load bandwidth observed so far (restores that pay for themselves: runtime/restore_cost.py)
+        self.bandwidth = LoadBandwidth()
         self._limiter = anyio.CapacityLimiter(self.config.copy_threads)
         self.groups = self.config.layer_groups
         self.codecs: dict[PoolKind, list[PoolCodec]] = {
@@ -407,6 +418,16 @@ class DataPlane:
         self._c: dict[str, int] = dict.fromkeys(
             ("loads", "loads_ok", "loads_failed", "loads_cancelled", "offloads", "offloads_ok",
              "offloads_failed", "exists_calls", "exists_errors"), 0)
+        #: ``fn(direction, seconds, ok)`` when a load or offload ends (not cancelled), on the loop
+        self.observers: list[Callable[[str, float, bool], None]] = []
+        #: the data path's metrics (None: no registry, or it could not take them: logged once)
+        self.metrics: Exporter | None = None
+        if registry is not None:
+            self.metrics = Exporter.create(registry, naming, PLANE_KEYS, who="DataPlane", base_values=label_values,
+                                           figures=self.metric_figures, refresh_on_scrape=True)
+        if self.metrics is not None:
+            metrics = self.metrics
+            self.observers.append(lambda direction, seconds, ok: metrics.observe(f"{direction}_seconds", seconds))
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> DataPlane:
@@ -457,6 +478,8 @@ class DataPlane:
             await self.reset()
         for actor in self.actors.values():
             actor.close_queues()
+        if self.metrics is not None:
+            self.metrics.close()
 
     # ---- probe ------------------------------------------------------------------------------
     async def exists(self, keys: Mapping[PoolKind, Sequence[str]]) -> dict[PoolKind, list[bool]]:
@@ -568,6 +591,7 @@ class DataPlane:
         if ticket.plane is not self or ticket._submitted:
             raise ValueError("a ticket is submitted once, to the plane that prepared it")
         ticket._submitted = True
+        ticket.t_submit = time.perf_counter()
         if self._closing:
             self._track(ticket)
             for _pool, _group, job in ticket.jobs:
@@ -622,8 +646,20 @@ class DataPlane:
             self._c[f"{kind}_ok"] += 1
         elif not ticket.outcome.cancelled:
             self._c[f"{kind}_failed"] += 1
+        if ticket.t_submit is not None and not ticket.outcome.cancelled:
+            seconds = time.perf_counter() - ticket.t_submit
+            if kind == "loads" and ticket.outcome.ok:
+                self.bandwidth.observe(ticket.nbytes, seconds)
+            for observer in self.observers:
+                observer("load" if kind == "loads" else "offload", seconds, ticket.outcome.ok)
+        if self.metrics is not None:
+            self.metrics.publish()
         if not self._open:
             self._idle.set()
+
+    def object_bytes(self, pool: PoolKind) -> int:
+        """Payload bytes of one object of ``pool`` (all its layer groups)."""
+        return sum(c.payload_bytes for c in self.codecs[pool])
 
     def store_keys(self, pool: PoolKind, key: str) -> list[str]:
         """The store keys that hold object ``key`` of ``pool`` (one per layer group)."""
@@ -640,6 +676,11 @@ class DataPlane:
 
     def pool_statistics(self) -> dict[str, PoolActorStatistics]:
         return {k.value: a.statistics() for k, a in self.actors.items()}
+
+    def metric_figures(self) -> Figures:
+        """The data path's figures for :mod:`.metrics`: per pool, by outcome, the store's."""
+        res = self.store.resilience() if isinstance(self.store, ResilientStore) else None
+        return {**plane_figures(self.pool_statistics(), self._c), **store_figures(res)}
 
 
 def _job_ended(ticket: _Ticket, pool: PoolKind, group: int, job: TransferJob, _done: object) -> None:

@@ -51,14 +51,19 @@ from .config import LinkerConfig
 from .data_plane import DataPlane, DataPlaneConfig
 from .events import DeviceEvent
 from .lookup import LookupRoom
+from .metrics import FAMILIES, LIBRARY, PLANE_KEYS, Exporter, Figures, linker_figures
 from .offload import OffloadRoom
 from .pool_actor import PoolActor
 from .request import LookupResult, PhaseError, Request
 from .restore import LoadHandle, RestoreRoom
+from .restore_cost import Rate
 from .statistics import LinkerStatistics, PoolActorStatistics
 from .touch import TouchBatcher
 from .tracing import trace
 from .tree_actor import PoolExhaustedError, TreeActor
+
+#: the families the Linker exports itself; its data plane exports ``PLANE_KEYS``
+LINKER_KEYS = tuple(f.key for f in FAMILIES if f.key not in PLANE_KEYS)
 
 
 class Linker:
@@ -71,7 +76,10 @@ class Linker:
     def __init__(self, layout: ModelLayout, pools: HybridPools, store: Store,
                  config: LinkerConfig | None = None, *, salt: bytes | str | None = None,
                  checkpoints: CheckpointPolicy | None = None, eviction: EvictionPolicy | None = None,
-                 agreement: Agreement | None = None) -> None:
+                 agreement: Agreement | None = None, registry: Any = None) -> None:
+        """``registry``: a ``prometheus_client`` registry to export the linker's and its data
+        plane's metrics on (``hylinker_*``, :mod:`.metrics`); default none, nothing exported. A
+        registry that already holds them (given twice) degrades to no metrics, logged once."""
         if pools.layout is not layout and pools.layout != layout:
             raise ValueError("pools were built for another layout")
         self.layout = layout
@@ -99,6 +107,11 @@ class Linker:
         self.tree = TreeActor(layout, pools, self._default_seed, eviction)
         self.rules = pool_rules(layout)  # per-pool rules: which pages, which keys, which indices
         c = self.config
+        #: request metrics (None: no registry, or it could not take them); the data plane's own
+        self.metrics = None if registry is None else Exporter.create(
+            registry, LIBRARY, LINKER_KEYS, who="Linker", figures=self.metric_figures, refresh_on_scrape=True)
+        #: the engine's prefill rate as observed (:meth:`observe_prefill`), for restores that pay
+        self.prefill_rate = Rate()
         # the one data path: the same data plane an engine that owns its tree drives
         self.data = DataPlane(pools.views(), self.store, DataPlaneConfig(
             queue_depth=c.queue_depth, staging_bytes_per_pool=c.staging_bytes_per_pool,
@@ -106,7 +119,7 @@ class Linker:
             fence_timeout_s=c.fence_timeout_s, latency_high_ms=c.latency_high_ms,
             latency_low_ms=c.latency_low_ms, layer_groups=c.layer_groups, in_place=c.in_place,
             in_place_min_bytes=c.in_place_min_bytes, integrity=c.integrity),
-            fingerprint=layout.fingerprint)
+            fingerprint=layout.fingerprint, registry=registry if self.metrics is not None else None)
         self._requests: dict[str, Request] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
@@ -117,7 +130,7 @@ class Linker:
             "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
             "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost",
             "offloads_skipped_breaker", "rank_shortened_lookups", "rank_shortened_loads",
-            "rank_unsettled_offloads")}
+            "rank_unsettled_offloads", "lookup_hits", "declined_lookups", "declined_hit_tokens")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         # the rooms: each phase's rules live in one of them; the linker checks and delegates
         self.lookups = LookupRoom(self)  # LOOKUP + TOUCH (runtime/lookup.py)
@@ -186,6 +199,8 @@ class Linker:
                 trace("close.release_error", request_id=req.id, error=repr(exc))
         if isinstance(self.store, ResilientStore):
             await self.store.close()  # the wrapper only: the caller's store stays open
+        if self.metrics is not None:
+            self.metrics.close()
 
     async def drain(self) -> None:
         """Wait until every submitted offload has been acknowledged and its locks dropped."""
@@ -411,6 +426,19 @@ class Linker:
     def statistics(self) -> LinkerStatistics:
         return LinkerStatistics(**self._c, store_latency_ema_ms=self.latency.ema_ms,
                                 dropping=self.latency.dropping, touch_calls=self.toucher.calls)
+
+    def metric_figures(self) -> Figures:
+        """The request figures for :mod:`.metrics` (the data plane exports the data path's)."""
+        return linker_figures(self.statistics(), self.agreement.rounds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine ran a prefill of ``tokens`` in ``seconds``: the recompute cost that a
+        restore must beat (``LinkerConfig.decline_slow_restores``)."""
+        self.prefill_rate.observe(tokens, seconds)
+
+    def prefill_tokens_per_s(self) -> float | None:
+        """The engine's prefill rate: configured, else observed (None: unknown)."""
+        return self.config.prefill_tokens_per_s or self.prefill_rate.per_s
 
     def resilience_statistics(self) -> ResilienceStatistics | None:
         """Retries, timeouts and breaker counts of the store wrapper (None: no wrapper)."""

@@ -12,6 +12,7 @@ from ..components.lookup import restorable_page_counts
 from ..components.radix import MatchResult, Node
 from .agreement import Boundaries, agreed_boundary
 from .request import LinkerRoom, LookupResult, PhaseError, Request
+from .restore_cost import restore_pays
 from .tracing import trace
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class LookupRoom(LinkerRoom):
         boundaries: list[int] = []
         if self.config.store_lookup and ceiling_pages > m.pages:
             boundaries = await self._probe(req, keys[m.pages:ceiling_pages], m.pages)
+            if boundaries and self.config.decline_slow_restores:
+                boundaries = self._paying(req, boundaries)
         device_pages = m.pages
         if self.agreement.collective:
             m, boundaries = await self._agree(req, keys, m, boundaries)
@@ -51,12 +54,32 @@ class LookupRoom(LinkerRoom):
         self._c["lookups"] += 1
         self._c["lookup_prompt_tokens"] += len(req.tokens)
         self._c["device_hit_tokens"] += m.pages * self.page
+        self._c["lookup_hits"] += bool(m.pages or store_pages)
         req.store_pages = store_pages
         req.store_keys = keys[m.pages: m.pages + store_pages]
         trace("lookup", request_id=req.id, prompt=len(req.tokens), device_pages=m.pages,
               store_pages=store_pages, node=m.node.id, local_device_pages=device_pages,
               us=round((time.perf_counter() - t0) * 1e6))
         return LookupResult(len(req.tokens), m.pages * self.page, store_pages * self.page)
+
+    def _paying(self, req: Request, boundaries: list[int]) -> list[int]:
+        """The boundaries whose restore is expected to beat recomputing it (``restore_cost``):
+        a load costs its pages' objects plus one object of every other pool (the state)."""
+        rate = self.linker.prefill_tokens_per_s()
+        paying = []
+        for b in boundaries:
+            nbytes = sum(b * self.data.object_bytes(kind) if kind is PoolKind.FULL else self.data.object_bytes(kind)
+                         for kind in self.data.codecs)
+            if restore_pays(nbytes, b * self.page, self.data.bandwidth, rate, self.config.restore_margin):
+                paying.append(b)
+        if len(paying) < len(boundaries):
+            declined = (max(boundaries) - max(paying, default=0)) * self.page
+            self._c["declined_lookups"] += 1
+            self._c["declined_hit_tokens"] += declined
+            req.declined_tokens = declined
+            trace("lookup.declined", request_id=req.id, tokens=declined, prefill_tokens_per_s=rate,
+                  load_bytes_per_s=self.data.bandwidth.per_s)
+        return paying
 
     @staticmethod
     def _stand_on(req: Request, m: MatchResult) -> None:

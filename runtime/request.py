@@ -47,6 +47,7 @@ class Request:
     store_pages: int = 0  # found by lookup
     store_keys: list[bytes] = attrs.field(factory=list)
     store_boundaries: list[int] = attrs.field(factory=list)  # every restorable count found
+    declined_tokens: int = 0  # store hit tokens lookup declined: recomputing them was cheaper
     #: with several ranks: whether some rank loads for this request (LOAD is then collective)
     ranks_load: bool = False
     state_source: int | None = None  # the prefix node's state: copy-on-write source

@@ -69,3 +69,6 @@ class LinkerStatistics:
     rank_shortened_lookups: int = 0  # lookups another rank cut short (agreement across ranks)
     rank_shortened_loads: int = 0  # loads another rank cut short, or dropped
     rank_unsettled_offloads: int = 0  # offload parts left unstored: another rank lacks its part
+    lookup_hits: int = 0  # lookups that found device or store tokens
+    declined_lookups: int = 0  # lookups whose store hit was declined: recompute was cheaper
+    declined_hit_tokens: int = 0  # store hit tokens those lookups gave up

@@ -111,14 +111,17 @@ class SyncDataPlane:
     def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView],
                  store_factory: Callable[[], Store] | Callable[[], Awaitable[Store]],
                  config: DataPlaneConfig | None = None, *, fingerprint: bytes | None = None,
-                 namespace: bytes | str = b"", own_store: bool = True) -> None:
+                 namespace: bytes | str = b"", own_store: bool = True, registry: Any = None) -> None:
+        """``registry``: a ``prometheus_client`` registry for the data path's metrics
+        (:class:`DataPlane`'s; default none)."""
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         try:
             self.store: Store = self._portal.call(_call, store_factory)
             if own_store:  # closed on the loop thread, after the data plane quiesced
                 self._stack.callback(self._portal.call, self.store.close)
-            self.plane = DataPlane(pools, self.store, config, fingerprint=fingerprint, namespace=namespace)
+            self.plane = DataPlane(pools, self.store, config, fingerprint=fingerprint, namespace=namespace,
+                                   registry=registry)
             self._stack.enter_context(self._portal.wrap_async_context_manager(self.plane))
         except BaseException:
             self._stack.close()

@@ -129,18 +129,22 @@ def test_fingerprint_names_the_geometry() -> None:
     assert fp(True) != fp(True, "other")
 
 
-def test_trace_key_and_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("config", ["sglang", "vllm"])
+def test_trace_key_and_environment_variable(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
+    """Both plugins' configs: the ``trace`` key and ``HYLINKER_TRACE`` (the shared ``PluginConfig``)."""
+    from hylinker.integrations.config import PluginConfig
     from hylinker.integrations.sglang_config import TRACE_ENV
 
+    cls = SGLangLinkerConfig if config == "sglang" else PluginConfig
     monkeypatch.delenv(TRACE_ENV, raising=False)
-    assert not SGLangLinkerConfig.from_extra_config({}).tracing
-    assert SGLangLinkerConfig.from_extra_config({"trace": True}).tracing
+    assert not cls.from_extra_config({}).tracing
+    assert cls.from_extra_config({"trace": True}).tracing
     with pytest.raises(LinkerConfigError, match="true or false"):
-        SGLangLinkerConfig.from_extra_config({"trace": "yes"})
+        cls.from_extra_config({"trace": "yes"})
     monkeypatch.setenv(TRACE_ENV, "1")
-    assert SGLangLinkerConfig.from_extra_config({}).tracing  # the switch without a config edit
+    assert cls.from_extra_config({}).tracing  # the switch without a config edit
     monkeypatch.setenv(TRACE_ENV, "0")
-    assert not SGLangLinkerConfig.from_extra_config({}).tracing
+    assert not cls.from_extra_config({}).tracing
 
 
 def test_non_row_major_layouts_and_swa_without_its_pool_are_refused() -> None:

@@ -30,7 +30,7 @@ def test_counters_move_with_a_restore(caches: list[SGLangCache]) -> None:
     cache = build(caches, enable_metrics=True, model="dense", kv="mha", page_size=4, num_layers=2)
     assert cache.linker.metrics is not None
     hits0, misses0 = sample("lookups_total", outcome="hit"), sample("lookups_total", outcome="miss")
-    tokens0, loads0 = sample("hit_tokens_total"), sample("loads_total", outcome="ok")
+    tokens0, loads0 = sample("hit_tokens_total", source="store"), sample("loads_total", outcome="ok")
     bytes_in0 = sample("bytes_total", pool="kv", direction="load")
     bytes_out0 = sample("bytes_total", pool="kv", direction="offload")
     offloads0 = sample("offloads_total", outcome="ok")
@@ -42,7 +42,7 @@ def test_counters_move_with_a_restore(caches: list[SGLangCache]) -> None:
     cache.linker._publish_metrics(force=True)
     assert sample("lookups_total", outcome="miss") - misses0 == 1
     assert sample("lookups_total", outcome="hit") - hits0 == 1
-    assert sample("hit_tokens_total") - tokens0 == len(A)
+    assert sample("hit_tokens_total", source="store") - tokens0 == len(A)
     assert sample("loads_total", outcome="ok") - loads0 == 1
     assert sample("load_seconds_count") - lat0 == 1
     assert sample("offloads_total", outcome="ok") - offloads0 >= 1

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from hylinker.stores.mooncake_master import free_port
+from hylinker.testing import metrics_scrape
 from hylinker.testing.sglang_server import (
     SGLangServer,
     get,
@@ -112,21 +113,12 @@ def _restore_after_flush(server: SGLangServer, reference: dict[str, Any]) -> Non
 
 def scrape(server: SGLangServer) -> dict[str, float]:
     """The server's ``/metrics``: ``name{labels}`` -> value, for hylinker's families."""
-    status, body = get(f"{server.url}/metrics")
-    assert status == 200, body[:500]
-    out: dict[str, float] = {}
-    for line in body.decode().splitlines():
-        if line.startswith("sglang:hylinker_"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return metrics_scrape.scrape(f"{server.url}/metrics", "sglang:hylinker_")
 
 
 def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     """Sum of ``name``'s samples whose labels include ``labels``."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in samples.items()
-               if k.split("{")[0] == "sglang:hylinker_" + name and all(w in k for w in want))
+    return metrics_scrape.metric(samples, "sglang:hylinker_" + name, **labels)
 
 
 def trace_lines(server: SGLangServer) -> list[dict[str, Any]]:

@@ -321,9 +321,13 @@ def format_stress_summary(s: Mapping[str, Any]) -> str:
         {"metric": "MB loaded kv / mamba / draft",
          "value": " / ".join(f"{v / _MIB:.1f}" for v in s["bytes_loaded"].values())},
     ]
-    for phase in ("lookup", "load", "commit"):
-        p = s["latency_ms"][phase]
-        rows.append({"metric": f"{phase} ms p50 / p99", "value": f"{p['p50']} / {p['p99']}"})
+    for phase in ("lookup", "load", "commit", "ttft", "ttft_store"):
+        p = s["latency_ms"].get(phase)
+        if p is not None:
+            rows.append({"metric": f"{phase} ms p50 / p99", "value": f"{p['p50']} / {p['p99']}"})
+    if s.get("declined_lookups"):
+        rows.append({"metric": "declined restores (hit tokens given up)",
+                     "value": f"{s['declined_lookups']} ({s['declined_hit_tokens']})"})
     rows.append({"metric": "event-loop lag ms p99", "value": s["loop_lag_ms"]["p99"]})
     rows.append({"metric": "seconds", "value": s["seconds"]})
     return format_table(rows, ["metric", "value"])

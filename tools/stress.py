@@ -83,6 +83,9 @@ class StressConfig:
     linker: LinkerConfig = attrs.field(factory=LinkerConfig)
     #: pools every tensor-parallel rank holds the same copy of (written once, by rank 0)
     replicated: tuple[str, ...] = ()
+    #: a modelled forward: it sleeps (computed tokens / this rate); 0: the forward takes no time.
+    #: With it the run reports time to first token (lookup to the end of the prefill)
+    prefill_tokens_per_s: float = 0.0
 
 
 @attrs.define
@@ -137,7 +140,8 @@ class StressRun:
         slot_budget = math.floor(self.mamba_slots * (1 - share)) if self.layout.is_hybrid else 0
         self.queue = WaitingQueue(pages=self.kv_pages, slots=slot_budget, concurrency=cfg.concurrency,
                                   max_waiting=cfg.max_waiting)
-        self.lat: dict[str, list[float]] = {"lookup": [], "load": [], "commit": []}
+        self.lat: dict[str, list[float]] = {"lookup": [], "load": [], "commit": [], "ttft": [],
+                                               "ttft_store": []}
         self.c: dict[str, int] = {k: 0 for k in (
             "prompt_tokens", "device_hit_tokens", "store_hit_tokens", "restores_verified",
             "restore_mismatches", "alloc_retries", "alloc_failures", "never_fit", "rejected",
@@ -266,7 +270,7 @@ class StressRun:
         tokens = wr.token_ids()
         P = self.layout.page_size
         async with lk.session(wr.request_id, tokens) as req:
-            t0 = time.perf_counter()
+            t0 = t_first = time.perf_counter()
             hit = await lk.lookup(req)
             self.lat["lookup"].append(time.perf_counter() - t0)
             restored = 0
@@ -290,6 +294,9 @@ class StressRun:
             await anyio.to_thread.run_sync(self._verify, req, keys)
             try:
                 await self._forward(lk, req, keys, attempts)
+                self.lat["ttft"].append(time.perf_counter() - t_first)
+                if hit.store_tokens or req.declined_tokens:  # the requests the store could serve
+                    self.lat["ttft_store"].append(time.perf_counter() - t_first)
             except PoolExhaustedError:
                 if attempts.donated and attempts.hit is None:
                     attempts.hit = this_try
@@ -317,6 +324,8 @@ class StressRun:
         prefix_pages = req.prefix_pages
         rows = lk.extend(req, L)
         whole = L // P
+        if self.cfg.prefill_tokens_per_s:  # the modelled prefill of what was not restored
+            await anyio.sleep((L - req.prefix_tokens) / self.cfg.prefill_tokens_per_s)
         await anyio.to_thread.run_sync(
             self.content.write_pages, keys[prefix_pages:whole], rows[prefix_pages * P: whole * P])
         if not self.layout.is_hybrid:
@@ -399,13 +408,17 @@ class StressRun:
             "bad_objects_removed": stats.bad_objects_removed,
             "partial_loads": stats.partial_loads,
             "partial_pages_lost": stats.partial_pages_lost,
+            "store_hit_requests": len(self.lat["ttft_store"]),  # requests with a store hit, taken or declined
+            "declined_lookups": stats.declined_lookups,
+            "declined_hit_tokens": stats.declined_hit_tokens,
             "resilience": attrs.asdict(self.resilience) if self.resilience is not None else None,
             "bytes_offloaded": per_pool("bytes_offloaded"),
             "bytes_loaded": per_pool("bytes_loaded"),
             "store": {"name": self.store.capabilities.name, "used_bytes": sstats.used_bytes,
                       "capacity_bytes": sstats.capacity_bytes, "evictions": sstats.evictions},
             "latency_ms": {"lookup": ms(self.lat["lookup"]), "load": ms(self.lat["load"]),
-                           "commit": ms(self.lat["commit"])},
+                           "commit": ms(self.lat["commit"]), "ttft": ms(self.lat["ttft"]),
+                           "ttft_store": ms(self.lat["ttft_store"])},
             "loop_lag_ms": {"p99": round(float(np.percentile(self.lags, 99)), 3) if self.lags else 0.0},
             "seconds": round(elapsed, 2),
         }
@@ -466,6 +479,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from .stress_ranks import configure as add_rank_arguments
 
     add_rank_arguments(parser)
+    c = parser.add_argument_group("restore cost")
+    c.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
+                   help="model the forward: it sleeps (tokens computed / this rate); reports time to first token")
+    c.add_argument("--decline-slow-restores", action="store_true",
+                   help="decline store hits whose load is slower than recomputing them (at that rate)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
     o.add_argument("--plot", type=Path, default=None, help="write a PNG: hit rate over time, latency CDFs")
@@ -516,9 +534,12 @@ def stress_config(args: argparse.Namespace) -> StressConfig:
         time_scale=args.time_scale, causal=args.causal, max_waiting=args.max_waiting, touch=args.touch,
         policy=args.policy, eviction=args.eviction, seed=args.seed,
         block_tokens=MOONCAKE_BLOCK_TOKENS if args.trace is not None else 0,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
         linker=LinkerConfig(mamba_backpressure=not args.no_mamba_backpressure,
                             kv_backpressure_share=args.kv_backpressure_share,
-                            resilience=None if args.no_retries else ResiliencePolicy()),
+                            resilience=None if args.no_retries else ResiliencePolicy(),
+                            decline_slow_restores=args.decline_slow_restores,
+                            prefill_tokens_per_s=args.prefill_tokens_per_s or None),
     )
 
 
