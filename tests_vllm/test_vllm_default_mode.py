@@ -31,4 +31,3 @@ def test_embedded_store_hits_after_reset_in_the_default_process_model(
     stats = worker_statistics(log)
     assert set(stats) == {0}, log.read_text()[-3000:]
     assert stats[0]["loads_ok"] == 2 and stats[0]["loads_failed"] == 0
-    assert "embedded store lives in this worker" not in log.read_text()
