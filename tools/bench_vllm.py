@@ -118,10 +118,9 @@ def _bench(args: argparse.Namespace, tp: int, *, in_process: bool) -> dict[str, 
         work = Path(tmp)
         model = build_tiny_qwen3_next(work / "model")
         extra = json.dumps({"store": "embedded", "capacity_mb": 2048})
-        mode = {"tp": tp, "in_process": in_process}
-        w = _run(model, extra, with_steps, max_len, work / "with.log", **mode)
-        p = _run(model, "none", plain_steps, max_len, work / "plain.log", **mode)
-        q = _run(model, "prefix-only", prefix_steps, max_len, work / "prefix.log", **mode)
+        w = _run(model, extra, with_steps, max_len, work / "with.log", tp=tp, in_process=in_process)
+        p = _run(model, "none", plain_steps, max_len, work / "plain.log", tp=tp, in_process=in_process)
+        q = _run(model, "prefix-only", prefix_steps, max_len, work / "prefix.log", tp=tp, in_process=in_process)
     if not in_process:
         w.append({"op": "stats", "stats": {}})  # the workers' counters stay in their processes
     w_ttft = [r for r in w if r["op"] == "ttft"][1:]
