@@ -249,7 +249,7 @@ class PageTransfers:
             future = self.host.portal.start_task_soon(run)
             with self._lock:
                 self.counters["saves"] += 1
-                if not future.done():  # else _saved already ran (it takes the lock too)
+                if not future.done():  # a save already done needs no entry: _saved (added below) runs at once
                     self._saves.add(future)
                     for name in plan.kv_keys + plan.state_keys:
                         self._saving[name] = future
