@@ -15,7 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio.from_thread
 
@@ -61,6 +61,19 @@ class StoreHost:
         if len(present) != len(keys):
             return None
         return [bool(p) for p in present]
+
+    def on_evict(self, listener: Callable[[list[str]], None]) -> bool:
+        """Have the store call ``listener`` with the keys it evicts (see
+        ``EmbeddedStore.on_evict``); False if the store (under any fault wrapper) does not evict
+        on its own."""
+        store: object = self.store
+        while not hasattr(store, "on_evict") and hasattr(store, "inner"):
+            store = store.inner
+        hook = getattr(store, "on_evict", None)
+        if hook is None:
+            return False
+        hook(listener)
+        return True
 
     def close(self) -> None:
         if self._closed:

@@ -7,17 +7,20 @@ Load it with::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": "mooncake", "master": "127.0.0.1:50051", "segment_mb": 0}}'
 
-(``extra_config`` keys: :class:`~hylinker.integrations.config.PluginConfig`.) vLLM builds one
-instance per role: the *scheduler* side decides hits, loads and saves
-(:mod:`~hylinker.integrations.vllm_plan` holds its rules); the *worker* side moves pages
-(:mod:`~hylinker.integrations.vllm_pages`). Both sides of one process share one store
-(:mod:`~hylinker.integrations.store_host`).
+(``extra_config`` keys: :class:`~hylinker.integrations.vllm_config.VllmConnectorConfig`.) vLLM
+builds one instance per role: the *scheduler* side decides hits, loads and saves
+(:mod:`~hylinker.integrations.vllm_plan` holds its rules), one *worker* side per tensor-parallel
+rank moves that rank's pages (:mod:`~hylinker.integrations.vllm_pages`) under keys that carry
+the rank. The scheduler learns what every rank holds from the store itself (Mooncake) or, for a
+store inside each worker (embedded), from the reports the workers send with vLLM's connector
+output each step (:mod:`~hylinker.integrations.vllm_index`); so both stores work in vLLM's
+default process model, where the scheduler and the workers are different processes.
 
 What it guarantees:
 
 * a hit of ``T`` tokens is offered only when every attention block from the engine's own hit up
-  to ``T`` and every recurrent state group's state at exactly ``T`` are in the store, and
-  ``T < prompt length``;
+  to ``T`` and every recurrent state group's state at exactly ``T`` are in the store for every
+  tensor-parallel rank, and ``T < prompt length``;
 * loads are asynchronous (vLLM copies a checkpoint state into the running block *before*
   ``start_load_kv``, so a synchronous state load would land too late, silently);
 * boundary states are saved from the blocks vLLM offers in ``boundary_state_offloads``, in the
@@ -26,10 +29,11 @@ What it guarantees:
   store already held are not written again; the null block is never read or written;
 * a failed or damaged load is reported in ``failed_recving``: with
   ``kv_load_failure_policy: "recompute"`` vLLM recomputes the request, and the connector does not
-  offer that request a store hit again;
+  offer that request a store hit again. vLLM counts a load finished only when every rank reported
+  it and fails it when any rank failed it, so a load that fails on one rank recomputes on all;
 * ``shutdown`` waits for writes in flight, at most ``drain_timeout_s``.
 
-Limits: tensor parallel size 1; attention groups must be full attention (MHA or MLA); states
+Limits: pipeline parallel size 1; attention groups must be full attention (MHA or MLA); states
 exist only where vLLM takes them (``mamba_cache_mode: "align"``, at block boundaries where a
 prefill chunk ends).
 """
@@ -40,6 +44,7 @@ import hashlib
 import logging
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,13 +54,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from ..runtime.tracing import enable_trace_logging, trace
 from . import store_host, vllm_metrics
-from .config import PluginConfig
+from .vllm_config import VllmConnectorConfig
+from .vllm_index import ObjectLookup, RankReport, StoreIndex, StoreProbe
 from .vllm_pages import PageTransfers, RawPages
 from .vllm_plan import (
     BlockKeys,
@@ -67,6 +74,7 @@ from .vllm_plan import (
     namespace_seed,
     restorable_blocks,
     state_key,
+    window_blocks,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +104,17 @@ class HylinkerConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class HylinkerWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's reports of the worker ranks' stores, for the scheduler's index."""
+
+    reports: tuple[RankReport, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, HylinkerWorkerMetadata)
+        return HylinkerWorkerMetadata(self.reports + other.reports)
+
+
+@dataclass
 class _Tracked:
     """Scheduler-side state of one request."""
 
@@ -105,21 +124,25 @@ class _Tracked:
     stored_states: set[int] = field(default_factory=set)  # boundaries (in blocks) stored or restored
 
 
-def _groups(kv_cache_config: KVCacheConfig) -> Groups:
+def _groups(kv_cache_config: KVCacheConfig, block_size: int) -> Groups:
     attention: list[int] = []
     state: list[int] = []
+    window: list[tuple[int, int]] = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
             state.append(gid)
+        elif type(spec) is SlidingWindowSpec:
+            window.append((gid, window_blocks(spec.sliding_window, block_size)))
         elif type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") and isinstance(spec, FullAttentionSpec):
             attention.append(gid)
         else:
             raise ValueError(f"HylinkerConnector: KV cache group {gid} is {type(spec).__name__}; "
-                             "only full attention (MHA, MLA) and Mamba/linear-attention groups are supported")
+                             "only full attention (MHA, MLA), sliding-window attention and "
+                             "Mamba/linear-attention groups are supported")
     if not attention:
         raise ValueError("HylinkerConnector: the model has no full-attention KV cache group")
-    return Groups(tuple(attention), tuple(state))
+    return Groups(tuple(attention), tuple(state), tuple(window))
 
 
 def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
@@ -139,21 +162,39 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("HylinkerConnector needs vLLM's KV cache config (vLLM >= 0.32)")
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        self.config = PluginConfig.from_extra_config(ktc.kv_connector_extra_config,
-                                                     where="kv_connector_extra_config")
+        self.config = VllmConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
         if self.config.tracing:  # one JSON line per phase event on stderr, with vLLM's request id
             enable_trace_logging(sys.stderr)
         self.stats = vllm_metrics.StatsReporter()  # figures for vLLM's stats path (vllm_metrics)
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError("HylinkerConnector supports tensor_parallel_size 1 only")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ValueError(f"HylinkerConnector: pipeline_parallel_size {parallel.pipeline_parallel_size} "
+                             "is not supported (each pipeline stage holds other layers); use 1")
+        if getattr(parallel, "decode_context_parallel_size", 1) != 1:
+            raise ValueError("HylinkerConnector: decode_context_parallel_size must be 1")
+        self.ranks = parallel.tensor_parallel_size
         if ktc.kv_load_failure_policy != "recompute":
             log.warning("hylinker: kv_load_failure_policy is %r; a failed load then fails its request. "
                         "Set it to \"recompute\" to recompute instead.", ktc.kv_load_failure_policy)
         self.block_size = vllm_config.cache_config.block_size
-        self.groups = _groups(kv_cache_config)
+        self.groups = _groups(kv_cache_config, self.block_size)
+        self.rank = 0
+        self.host: store_host.StoreHost | None = None
+        self.lookup: ObjectLookup
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.rank = get_tensor_model_parallel_rank() if self.ranks > 1 else 0
+            self.host = self._open_store(role, self.config.for_rank(self.rank))
+            self.lookup = StoreIndex(self.ranks)  # unused on this side
+        elif self.config.store == "embedded":
+            self.lookup = StoreIndex(self.ranks)  # each worker's store, known from its reports
+        else:
+            self.host = self._open_store(role, self.config)
+            self.lookup = StoreProbe(self.host, self.ranks)
+        self.incarnation = uuid.uuid4().hex
         geometry = _geometry(vllm_config, kv_cache_config)
         self.seed = namespace_seed(str(vllm_config.model_config.model), geometry, self.config.salt)
-        self.host = store_host.acquire(self.config)
         self.counters: dict[str, int] = dict.fromkeys(
             ("lookups", "lookup_hits", "lookup_errors", "hit_tokens", "loads_planned", "loads_refused",
              "kv_saves_planned", "state_saves_planned"), 0)
@@ -165,8 +206,18 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._transfers: PageTransfers | None = None
         self._closed = False
-        log.info("hylinker: %s connector, groups attention=%s state=%s, block %d, store %s",
-                 role.name.lower(), self.groups.attention, self.groups.state, self.block_size, self.config.store)
+        log.info("hylinker: %s connector (rank %d of %d), groups attention=%s state=%s, block %d, store %s",
+                 role.name.lower(), self.rank, self.ranks, self.groups.attention, self.groups.state,
+                 self.block_size, self.config.store)
+
+    def _open_store(self, role: KVConnectorRole, config: VllmConnectorConfig) -> store_host.StoreHost:
+        """This process's store; one that cannot be opened stops startup, naming it."""
+        try:
+            return store_host.acquire(config)
+        except Exception as exc:
+            where = f" at {config.master}" if config.master else ""
+            raise RuntimeError(f"HylinkerConnector ({role.name.lower()} side, rank {self.rank}): cannot open "
+                               f"store {config.store!r}{where}: {exc}") from exc
 
     # ================================ scheduler side ================================
     def _tracked(self, request: Request) -> _Tracked:
@@ -189,11 +240,11 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         keys = tracked.keys.extend(tokens, last)
         names = self.groups.probe_keys(keys, local)
         self.counters["lookups"] += 1
-        present = self.host.exists(names, self.config.lookup_timeout_s)
+        present = self.lookup.exists(names, self.config.lookup_timeout_s)
         if present is None:
             self.counters["lookup_errors"] += 1
             return 0, False
-        per_block = len(self.groups.attention) + len(self.groups.state)
+        per_block = self.groups.per_block
         n_attn = len(self.groups.attention)
         # blocks the store already holds are not written again
         stored = local
@@ -249,7 +300,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             keys = tracked.keys.extend(tokens, n_full)
             names: list[str] = []
             ids: list[int] = []
-            for g in self.groups.attention:
+            for g in self.groups.block_groups:
                 for i in range(tracked.saved_blocks, min(n_full, len(block_ids[g]), len(keys))):
                     if block_ids[g][i] != 0:  # never the null block
                         names.append(attention_key(keys[i], g))
@@ -281,6 +332,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             sn, sb = states.get(rid, ([], []))
             self.counters["kv_saves_planned"] += len(kn)
             self.counters["state_saves_planned"] += len(sn)
+            self.lookup.planned(kn + sn)
             step.saves.append(TransferPlan(rid, tuple(kn), tuple(kb), tuple(sn), tuple(sb)))
             trace("vllm.save.planned", request_id=rid, kv_objects=len(kn), state_objects=len(sn))
         return step
@@ -288,6 +340,10 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         failed = getattr(connector_output, "failed_recving", None) or ()
         self._no_store_hit.update(failed)  # a damaged prefix is not offered to that request again
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, HylinkerWorkerMetadata):
+            for report in meta.reports:
+                self.lookup.apply(report)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
@@ -305,20 +361,26 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================ worker side ================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._kv_cache_config is not None
+        assert self._kv_cache_config is not None and self.host is not None
         pages = RawPages(kv_caches, self._kv_cache_config.num_blocks)
         fingerprint = hashlib.sha256(self.seed + pages.geometry().encode()).digest()
         self._transfers = PageTransfers(self.host, pages, fingerprint=fingerprint,
                                         with_state=bool(self.groups.state),
-                                        staging_bytes=self.config.staging_mb * MIB,
+                                        staging_bytes=self.config.staging_mb * MIB, rank=self.rank,
                                         integrity=self.config.integrity_level)
         for plane in (self._transfers.engine_plane, self._transfers.staging_plane):
             self.stats.watch(plane)
-        log.info("hylinker: registered %d raw KV tensors, pages of %s bytes", len(pages.raws), pages.page_bytes)
-        if self.config.store == "embedded" and self.host.users == 1:
-            log.warning("hylinker: the embedded store lives in this worker process, apart from vLLM's "
-                        "scheduler, which then never sees its objects (no hits). Use store \"mooncake\", "
-                        "or run the worker inside the engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0).")
+        self.host.on_evict(self._transfers.note_evicted)
+        log.info("hylinker: rank %d registered %d raw KV tensors, pages of %s bytes", self.rank,
+                 len(pages.raws), pages.page_bytes)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._transfers is None:
+            return None
+        stored, dropped = self._transfers.take_report()
+        if not stored and not dropped:
+            return None
+        return HylinkerWorkerMetadata((RankReport(self.rank, self.incarnation, tuple(stored), tuple(dropped)),))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -381,9 +443,11 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             if self._transfers is not None:
                 self._transfers.close(self.config.drain_timeout_s)
         finally:
-            store_host.release(self.host)
+            if self.host is not None:
+                store_host.release(self.host)
         if self._transfers is not None:
-            log.info("hylinker: worker shut down in %.2f s; statistics %s", time.monotonic() - start, self.statistics())
+            log.info("hylinker: rank %d worker shut down in %.2f s; statistics %s", self.rank,
+                     time.monotonic() - start, self.statistics())
 
 
-__all__ = ["HylinkerConnector", "HylinkerConnectorMetadata"]
+__all__ = ["HylinkerConnector", "HylinkerConnectorMetadata", "HylinkerWorkerMetadata"]

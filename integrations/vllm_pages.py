@@ -18,10 +18,16 @@ registers (checking that blocks are the outer dimension) and views each as
 * saves copy the offered pages into a private staging area before the step returns (vLLM may
   reuse a block in the next step) and then write them to the store from there, off the
   forward's path. Without a free staging slot a save is skipped and counted, never blocks.
+
+Objects are planned by rank-free names; this rank's store keys carry its rank
+(:func:`~hylinker.integrations.vllm_index.rank_key`). For a scheduler that cannot ask the store
+itself, :meth:`PageTransfers.take_report` lists the names stored and gone since the last call,
+and a load of an object whose save is still in flight waits for that save first.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -31,6 +37,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import anyio.to_thread
 import torch
 
 from ..components.layout import PoolKind
@@ -38,6 +45,7 @@ from ..components.pool_view import LayerParts, PoolSet, PoolView, PoolViewError
 from ..runtime.data_plane import DataPlane, DataPlaneConfig, Transfer, TransferOutcome
 from ..stores.framing import Integrity
 from .store_host import StoreHost
+from .vllm_index import name_of, rank_key
 from .vllm_plan import TransferPlan
 
 log = logging.getLogger("vllm.hylinker")
@@ -99,12 +107,12 @@ def _views(raws: Sequence[torch.Tensor], with_state: bool) -> PoolSet:
     return PoolSet(views)
 
 
-def _transfers(plan: TransferPlan, kv_index: Sequence[int], state_index: Sequence[int]) -> list[Transfer]:
+def _transfers(plan: TransferPlan, kv_index: Sequence[int], state_index: Sequence[int], rank: int) -> list[Transfer]:
     out = []
     if plan.kv_keys:
-        out.append(Transfer(PoolKind.FULL, list(plan.kv_keys), list(kv_index)))
+        out.append(Transfer(PoolKind.FULL, [rank_key(n, rank) for n in plan.kv_keys], list(kv_index)))
     if plan.state_keys:
-        out.append(Transfer(PoolKind.MAMBA, list(plan.state_keys), list(state_index)))
+        out.append(Transfer(PoolKind.MAMBA, [rank_key(n, rank) for n in plan.state_keys], list(state_index)))
     return out
 
 
@@ -112,9 +120,12 @@ class PageTransfers:
     """Loads into and saves from vLLM's pages; see the module docstring. Thread-safe."""
 
     def __init__(self, host: StoreHost, pages: RawPages, *, fingerprint: bytes, with_state: bool,
-                 staging_bytes: int, integrity: Integrity = Integrity.CHECKSUM) -> None:
+                 staging_bytes: int, rank: int = 0, save_wait_s: float = 10.0,
+                 integrity: Integrity = Integrity.CHECKSUM) -> None:
         self.host = host
         self.pages = pages
+        self.rank = rank
+        self.save_wait_s = save_wait_s  # longest wait of a load for a save of its objects in flight
         per_object = sum(pages.page_bytes)
         slots = max(1, staging_bytes // per_object)
         self.staging = [torch.empty((slots, p), dtype=torch.uint8) for p in pages.page_bytes]
@@ -123,6 +134,10 @@ class PageTransfers:
         self._loads: dict[str, tuple[TransferPlan, concurrent.futures.Future[TransferOutcome]]] = {}
         self._saves: set[concurrent.futures.Future[TransferOutcome]] = set()
         self._failed_now: set[str] = set()
+        self._saving: dict[str, concurrent.futures.Future[TransferOutcome]] = {}  # name -> save in flight
+        self._stored: list[str] = []  # names stored since the last report
+        self._dropped: list[str] = []  # names gone since the last report
+        self._evicted: collections.deque[str] = collections.deque()  # appended without our lock
         self.counters: dict[str, int] = dict.fromkeys(
             ("loads", "loads_ok", "loads_failed", "saves", "saves_ok", "saves_failed", "saves_skipped",
              "objects_saved", "objects_loaded", "objects_removed"), 0)
@@ -140,9 +155,14 @@ class PageTransfers:
     # ---- loads ------------------------------------------------------------------------------------
     def load(self, plan: TransferPlan) -> None:
         """Start restoring ``plan`` into the engine's blocks (asynchronously)."""
-        transfers = _transfers(plan, plan.kv_blocks, plan.state_blocks)
+        transfers = _transfers(plan, plan.kv_blocks, plan.state_blocks, self.rank)
+        with self._lock:
+            saving = [f for f in {self._saving.get(n) for n in plan.kv_keys + plan.state_keys} if f is not None]
 
         async def run() -> TransferOutcome:
+            if saving:  # an object is still being written by this rank: read it once it landed
+                await anyio.to_thread.run_sync(functools.partial(
+                    concurrent.futures.wait, saving, timeout=self.save_wait_s))
             ticket = await self.engine_plane.load(transfers, request_id=plan.request_id)
             return await ticket.wait()
 
@@ -189,7 +209,8 @@ class PageTransfers:
                for k, ok in zip(keys, outcome.objects.get(pool, [False] * len(keys))) if not ok]
         if bad:
             self.counters["objects_removed"] += len(bad)
-            future = self.host.portal.start_task_soon(self.host.store.remove, bad)
+            self._dropped.extend(bad)
+            future = self.host.portal.start_task_soon(self.host.store.remove, [rank_key(n, self.rank) for n in bad])
             future.add_done_callback(lambda f: f.exception())  # retrieve it: never logged as unhandled
 
     def fail_now(self, request_ids: Iterable[str]) -> None:
@@ -214,13 +235,14 @@ class PageTransfers:
             with self._lock:
                 if len(self._free) < n:
                     self.counters["saves_skipped"] += 1
+                    self._dropped.extend(plan.kv_keys + plan.state_keys)
                     continue
                 slots = [self._free.pop() for _ in range(n)]
             src = torch.tensor(list(plan.blocks), dtype=torch.long)
             dst = torch.tensor(slots, dtype=torch.long)
             for raw, st in zip(self.pages.raws, self.staging):
                 st.index_copy_(0, dst, raw.index_select(0, src))
-            transfers = _transfers(plan, slots[: len(plan.kv_blocks)], slots[len(plan.kv_blocks):])
+            transfers = _transfers(plan, slots[: len(plan.kv_blocks)], slots[len(plan.kv_blocks):], self.rank)
 
             async def run(transfers: list[Transfer] = transfers, rid: str = plan.request_id) -> TransferOutcome:
                 ticket = await self.staging_plane.offload(transfers, request_id=rid)
@@ -229,20 +251,44 @@ class PageTransfers:
             future = self.host.portal.start_task_soon(run)
             with self._lock:
                 self.counters["saves"] += 1
-                self._saves.add(future)
-            future.add_done_callback(functools.partial(self._saved, slots=slots, n=n))
+                if not future.done():  # a save already done needs no entry: _saved (added below) runs at once
+                    self._saves.add(future)
+                    for name in plan.kv_keys + plan.state_keys:
+                        self._saving[name] = future
+            future.add_done_callback(functools.partial(self._saved, plan=plan, slots=slots))
 
-    def _saved(self, future: concurrent.futures.Future[TransferOutcome], *, slots: list[int], n: int) -> None:
+    def _saved(self, future: concurrent.futures.Future[TransferOutcome], *, plan: TransferPlan,
+               slots: list[int]) -> None:
         try:
-            ok = future.result().ok
+            outcome: TransferOutcome | None = future.result()
         except BaseException:
-            ok = False
+            outcome = None
         with self._lock:
             self._saves.discard(future)
             self._free.extend(slots)
-            self.counters["saves_ok" if ok else "saves_failed"] += 1
-            if ok:
-                self.counters["objects_saved"] += n
+            self.counters["saves_ok" if outcome is not None and outcome.ok else "saves_failed"] += 1
+            for pool, names in ((PoolKind.FULL, plan.kv_keys), (PoolKind.MAMBA, plan.state_keys)):
+                landed = outcome.objects.get(pool, [False] * len(names)) if outcome is not None else [False] * len(names)
+                for name, ok in zip(names, landed):
+                    if self._saving.get(name) is future:
+                        del self._saving[name]
+                    (self._stored if ok else self._dropped).append(name)
+                    self.counters["objects_saved"] += int(ok)
+
+    def note_evicted(self, keys: Sequence[str]) -> None:
+        """The store evicted ``keys``: its eviction listener, called under the store's lock on
+        the loop thread, so it takes no lock of ours (a thread holding ours may wait for the loop)."""
+        self._evicted.extend(name_of(k) for k in keys)
+
+    def take_report(self) -> tuple[list[str], list[str]]:
+        """Names stored, and names gone, since the last call (see the module docstring)."""
+        evicted = []
+        while self._evicted:
+            evicted.append(self._evicted.popleft())
+        with self._lock:
+            stored, self._stored = self._stored, []
+            dropped, self._dropped = self._dropped, []
+        return stored, dropped + evicted
 
     def saves_in_flight(self) -> int:
         with self._lock:

@@ -8,10 +8,16 @@ of a token sequence has the chained key ``k_i = H(k_{i-1} ‖ tokens of block i)
 * a recurrent-state group stores the state *after* block ``i`` — at the boundary
   ``(i + 1) · block_size`` — as ``{k_i}:state:g{group}``.
 
+* a sliding-window group stores block ``i`` like an attention group, ``{k_i}:kv:g{group}``.
+
 Hit rule (:func:`restorable_blocks`): a prefix of ``n`` blocks can be restored only when every
-attention group holds every block from the engine's own hit up to ``n`` and every state group
-holds the state at exactly ``n · block_size``; ``n · block_size`` stays below the prompt length
-(one token must run to produce logits). The longest such ``n`` wins.
+full-attention group holds every block from the engine's own hit up to ``n``, every state group
+holds the state at exactly ``n · block_size``, and every sliding-window group holds the blocks
+its window needs below ``n`` — ``⌈(window − 1) / block_size⌉`` blocks, vLLM's own rule for a
+sliding-window prefix hit (``SlidingWindowManager``), not below the engine's own hit;
+``n · block_size`` stays below the prompt length (one token must run to produce logits). The
+longest such ``n`` wins. A restore loads only those window blocks (vLLM holds the null block
+below the window).
 """
 
 from __future__ import annotations
@@ -63,20 +69,39 @@ class BlockKeys:
         return self.keys[:want]
 
 
+def window_blocks(sliding_window: int, block_size: int) -> int:
+    """Blocks a sliding-window group needs below a boundary: ``⌈(window − 1) / block_size⌉``."""
+    if sliding_window < 1 or block_size < 1:
+        raise ValueError(f"sliding window {sliding_window} and block size {block_size} must be >= 1")
+    return max(1, -(-(sliding_window - 1) // block_size))
+
+
 @attrs.frozen
 class Groups:
-    """Which KV cache groups hold attention blocks and which hold recurrent states."""
+    """Which KV cache groups hold full-attention blocks, recurrent states, and sliding-window
+    blocks (``window``: ``(group, blocks the window needs)``)."""
 
     attention: tuple[int, ...]
     state: tuple[int, ...]
+    window: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def per_block(self) -> int:
+        return len(self.attention) + len(self.state) + len(self.window)
+
+    @property
+    def block_groups(self) -> tuple[int, ...]:
+        """Groups whose blocks are saved as they fill (full attention and sliding window)."""
+        return self.attention + tuple(g for g, _ in self.window)
 
     def probe_keys(self, keys: Sequence[bytes], first: int) -> list[str]:
         """Store keys for the blocks ``first..len(keys)-1``: per block, every attention group's
-        block then every state group's state after it."""
+        block, every state group's state after it, then every sliding-window group's block."""
         out: list[str] = []
         for i in range(first, len(keys)):
             out.extend(attention_key(keys[i], g) for g in self.attention)
             out.extend(state_key(keys[i], g) for g in self.state)
+            out.extend(attention_key(keys[i], g) for g, _ in self.window)
         return out
 
 
@@ -84,17 +109,23 @@ def restorable_blocks(groups: Groups, first: int, last: int, present: Sequence[b
     """The largest ``n`` in ``(first, last]`` restorable from the store, or ``first`` if none.
 
     ``present`` answers :meth:`Groups.probe_keys` for blocks ``first..last-1``."""
-    per_block = len(groups.attention) + len(groups.state)
+    per_block = groups.per_block
     if len(present) != per_block * (last - first):
         raise ValueError(f"{len(present)} answers for {last - first} blocks of {per_block} objects")
     n_attn = len(groups.attention)
+    n_state = len(groups.state)
+    runs = [0] * len(groups.window)  # per window group: present blocks in a row ending at i
     best = first
     for i in range(first, last):
         row = present[(i - first) * per_block: (i - first + 1) * per_block]
         if not all(row[:n_attn]):
             break  # an attention block is missing: nothing above it restores
-        if all(row[n_attn:]):
-            best = i + 1  # every state after block i is there (vacuous for attention-only models)
+        windows_ok = True
+        for w, (_g, need) in enumerate(groups.window):
+            runs[w] = runs[w] + 1 if row[n_attn + n_state + w] else 0
+            windows_ok = windows_ok and runs[w] >= min(need, i + 1 - first)
+        if all(row[n_attn:n_attn + n_state]) and windows_ok:
+            best = i + 1  # every state after block i and every window below it is there
     return best
 
 
@@ -139,6 +170,13 @@ def load_plan(spec: LoadSpec, groups: Groups, block_ids: Sequence[Sequence[int]]
         for i in range(spec.first, spec.last):
             kv_keys.append(attention_key(spec.keys[i], g))
             kv_blocks.append(int(ids[i]))
+    for g, need in groups.window:  # only the blocks the window needs below the boundary
+        ids = block_ids[g]
+        if len(ids) < spec.last:
+            raise ValueError(f"sliding-window group {g}: {len(ids)} blocks allocated, the load needs {spec.last}")
+        for i in range(max(spec.first, spec.last - need), spec.last):
+            kv_keys.append(attention_key(spec.keys[i], g))
+            kv_blocks.append(int(ids[i]))
     st_keys: list[str] = []
     st_blocks: list[int] = []
     for g in groups.state:
@@ -162,4 +200,5 @@ __all__ = [
     "namespace_seed",
     "restorable_blocks",
     "state_key",
+    "window_blocks",
 ]

@@ -163,12 +163,19 @@ class EmbeddedStore:
         self._allocated = 0  # chunk memory held, all size classes
         self._calls = InflightCalls(name)
         self._stats = new_counters()
+        self._on_evict: Callable[[list[str]], None] | None = None
 
     # ---- protocol -------------------------------------------------------------------------
 
     @property
     def capabilities(self) -> StoreCapabilities:
         return self._capabilities
+
+    def on_evict(self, listener: Callable[[list[str]], None] | None) -> None:
+        """Call ``listener`` with the keys of every eviction batch (under the store's lock, from
+        the thread that put: it must only record them). A connector whose lookups run in another
+        process reports them there (``integrations/vllm_index.py``)."""
+        self._on_evict = listener
 
     def register(self, region: torch.Tensor) -> None:
         """No-op: this store copies, so any host buffer will do."""
@@ -466,6 +473,8 @@ class EmbeddedStore:
         for key in victims:
             self._drop(self._index.pop(key))
             self._stats["evictions"] += 1
+        if self._on_evict is not None and victims:
+            self._on_evict(victims)
         return True
 
     def _drop(self, loc: _Loc) -> None:

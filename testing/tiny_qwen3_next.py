@@ -72,7 +72,7 @@ def build_tiny_qwen3_next(path: Path | str, *, seed: int = 0, layers: int = 4) -
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
         linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
-        linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_num_value_heads=4,  # both divide by TP 2
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         shared_expert_intermediate_size=64, decoder_sparse_step=1, layer_types=layer_types,
         max_position_embeddings=32768, initializer_range=0.1, tie_word_embeddings=False,

@@ -9,9 +9,15 @@ between steps. Steps (a JSON list, ``--steps``):
   ``seconds`` and ``ttft_s`` (time to the first token, from a separate 1-token request);
 * ``{"op": "reset"}`` → vLLM's prefix cache reset (the connector's store is kept);
 * ``{"op": "kill", "pid": N}`` → SIGKILL that process (a Mooncake master, say);
-* ``{"op": "stats"}`` → the connector's counters (scheduler and worker side).
+* ``{"op": "stats"}`` → the connector's counters (scheduler and worker side) where the engine
+  runs in this process (``--in-process``); in vLLM's default process model the workers log theirs
+  at shutdown (``hylinker: rank R worker shut down ... statistics {...}``).
 
     python -m hylinker.testing.vllm_runner --model DIR --extra '{"store": "embedded"}' --steps '[...]'
+
+By default the engine runs as ``LLM(...)`` does for its users (its engine core and workers in
+processes of their own); ``--in-process`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core
+and, at TP 1, the worker in this process). ``--tp N``: tensor parallel size.
 
 ``--extra none`` runs without the connector and without vLLM's prefix cache: the reference;
 ``--extra prefix-only`` without the connector, with vLLM's prefix cache.
@@ -32,7 +38,6 @@ from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
 
 BLOCK_SIZE = 384
 
@@ -58,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", required=True, help="JSON list of steps (see the module docstring), or @FILE")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--in-process", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=0")
     args = ap.parse_args(argv)
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_connector_extra_config=json.loads(args.extra))
     llm = LLM(model=args.model, dtype="bfloat16", block_size=args.block_size,
               enable_prefix_caching=args.extra != "none", max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_model_len, enforce_eager=True, seed=0, **kwargs)
+              max_num_batched_tokens=args.max_model_len, enforce_eager=True, seed=0,
+              tensor_parallel_size=args.tp, **kwargs)
     results: list[dict[str, Any]] = []
     text = Path(args.steps[1:]).read_text() if args.steps.startswith("@") else args.steps
     for step in json.loads(text):

@@ -1,13 +1,17 @@
 """vLLM's OpenAI server as a child process, and a small client for it (standard library only).
 
 Used by the connector's server test and by the serve demo (``python -m hylinker.tools.serve_demo``).
-The server runs the CPU build's defaults otherwise: its engine core in a process of its own.
+The server runs the CPU build's defaults otherwise: its engine core and its workers in processes of
+their own (no ``VLLM_ENABLE_V1_MULTIPROCESSING`` set). :func:`readme_server_args` reads the launch
+line of the README's "For vLLM users" section, so a test can run it as written.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -18,6 +22,23 @@ from pathlib import Path
 from typing import Any
 
 from .tiny_qwen3_next import BLOCK_SIZE, corpus
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+_SECTION = "## For vLLM users"
+_HEAD = ["python", "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def readme_server_args(readme: Path = README) -> list[str]:
+    """The arguments of the README's vLLM launch line (after ``python -m vllm.entrypoints...``)."""
+    text = readme.read_text()
+    start = text.find(_SECTION)
+    block = re.search(r"```bash\n(.*?)```", text[start:], re.S) if start >= 0 else None
+    if block is None:
+        raise ValueError(f"{readme} has no bash block in a {_SECTION!r} section")
+    words = shlex.split(block.group(1).replace("\\\n", " "))
+    if words[:3] != _HEAD:
+        raise ValueError(f"the README's vLLM block does not start with {' '.join(_HEAD)}: {words[:3]}")
+    return words[3:]
 
 
 def free_port() -> int:
@@ -39,18 +60,27 @@ def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def start_server(model: Path, port: int, log: Path, *, extra: dict[str, Any] | None,
-                 timeout_s: float = 900) -> subprocess.Popen[bytes]:
+                 timeout_s: float = 900, readme: bool = False) -> subprocess.Popen[bytes]:
     """Start the server on ``model`` with the connector (``extra``: its extra config), or without
-    it and without vLLM's prefix cache (``extra=None``); wait until ``/health`` answers."""
+    it and without vLLM's prefix cache (``extra=None``); wait until ``/health`` answers.
+    ``readme``: the README's launch line as written (``MODEL`` replaced; ``extra`` unused), plus
+    this harness's host, port, seed, dtype and lengths."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default process model
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE), "--max-model-len", "20480",
            "--max-num-batched-tokens", "20480", "--enforce-eager", "--enable-prompt-tokens-details",
            "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            # vLLM's default (0) kills the worker at once on shutdown: the connector could not drain
            "--shutdown-timeout", "60"]
-    if extra is not None:
+    if readme:
+        args = readme_server_args()
+        args[args.index("--model") + 1] = str(model)
+        cmd = [sys.executable, "-m", _HEAD[2], *args, "--dtype", "bfloat16", "--max-model-len", "20480",
+               "--max-num-batched-tokens", "20480", "--enforce-eager", "--enable-prompt-tokens-details",
+               "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    elif extra is not None:
         cmd += ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(connector_config(extra))]
     else:
         cmd += ["--no-enable-prefix-caching"]
@@ -132,5 +162,17 @@ def cached_tokens(resp: dict[str, Any]) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-__all__ = ["cached_tokens", "chat", "connector_config", "conversation", "free_port", "post", "start_server",
-           "stop_server", "time_to_first_token", "top_logprobs"]
+__all__ = [
+    "README",
+    "cached_tokens",
+    "chat",
+    "connector_config",
+    "conversation",
+    "free_port",
+    "post",
+    "readme_server_args",
+    "start_server",
+    "stop_server",
+    "time_to_first_token",
+    "top_logprobs",
+]

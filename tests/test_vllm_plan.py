@@ -11,6 +11,7 @@ import torch
 from hylinker.components.pool_view import PoolViewError
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig, PluginConfigError
+from hylinker.integrations.vllm_index import rank_key
 from hylinker.integrations.vllm_pages import PageTransfers, RawPages
 from hylinker.integrations.vllm_plan import (
     BlockKeys,
@@ -22,6 +23,7 @@ from hylinker.integrations.vllm_plan import (
     namespace_seed,
     restorable_blocks,
     state_key,
+    window_blocks,
 )
 from hylinker.stores.framing import Integrity
 
@@ -160,17 +162,17 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
         assert bad == {"c"} and not done
         assert pt.statistics()["loads_failed"] == 1
         # a damaged object fails its load and is removed from the store; the good one stays
-        host.portal.call(host.store.put, ["k9"], [torch.zeros(300, dtype=torch.uint8)])
+        host.portal.call(host.store.put, [rank_key("k9", 0)], [torch.zeros(300, dtype=torch.uint8)])
         pt.load(TransferPlan("f", ("k1", "k9"), (5, 6)))
         done, bad = set(), set()
         while not bad:
             done, bad = pt.finished_loads()
         assert bad == {"f"}
         for _ in range(100):
-            if host.portal.call(host.store.exists, ["k1", "k9"]) == [True, False]:
+            if host.portal.call(host.store.exists, [rank_key("k1", 0), rank_key("k9", 0)]) == [True, False]:
                 break
             time.sleep(0.01)
-        assert host.portal.call(host.store.exists, ["k1", "k9"]) == [True, False]
+        assert host.portal.call(host.store.exists, [rank_key("k1", 0), rank_key("k9", 0)]) == [True, False]
         # more pages than staging slots: skipped and counted, never blocking
         pt.save([TransferPlan("d", tuple(f"x{i}" for i in range(5)), (1, 2, 3, 4, 5))])
         assert pt.statistics()["saves_skipped"] == 1
@@ -196,7 +198,7 @@ def test_page_transfers_store_and_read_at_the_configured_integrity() -> None:
         pt.save([TransferPlan("a", ("h1",), (1,))])
         assert pt.drain(10.0) and pt.statistics()["saves_ok"] == 1
         frame = torch.zeros(4096, dtype=torch.uint8)
-        got = host.portal.call(host.store.get, ["h1"], [frame])
+        got = host.portal.call(host.store.get, [rank_key("h1", 0)], [frame])  # rank 0's shard
         assert got[0].outcome.value == "ok" and bytes(frame[4:8].tolist()) == bytes([2, 0, 1, 0])
         pt.load(TransferPlan("b", ("h1",), (6,)))
         done: set[str] = set()
@@ -207,3 +209,28 @@ def test_page_transfers_store_and_read_at_the_configured_integrity() -> None:
     finally:
         pt.close(5.0)
         store_host.release(host)
+
+
+def test_sliding_window_groups_need_only_the_window_below_the_boundary() -> None:
+    assert window_blocks(4096, 384) == 11 and window_blocks(385, 384) == 1 and window_blocks(769, 384) == 2
+    with pytest.raises(ValueError):
+        window_blocks(0, 384)
+    g = Groups(attention=(0,), state=(), window=((1, 2),))  # the window needs 2 blocks
+    # per block: [full kv g0, window kv g1]; the window group's old blocks were never kept
+    present = [True, False,   # block 0
+               True, False,   # block 1
+               True, True,    # block 2
+               True, True,    # block 3
+               True, False]   # block 4
+    assert restorable_blocks(g, 0, 5, present) == 4  # blocks 2, 3 cover the window below 4
+    present[5] = False  # block 2's window block gone: the window below 4 is incomplete
+    assert restorable_blocks(g, 0, 5, present) == 0
+    # the engine's own hit (first=3) holds the window below it: one stored block above suffices
+    assert restorable_blocks(g, 3, 5, [True, True, True, False]) == 4
+    seed = namespace_seed("m", "g", "")
+    keys = tuple(BlockKeys(seed, 4).extend(list(range(24))))
+    plan = load_plan(LoadSpec("r", 0, 5, keys[:5]), g, [[1, 2, 3, 4, 5], [0, 0, 0, 13, 14]])
+    # every full-attention block, and only the window's two blocks (null blocks below them)
+    assert plan.kv_keys == (*tuple(attention_key(keys[i], 0) for i in range(5)), attention_key(keys[3], 1), attention_key(keys[4], 1))
+    assert plan.kv_blocks == (1, 2, 3, 4, 5, 13, 14)
+    assert g.block_groups == (0, 1) and g.per_block == 2

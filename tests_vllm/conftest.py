@@ -7,10 +7,12 @@ store between steps and engines never share vLLM's global state.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,19 +27,37 @@ ENGINE_TIMEOUT_S = 900
 
 
 def run_engine(model: Path, extra: dict[str, Any] | None, steps: list[dict[str, Any]],
-               log: Path) -> list[dict[str, Any]]:
-    """Run one engine through ``steps``; ``extra=None``: no connector, no prefix cache."""
+               log: Path, *, in_process: bool = True, tp: int = 1) -> list[dict[str, Any]]:
+    """Run one engine through ``steps``; ``extra=None``: no connector, no prefix cache.
+    ``in_process``: the engine core (and at TP 1 the worker) in the runner's process, so the
+    ``stats`` step reads both connector sides; otherwise vLLM's default process model, no
+    variable set (the workers log their statistics at shutdown: :func:`worker_statistics`)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    cmd = [sys.executable, "-m", "hylinker.testing.vllm_runner", "--model", str(model),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    cmd = [sys.executable, "-m", "hylinker.testing.vllm_runner", "--model", str(model), "--tp", str(tp),
            "--extra", "none" if extra is None else json.dumps(extra), "--steps", json.dumps(steps)]
+    if in_process:
+        cmd.append("--in-process")
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, timeout=ENGINE_TIMEOUT_S, text=True)
     out = proc.stdout
+    with open(log, "a") as f:  # vLLM's processes log to stdout
+        f.write(out)
     if proc.returncode != 0 or "RESULT" not in out:
         tail = log.read_text()[-4000:]
         raise AssertionError(f"engine failed (rc {proc.returncode}):\n{out[-2000:]}\n--- stderr ---\n{tail}")
     return [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+
+
+def worker_statistics(log: Path) -> dict[int, dict[str, int]]:
+    """Per rank, the statistics each worker-side connector logged at shutdown."""
+    out: dict[int, dict[str, int]] = {}
+    for line in log.read_text().splitlines():
+        m = re.search(r"hylinker: rank (\d+) worker shut down .*statistics (\{.*\})", line)
+        if m:
+            out[int(m.group(1))] = ast.literal_eval(m.group(2))
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,12 @@ connector's cost per decode step when nothing hits.
 Run in the vLLM environment::
 
     OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker.tools.bench_vllm --json bench-results/vllm.json
+    ... --sizes 4096,16384 --tp 1,2 --default-mode   # vLLM's default process model, TP 1 and 2
 
-Two engines run one after the other on the same tiny qwen3_next (block 384), each in its own
-process (``hylinker.testing.vllm_runner``): one with the connector (embedded store, in-process
-engine core), one without the connector and without vLLM's prefix cache (the recompute), one
+Per tensor parallel size (``--tp``), three engines run one after the other on the same tiny
+qwen3_next (block 384), each in its own process (``hylinker.testing.vllm_runner``; the engine core
+in that process, or with ``--default-mode`` and always at TP > 1 in vLLM's default process model,
+no environment variable): one with the connector (embedded store), one without the connector and without vLLM's prefix cache (the recompute), one
 with vLLM's prefix cache only (what the connector's overhead is measured against: prefix caching
 of a hybrid model has costs of its own, "align" mode chunks the prefill at block boundaries). For each prompt length
 the connector engine measures a 1-token request on a new prompt (a miss: it computes and stores),
@@ -33,12 +35,16 @@ from typing import Any
 from ..testing.tiny_qwen3_next import build_tiny_qwen3_next
 
 
-def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log: Path) -> list[dict[str, Any]]:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log: Path, *,
+         tp: int = 1, in_process: bool = True) -> list[dict[str, Any]]:
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     steps_file = log.with_suffix(".steps.json")
     steps_file.write_text(json.dumps(steps))
     cmd = [sys.executable, "-m", "hylinker.testing.vllm_runner", "--model", str(model), "--extra", extra,
-           "--steps", f"@{steps_file}", "--max-model-len", str(max_len)]
+           "--steps", f"@{steps_file}", "--max-model-len", str(max_len), "--tp", str(tp)]
+    if in_process:
+        cmd.append("--in-process")
     with open(log, "w") as f:
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, text=True, check=False).stdout
     rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
@@ -52,8 +58,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1024,4096,16384", help="prompt lengths in tokens")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="measurements per figure; the minimum is reported")
+    ap.add_argument("--tp", default="1", help="tensor parallel sizes, e.g. 1,2")
+    ap.add_argument("--default-mode", action="store_true",
+                    help="vLLM's default process model at TP 1 too (TP > 1 always runs in it)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    results: dict[str, Any] = {"host": _host()}
+    for tp in (int(t) for t in args.tp.split(",")):
+        print(f"== tensor parallel size {tp}")
+        results[f"tp{tp}"] = _bench(args, tp, in_process=tp == 1 and not args.default_mode)
+    results["host"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    result: dict[str, Any] = {"default_mode": args.default_mode, **results}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _host() -> dict[str, Any]:
+    """Cores, load average and a 256 MiB host memcpy (best of 3): the figures' host line."""
+    import time
+
+    import torch
+
+    src = torch.ones(256 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return {"cores": os.cpu_count(), "memcpy_gbps": round(src.numel() / best / 1e9, 2),
+            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _bench(args: argparse.Namespace, tp: int, *, in_process: bool) -> dict[str, Any]:
     sizes = [int(s) for s in args.sizes.split(",")]
     reps = args.repeats
     rng = random.Random(0)
@@ -72,16 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         plain_steps += [{"op": "ttft", "prompt": prompts[n][0]} for _ in range(reps)]
         prefix_steps += [{"op": "ttft", "prompt": p} for p in prompts[n]]
     decode = {"op": "generate", "prompt": decode_prompt, "max_tokens": args.decode_tokens}
-    with_steps += [decode, {"op": "stats"}]
+    with_steps += [decode, {"op": "stats"}] if in_process else [decode]
     plain_steps += [decode]
     prefix_steps += [decode]
     with tempfile.TemporaryDirectory(prefix="hylinker-bench-vllm-") as tmp:
         work = Path(tmp)
         model = build_tiny_qwen3_next(work / "model")
         extra = json.dumps({"store": "embedded", "capacity_mb": 2048})
-        w = _run(model, extra, with_steps, max_len, work / "with.log")
-        p = _run(model, "none", plain_steps, max_len, work / "plain.log")
-        q = _run(model, "prefix-only", prefix_steps, max_len, work / "prefix.log")
+        w = _run(model, extra, with_steps, max_len, work / "with.log", tp=tp, in_process=in_process)
+        p = _run(model, "none", plain_steps, max_len, work / "plain.log", tp=tp, in_process=in_process)
+        q = _run(model, "prefix-only", prefix_steps, max_len, work / "prefix.log", tp=tp, in_process=in_process)
+    if not in_process:
+        w.append({"op": "stats", "stats": {}})  # the workers' counters stay in their processes
     w_ttft = [r for r in w if r["op"] == "ttft"][1:]
     p_ttft = [r for r in p if r["op"] == "ttft"][1:]
     q_ttft = [r for r in q if r["op"] == "ttft"][1:]
@@ -113,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                   "step_ms_plain": round(1000 * per_step_plain, 3),
                   "connector_ratio": round(per_step_with / per_step_prefix, 3),
                   "same_tokens": wd["tokens"] == pd["tokens"] == qd["tokens"]}
-    result = {"ttft": rows, "decode": decode_row, "connector_stats": w[-1]["stats"]}
+    result = {"tp": tp, "in_process": in_process, "ttft": rows, "decode": decode_row,
+              "connector_stats": w[-1]["stats"]}
     print(f"{'tokens':>7} {'restored':>8} {'recompute s':>11} {'prefix miss s':>13} {'miss+store s':>12} "
           f"{'restore s':>9} {'speedup':>7}")
     for r in rows:
@@ -124,10 +166,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{decode_row['step_ms_prefix_cache_only']:.2f} with vLLM's prefix cache only, "
           f"{decode_row['step_ms_plain']:.2f} with neither; same tokens: {decode_row['same_tokens']}")
     print("connector:", json.dumps(result["connector_stats"]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

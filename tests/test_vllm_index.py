@@ -1,0 +1,170 @@
+"""The vLLM connector's view of what every rank's store holds (``integrations/vllm_index.py``)
+and the worker reports that feed it (``vllm_pages.PageTransfers.take_report``): engine-free."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import anyio.to_thread
+import pytest
+import torch
+
+from hylinker.integrations import store_host
+from hylinker.integrations.config import PluginConfigError
+from hylinker.integrations.vllm_config import VllmConnectorConfig
+from hylinker.integrations.vllm_index import RankReport, StoreIndex, StoreProbe, name_of, rank_key
+from hylinker.integrations.vllm_pages import PageTransfers, RawPages
+from hylinker.integrations.vllm_plan import TransferPlan
+
+
+def test_rank_keys_round_trip_and_carry_the_rank() -> None:
+    assert rank_key("ab:kv:g3", 1) == "ab:kv:g3:r1" != rank_key("ab:kv:g3", 0)
+    assert name_of(rank_key("ab:kv:g3", 12)) == "ab:kv:g3"
+    assert name_of(rank_key("ab:state:g0", 0) + "|g1of2") == "ab:state:g0"  # a data-plane group key
+    assert name_of("ab:kv:g3") == "ab:kv:g3"
+
+
+def test_index_claims_an_object_only_when_every_rank_holds_it() -> None:
+    index = StoreIndex(2)
+    index.apply(RankReport(0, "w0", stored=("a", "b")))
+    assert index.exists(["a", "b", "c"], 1.0) == [False, False, False]  # rank 1 has not said
+    index.apply(RankReport(1, "w1", stored=("a",)))
+    assert index.exists(["a", "b"], 1.0) == [True, False]
+    index.apply(RankReport(1, "w1", dropped=("a",)))  # evicted or removed on rank 1
+    assert index.exists(["a"], 1.0) == [False]
+    with pytest.raises(ValueError, match="rank 2"):
+        index.apply(RankReport(2, "w2", stored=("a",)))
+
+
+def test_planned_saves_count_until_each_rank_reports_the_outcome() -> None:
+    index = StoreIndex(2)
+    index.planned(["k", "j"])
+    assert index.exists(["k", "j"], 1.0) == [True, True]  # a load waits for the save in flight
+    index.apply(RankReport(0, "w0", stored=("k",)))
+    index.apply(RankReport(1, "w1", stored=("k",), dropped=("j",)))  # rank 1 could not write j
+    assert index.exists(["k", "j"], 1.0) == [True, False]
+    index.planned(["m"])
+    index.apply(RankReport(0, "w0", dropped=("m",)))
+    assert index.exists(["m"], 1.0) == [False]
+
+
+def test_a_new_worker_incarnation_forgets_what_the_old_one_held() -> None:
+    index = StoreIndex(1)
+    index.apply(RankReport(0, "old", stored=("a",)))
+    index.planned(["b"])
+    assert index.exists(["a", "b"], 1.0) == [True, True]
+    index.apply(RankReport(0, "new", stored=("c",)))  # the worker (and its store) was replaced
+    assert index.exists(["a", "b", "c"], 1.0) == [False, False, True]
+    assert index.counters["incarnations_replaced"] == 1 and index.held(0) == 1
+
+
+def test_probe_asks_the_store_for_every_ranks_key() -> None:
+    host = store_host.acquire(VllmConnectorConfig.from_extra_config({"capacity_mb": 4}))
+    try:
+        buf = [torch.zeros(64, dtype=torch.uint8)]
+        host.portal.call(host.store.put, [rank_key("a", 0)], buf)
+        host.portal.call(host.store.put, [rank_key("a", 1)], buf)
+        host.portal.call(host.store.put, [rank_key("b", 0)], buf)
+        assert StoreProbe(host, 2).exists(["a", "b", "c"], 1.0) == [True, False, False]
+        assert StoreProbe(host, 1).exists(["a", "b"], 1.0) == [True, True]
+    finally:
+        store_host.release(host)
+
+
+def test_fault_rank_keeps_the_fault_plan_on_one_rank_only() -> None:
+    cfg = VllmConnectorConfig.from_extra_config({"faults": "corrupt=1", "fault_rank": 1})
+    assert cfg.for_rank(1).faults == "corrupt=1" and cfg.for_rank(0).faults == ""
+    assert VllmConnectorConfig.from_extra_config({"faults": "corrupt=1"}).for_rank(0).faults == "corrupt=1"
+    with pytest.raises(PluginConfigError, match="fault_rank"):
+        VllmConnectorConfig.from_extra_config({"fault_rank": -2})
+
+
+def _pages(num_blocks: int) -> tuple[torch.Tensor, RawPages]:
+    page = 128
+    raw = torch.randint(-100, 100, (num_blocks * page,), dtype=torch.int8)
+    return raw, RawPages({"l0": raw.view(num_blocks, 1, 1, page)}, num_blocks)
+
+
+def _report(pt: PageTransfers) -> tuple[list[str], list[str]]:
+    assert pt.drain(10.0)
+    return pt.take_report()
+
+
+def test_worker_reports_stored_skipped_evicted_and_removed_objects() -> None:
+    # capacity for ~4 objects of 128 B (slots are rounded up): the fifth put evicts
+    host = store_host.acquire(VllmConnectorConfig.from_extra_config({"capacity_mb": 1}))
+    _raw, pages = _pages(16)
+    pt = PageTransfers(host, pages, fingerprint=b"f" * 32, with_state=True, staging_bytes=8 * 128, rank=1)
+    try:
+        assert host.on_evict(pt.note_evicted)
+        pt.save([TransferPlan("a", ("k1", "k2"), (1, 2), ("s2",), (3,))])
+        stored, dropped = _report(pt)
+        assert sorted(stored) == ["k1", "k2", "s2"] and dropped == []
+        assert host.portal.call(host.store.exists, [rank_key("k1", 1), "k1"]) == [True, False]  # rank-keyed
+        pt.save([TransferPlan("b", tuple(f"x{i}" for i in range(9)), tuple(range(1, 10)))])  # > 8 slots
+        assert _report(pt) == ([], [f"x{i}" for i in range(9)])  # skipped: reported gone
+        host.portal.call(host.store.remove, [rank_key("k2", 1)])  # lost behind the index's back
+        pt.load(TransferPlan("c", ("k1", "k2"), (5, 6)))
+        bad: set[str] = set()
+        while not bad:
+            _ok, bad = pt.finished_loads()
+        assert bad == {"c"}
+        assert pt.take_report() == ([], ["k2"])  # the object that did not land is reported gone
+        evicted: list[str] = []
+        host.on_evict(evicted.extend)  # replaces the transfers' listener
+        big = torch.zeros(600 << 10, dtype=torch.uint8)
+        host.portal.call(host.store.put, ["big1"], [big])
+        host.portal.call(host.store.put, ["big2"], [big])
+        assert "big1" in evicted
+    finally:
+        pt.close(5.0)
+        store_host.release(host)
+
+
+class _GatedPuts:
+    """A store whose writes wait for :attr:`gate` (reads and the rest pass through)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not name.startswith("put"):
+            return attr
+
+        async def gated(*args: Any, **kwargs: Any) -> Any:
+            await anyio.to_thread.run_sync(self.gate.wait)
+            return await attr(*args, **kwargs)
+
+        return gated
+
+
+def test_a_load_waits_for_the_save_of_its_objects_in_flight() -> None:
+    host = store_host.acquire(VllmConnectorConfig.from_extra_config({"capacity_mb": 4}))
+    inner = host.store
+    gated = _GatedPuts(inner)
+    host.store = gated
+    _raw, pages = _pages(8)
+    pt = PageTransfers(host, pages, fingerprint=b"f" * 32, with_state=False, staging_bytes=4 * 128)
+    try:
+        before = pages.raws[0][1].clone()
+        pt.save([TransferPlan("a", ("k1",), (1,))])  # its write waits at the gate
+        pt.load(TransferPlan("b", ("k1",), (4,)))  # planned while the save is in flight
+        time.sleep(0.3)
+        assert pt.finished_loads() == (set(), set())  # not failed as missing: it waits
+        gated.gate.set()
+        ok: set[str] = set()
+        bad: set[str] = set()
+        while not (ok or bad):
+            ok, bad = pt.finished_loads()
+            time.sleep(0.005)
+        assert ok == {"b"} and not bad
+        assert torch.equal(pages.raws[0][4], before)
+    finally:
+        gated.gate.set()
+        pt.close(5.0)
+        host.store = inner
+        store_host.release(host)
