@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -84,3 +85,34 @@ async def test_trace_logging_gives_json_lines_per_phase(capsys: pytest.CaptureFi
     before = stream.getvalue()
     await every_phase()
     assert stream.getvalue() == before
+
+
+class _FailingStream(io.StringIO):
+    """A trace stream that fails after ``good`` lines (a closed pipe, a full disk)."""
+
+    def __init__(self, good: int) -> None:
+        super().__init__()
+        self.good = good
+        self.failures = 0
+
+    def write(self, text: str) -> int:
+        if self.good <= 0:
+            self.failures += 1
+            raise OSError(32, "Broken pipe")
+        self.good -= 1
+        return super().write(text)
+
+
+async def test_a_failing_trace_stream_turns_tracing_off_and_never_fails_a_request(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The stream breaks mid-run: every phase still completes (the restore commits its 40
+    tokens inside ``every_phase``), tracing turns off after the first failed line, and one log
+    line says so."""
+    stream = _FailingStream(good=3)
+    enable_trace_logging(stream)
+    with caplog.at_level(logging.WARNING, logger="hylinker.runtime.tracing"):
+        await every_phase()
+    assert stream.failures == 1 and not trace_enabled()
+    assert len(stream.getvalue().splitlines()) == 3
+    lines = [r for r in caplog.records if r.name == "hylinker.runtime.tracing"]
+    assert len(lines) == 1 and "trace stream failed" in lines[0].getMessage()
