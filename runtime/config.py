@@ -84,6 +84,10 @@ class LinkerConfig:
     prefill_tokens_per_s: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive))
     restore_margin: float = attrs.field(default=1.0, validator=_positive)
+    #: after this many declines in a row the next store hit is taken anyway (a probe): the
+    #: bandwidth is measured only by loads, so without probes an estimate made while the store was
+    #: slow would decline every later hit even after the store recovered
+    decline_probe_every: int = attrs.field(default=16, validator=attrs.validators.ge(1))
 
     def __attrs_post_init__(self) -> None:
         if self.latency_low_ms > self.latency_high_ms:

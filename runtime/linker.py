@@ -130,7 +130,8 @@ class Linker:
             "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
             "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost",
             "offloads_skipped_breaker", "rank_shortened_lookups", "rank_shortened_loads",
-            "rank_unsettled_offloads", "lookup_hits", "declined_lookups", "declined_hit_tokens")}
+            "rank_unsettled_offloads", "lookup_hits", "declined_lookups", "declined_hit_tokens",
+            "decline_probes")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         # the rooms: each phase's rules live in one of them; the linker checks and delegates
         self.lookups = LookupRoom(self)  # LOOKUP + TOUCH (runtime/lookup.py)

@@ -25,6 +25,7 @@ class LookupRoom(LinkerRoom):
     def __init__(self, linker: Linker) -> None:
         super().__init__(linker)
         self.toucher = linker.toucher
+        self._declines_in_a_row = 0  # restores that pay for themselves: see _paying
 
     async def lookup(self, req: Request) -> LookupResult:
         """Match the device tree (locking the hit) and probe the store above it."""
@@ -73,12 +74,21 @@ class LookupRoom(LinkerRoom):
             if restore_pays(nbytes, b * self.page, self.data.bandwidth, rate, self.config.restore_margin):
                 paying.append(b)
         if len(paying) < len(boundaries):
+            if self._declines_in_a_row >= self.config.decline_probe_every:
+                # a probe: this load measures the bandwidth again (the store may have recovered)
+                self._declines_in_a_row = 0
+                self._c["decline_probes"] += 1
+                trace("lookup.decline_probe", request_id=req.id, load_bytes_per_s=self.data.bandwidth.per_s)
+                return boundaries
+            self._declines_in_a_row += 1
             declined = (max(boundaries) - max(paying, default=0)) * self.page
             self._c["declined_lookups"] += 1
             self._c["declined_hit_tokens"] += declined
             req.declined_tokens = declined
             trace("lookup.declined", request_id=req.id, tokens=declined, prefill_tokens_per_s=rate,
                   load_bytes_per_s=self.data.bandwidth.per_s)
+        else:
+            self._declines_in_a_row = 0
         return paying
 
     @staticmethod

@@ -72,3 +72,4 @@ class LinkerStatistics:
     lookup_hits: int = 0  # lookups that found device or store tokens
     declined_lookups: int = 0  # lookups whose store hit was declined: recompute was cheaper
     declined_hit_tokens: int = 0  # store hit tokens those lookups gave up
+    decline_probes: int = 0  # hits taken though declined, after decline_probe_every declines in a row

@@ -178,6 +178,28 @@ async def test_a_slow_store_restore_is_declined_and_counted() -> None:
         linker.flush_device()
 
 
+
+async def test_after_decline_probe_every_declines_in_a_row_a_hit_is_taken_to_measure_again() -> None:
+    """The bandwidth is measured only by loads: after ``decline_probe_every`` declines in a row
+    the next hit is restored (a probe), so an estimate made while the store was slow cannot
+    decline every later hit for good. Every probe and decline is counted."""
+    slow = FaultyStore(EmbeddedStore(8 << 20), FaultPlan(latency_ms=50))
+    config = LinkerConfig(staging_bytes_per_pool=1 << 16, decline_slow_restores=True,
+                          prefill_tokens_per_s=1e9, decline_probe_every=2)
+    p = prompt(41, 1)
+    async with running(None, config, slow) as (linker, content):
+        await serve(linker, content, p, "w")
+        linker.flush_device()
+        restored = []
+        for i in range(7):
+            restored.append(await serve(linker, content, p, f"r{i}"))
+            linker.flush_device()
+        # r0 measures the bandwidth; then two declines, a probe, two declines, a probe
+        assert restored == [40, 0, 0, 40, 0, 0, 40]
+        st = linker.statistics()
+        assert (st.declined_lookups, st.decline_probes, st.declined_hit_tokens) == (4, 2, 160)
+
+
 def test_a_sync_data_plane_exports_the_data_path() -> None:
     import torch
 

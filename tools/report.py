@@ -326,8 +326,8 @@ def format_stress_summary(s: Mapping[str, Any]) -> str:
         if p is not None:
             rows.append({"metric": f"{phase} ms p50 / p99", "value": f"{p['p50']} / {p['p99']}"})
     if s.get("declined_lookups"):
-        rows.append({"metric": "declined restores (hit tokens given up)",
-                     "value": f"{s['declined_lookups']} ({s['declined_hit_tokens']})"})
+        rows.append({"metric": "declined restores (hit tokens given up) / probes taken",
+                     "value": f"{s['declined_lookups']} ({s['declined_hit_tokens']}) / {s.get('decline_probes', 0)}"})
     rows.append({"metric": "event-loop lag ms p99", "value": s["loop_lag_ms"]["p99"]})
     rows.append({"metric": "seconds", "value": s["seconds"]})
     return format_table(rows, ["metric", "value"])

@@ -411,6 +411,7 @@ class StressRun:
             "store_hit_requests": len(self.lat["ttft_store"]),  # requests with a store hit, taken or declined
             "declined_lookups": stats.declined_lookups,
             "declined_hit_tokens": stats.declined_hit_tokens,
+            "decline_probes": stats.decline_probes,
             "resilience": attrs.asdict(self.resilience) if self.resilience is not None else None,
             "bytes_offloaded": per_pool("bytes_offloaded"),
             "bytes_loaded": per_pool("bytes_loaded"),
