@@ -1,8 +1,12 @@
-"""Read a server's Prometheus ``/metrics`` in the engine suites (standard library only)."""
+"""Read a server's Prometheus ``/metrics`` and its trace lines in the engine suites (standard
+library only)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import urllib.request
+from typing import Any
 
 
 def scrape(url: str, prefix: str) -> dict[str, float]:
@@ -25,4 +29,15 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     return sum(v for k, v in samples.items() if k.split("{")[0] == name and all(w in k for w in want))
 
 
-__all__ = ["metric", "scrape"]
+def trace_lines(log_text: str) -> list[dict[str, Any]]:
+    """hylinker's JSON trace lines in a server log (a line may carry a prefix before the JSON)."""
+    out = []
+    for line in log_text.splitlines():
+        start = line.find('{"')
+        if start >= 0 and '"event"' in line:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line[start:]))
+    return out
+
+
+__all__ = ["metric", "scrape", "trace_lines"]

@@ -16,8 +16,6 @@ recompute must equal a cold run bit for bit.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import re
 import signal
 import subprocess
@@ -121,15 +119,6 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     return metrics_scrape.metric(samples, "sglang:hylinker_" + name, **labels)
 
 
-def trace_lines(server: SGLangServer) -> list[dict[str, Any]]:
-    """The plugin's JSON trace lines in the server log."""
-    out = []
-    for line in server.text().splitlines():
-        if line.startswith("{") and '"event"' in line:
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-    return out
-
 
 def test_embedded_store_restores_after_flush_with_metrics_and_traces(
         tiny_gpt2: Path, tmp_path: Path, reference: dict[str, Any]) -> None:
@@ -161,7 +150,7 @@ def test_embedded_store_restores_after_flush_with_metrics_and_traces(
         status, body = server.generate(PROMPT)
         assert status == 200 and body["meta_info"]["cached_tokens"] == reference["cached"]
         rid = body["meta_info"]["id"]
-        mine = [t for t in trace_lines(server)
+        mine = [t for t in metrics_scrape.trace_lines(server.text())
                 if t.get("request_id") == rid or rid in t.get("request_ids", [])]
         events = [t["event"] for t in mine]
         for event in ("sglang.lookup", "sglang.load.queued", "sglang.load.start", "load"):
@@ -171,7 +160,7 @@ def test_embedded_store_restores_after_flush_with_metrics_and_traces(
         data_load = next(t for t in mine if t["event"] == "load")
         assert data_load["ok"] == data_load["objects"] > 0 and data_load["faults"] == {}
         index = next(t for t in mine if t["event"] == "sglang.load.start")["counter_index"]
-        ends = [t for t in trace_lines(server) if t["event"] == "sglang.load.end" and t["counter_index"] == index]
+        ends = [t for t in metrics_scrape.trace_lines(server.text()) if t["event"] == "sglang.load.end" and t["counter_index"] == index]
         assert ends and ends[-1]["ok"] is True
     finally:
         assert_stops_cleanly(server)

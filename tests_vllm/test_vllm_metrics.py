@@ -6,12 +6,9 @@ by vLLM's request id."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
@@ -92,15 +89,6 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     return metrics_scrape.metric(samples, "vllm:hylinker_" + name, **labels)
 
 
-def trace_lines(log: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in log.read_text().splitlines():
-        start = line.find('{"')
-        if start >= 0 and '"event"' in line:
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line[start:]))
-    return out
-
 
 @pytest.mark.slow
 def test_server_metrics_move_with_a_restore_and_a_trace_follows_the_request(
@@ -141,7 +129,7 @@ def test_server_metrics_move_with_a_restore_and_a_trace_follows_the_request(
         # one restored request through the server log by vLLM's request id: lookup, load (its
         # objects verified as they landed), the load reported done (committed), its saves
         rid = again["id"]
-        lines = trace_lines(log)
+        lines = metrics_scrape.trace_lines(log.read_text())
         mine = [t for t in lines if rid in str(t.get("request_id", ""))]
         events = [t["event"] for t in mine]
         for event in ("vllm.lookup", "vllm.load.planned", "load", "vllm.load.done"):
