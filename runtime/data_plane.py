@@ -119,8 +119,11 @@ class DataPlaneConfig:
     in_place_min_bytes: int = 256 << 10
     #: staging per pool for verify-all loads (a whole load is held there until it verified),
     #: allocated and registered with the store at start; 0: ``staging_bytes_per_pool``,
-    #: allocated on the first verify-all load. A larger load gets fresh, unregistered memory.
+    #: allocated on the first verify-all load.
     verify_all_staging_bytes: int = 0
+    #: a verify-all load larger than that arena grows it (registered, kept for later loads)
+    #: up to this many bytes per pool; a load larger still gets fresh, unregistered memory
+    verify_all_staging_max_bytes: int = 1 << 30
     #: what a frame proves about its payload: ``"checksum"`` (header and an XXH3-64 of the
     #: payload) or ``"header"`` (header only: key, layout, length; no pass over the payload).
     #: Objects are read by what their header says (``stores/framing.py``, "Integrity levels")
@@ -130,7 +133,7 @@ class DataPlaneConfig:
         for f in attrs.fields(DataPlaneConfig):
             if f.name in ("in_place", "integrity"):
                 continue
-            if f.name in ("in_place_min_bytes", "verify_all_staging_bytes"):
+            if f.name in ("in_place_min_bytes", "verify_all_staging_bytes", "verify_all_staging_max_bytes"):
                 v = getattr(self, f.name)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise ValueError(f"DataPlaneConfig.{f.name} must be an int >= 0, got {v!r}")
@@ -407,7 +410,8 @@ class DataPlane:
                 inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s,
                 in_place=self.config.in_place,
                 in_place_min_bytes=self.config.in_place_min_bytes, copies=None if copies is None else copies.get(kind),
-                held_bytes=self.config.verify_all_staging_bytes, integrity=self.config.integrity)
+                held_bytes=self.config.verify_all_staging_bytes,
+                held_max_bytes=self.config.verify_all_staging_max_bytes, integrity=self.config.integrity)
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -18,25 +19,56 @@ from .pool_staging import check_landed
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, TransferJob
 
+log = logging.getLogger(__name__)
+
 
 class HeldLoads(InPlaceTransfers):
     """A pool actor's verify-all-then-land loads. See the module doc."""
 
-    def _held_frames(self, job: TransferJob) -> torch.Tensor:
+    async def _held_frames(self, job: TransferJob) -> torch.Tensor:
         """``[n, stride]`` private frames for a held job: the registered held arena when it is
-        free and large enough, else fresh memory (the store copies through its own buffers)."""
+        free, grown first if the job is larger (up to ``held_max_bytes``), else fresh memory
+        (the store then copies through its own buffers, and the first touch of every page is
+        paid during the load)."""
         n = len(job.keys)
+        need = n * self.stride
         if self._held_arena is None:
             self._held_arena = self._new_arena()
             self.store.register(self._held_arena)
+        if not self._held_busy and self._held_arena.numel() < need <= self.held_max_bytes:
+            await self._grow_held(need)
         arena = self._held_arena
-        if not self._held_busy and n * self.stride <= arena.numel():
+        if not self._held_busy and need <= arena.numel():
             self._held_busy = True
             job.staged_in_arena = True
-            return arena[: n * self.stride].view(n, self.stride)
+            return arena[:need].view(n, self.stride)
         if self.copies is not None:
-            return self.copies.staging(n * self.stride).view(n, self.stride)
+            return self.copies.staging(need).view(n, self.stride)
         return torch.empty((n, self.stride), dtype=torch.uint8)
+
+    async def _grow_held(self, need: int) -> None:
+        """Replace the free held arena with one of at least ``need`` bytes (twice the old size
+        if that is more, at most ``held_max_bytes``), filled in a worker thread so the pages
+        are touched once here and never during a load, and registered with the store; the old
+        arena (free: no job holds frames in it) is then unregistered and dropped. If the store
+        refuses the new one, the old one stays."""
+        old = self._held_arena
+        assert old is not None and not self._held_busy
+        size = max(need, min(2 * old.numel(), self.held_max_bytes))
+        size = -(-size // self.stride) * self.stride
+        self._held_busy = True  # nothing else takes the arena while the new one is filled
+        try:
+            arena = await anyio.to_thread.run_sync(self._new_arena, size, limiter=self.limiter)
+            try:
+                self.store.register(arena)
+            except Exception as exc:  # keep the old arena; this load takes fresh memory
+                log.warning("held arena of %d bytes not registered (%r); keeping %d bytes", size, exc, old.numel())
+                return
+            self._held_arena = arena
+            self.store.unregister(old)
+            self.held_arena_growths += 1
+        finally:
+            self._held_busy = False
 
     async def _load_held(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
         """Get every object of the job into private frames and verify it; write no row.
@@ -51,7 +83,7 @@ class HeldLoads(InPlaceTransfers):
             job.in_rows = True
             return await self._load_in_place(job, codec, size, t0)
         faults: dict[str, int] = {}
-        grid = self._held_frames(job)
+        grid = await self._held_frames(job)
         job.staged = grid
         batches = self._batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]

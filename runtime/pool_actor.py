@@ -328,6 +328,8 @@ class PoolActor(HeldLoads):
             offload_queue=self.offload_q.statistics(),
             load_queue=self.load_q.statistics(),
             pending_states=self.pending_states,
+            held_arena_bytes=0 if self._held_arena is None else self._held_arena.numel(),
+            held_arena_growths=self.held_arena_growths,
             **self._c,
         )
 

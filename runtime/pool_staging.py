@@ -133,6 +133,7 @@ class PoolStaging:
         in_place_min_bytes: int = 0,
         copies: DeviceCopies | None = None,
         held_bytes: int = 0,
+        held_max_bytes: int = 1 << 30,
         integrity: framing.Integrity = framing.Integrity.CHECKSUM,
     ) -> None:
         if not codecs:
@@ -165,6 +166,8 @@ class PoolStaging:
         self._new_arena = new_arena
         self._held_arena: torch.Tensor | None = None  # verify-all-then-land loads
         self._held_busy = False  # it carries a verified load waiting to land
+        self.held_max_bytes = held_max_bytes  # the held arena grows to fit a load up to this
+        self.held_arena_growths = 0
         if held_bytes:  # sized by the engine, ready before the first load
             self._held_arena = new_arena(-(-held_bytes // stride) * stride)
             store.register(self._held_arena)

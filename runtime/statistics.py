@@ -33,6 +33,8 @@ class PoolActorStatistics:
     pending_states: int  # MAMBA states held by queued or in-flight offloads
     rereads_recovered: int = 0  # objects that failed verification, then verified when read again
     rereads_failed: int = 0  # ...and failed again: the stored object is bad (counted in verify_failures)
+    held_arena_bytes: int = 0  # registered frames for verify-all loads (0 until the first one)
+    held_arena_growths: int = 0  # times a larger verify-all load grew it
 
 
 @attrs.frozen

@@ -145,6 +145,11 @@ class Store(Protocol):
         """Register a host staging region once; later buffers lie inside it."""
         ...
 
+    def unregister(self, region: torch.Tensor) -> None:
+        """Forget a region given to :meth:`register`, before it is freed; the caller guarantees
+        no call in flight uses it. A region never registered is ignored."""
+        ...
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key holds an object now (a hint: it may vanish before a get)."""
         ...

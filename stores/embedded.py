@@ -182,6 +182,9 @@ class EmbeddedStore:
         if self._calls.closed:
             raise StoreClosedError(f"{self._capabilities.name} store is closed")
 
+    def unregister(self, region: torch.Tensor) -> None:
+        """No-op, like :meth:`register`."""
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         check_keys(keys)
         self._calls.enter()

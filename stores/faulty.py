@@ -270,6 +270,9 @@ class FaultyStore:
     def register(self, region: torch.Tensor) -> None:
         self._inner.register(region)
 
+    def unregister(self, region: torch.Tensor) -> None:
+        self._inner.unregister(region)
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         return [o is Outcome.OK for o in await self.exists_outcomes(keys)]
 

@@ -123,8 +123,9 @@ class MooncakeStore:
             scatter=True,
         )
         self._limiter = anyio.CapacityLimiter(config.workers)
-        self._regions: list[tuple[int, int, torch.Tensor]] = []  # sorted by start, disjoint
-        self._starts: list[int] = []  # the regions' starts, for bisect
+        # registered regions, sorted by start and disjoint, with their starts (for bisect);
+        # replaced whole, never edited, so a store thread reading it meets one consistent table
+        self._table: tuple[list[int], list[tuple[int, int, torch.Tensor]]] = ([], [])
         self._bounce_lock = threading.Lock()
         self._bounce: torch.Tensor | None = None
         self._master = split_address(config.master_address)
@@ -198,7 +199,8 @@ class MooncakeStore:
             raise ValueError("a staging region must be a non-empty contiguous CPU tensor")
         start = region.data_ptr()
         end = start + region.numel() * region.element_size()
-        for lo, hi, _ in self._regions:
+        starts, regions = self._table
+        for lo, hi, _ in regions:
             if start < hi and lo < end:
                 if lo <= start and end <= hi:
                     return  # already covered
@@ -206,9 +208,26 @@ class MooncakeStore:
         rc = self._client.register_buffer(start, end - start)
         if rc != 0:
             raise ValueError(f"Mooncake refused to register {end - start} bytes (code {rc})")
-        at = bisect.bisect(self._starts, start)
-        self._regions.insert(at, (start, end, region))
-        self._starts.insert(at, start)
+        at = bisect.bisect(starts, start)
+        self._set_regions([*regions[:at], (start, end, region), *regions[at:]])
+
+    def unregister(self, region: torch.Tensor) -> None:
+        """Forget a region registered with :meth:`register` (about to be freed; no transfer
+        may be using it). A region that was never registered is ignored."""
+        if self._client is None:
+            return
+        start = region.data_ptr()
+        regions = self._table[1]
+        kept = [r for r in regions if r[0] != start]
+        if len(kept) == len(regions):
+            return
+        self._set_regions(kept)
+        rc = self._client.unregister_buffer(start)
+        if rc != 0:
+            log.warning("mooncake unregister_buffer(%#x) returned %s", start, rc)
+
+    def _set_regions(self, regions: list[tuple[int, int, torch.Tensor]]) -> None:
+        self._table = ([r[0] for r in regions], regions)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         keys = self._check_keys(keys)
@@ -351,8 +370,7 @@ class MooncakeStore:
                     await anyio.to_thread.run_sync(client.close)
                 except Exception:
                     log.warning("mooncake client close raised", exc_info=True)
-            self._regions.clear()
-            self._starts.clear()
+            self._set_regions([])
             self._bounce = None
 
     # -- plumbing ------------------------------------------------------------------------
@@ -428,8 +446,9 @@ class MooncakeStore:
     def _registered(self, start: int, nbytes: int) -> bool:
         """Whether ``[start, start + nbytes)`` lies inside one registered region (regions are
         disjoint and sorted: one bisect, not a scan, per buffer)."""
-        at = bisect.bisect(self._starts, start) - 1
-        return at >= 0 and start + nbytes <= self._regions[at][1]
+        starts, regions = self._table
+        at = bisect.bisect(starts, start) - 1
+        return at >= 0 and start + nbytes <= regions[at][1]
 
     def _part_spans(self, indices: Sequence[int], parts: list[list[torch.Tensor]]
                     ) -> tuple[list[int], list[list[int]], list[list[int]], list[int]]:

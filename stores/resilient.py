@@ -234,6 +234,9 @@ class ResilientStore:
     def register(self, region: torch.Tensor) -> None:
         self._inner.register(region)
 
+    def unregister(self, region: torch.Tensor) -> None:
+        self._inner.unregister(region)
+
     # ---- protocol ---------------------------------------------------------------------------
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         keys = list(keys)

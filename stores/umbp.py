@@ -103,6 +103,16 @@ def load_umbp_client_class() -> Any:
     return UMBPClient
 
 
+def _deregister(client: object, ptr: int) -> None:
+    """``deregister_memory(ptr)`` where the client has it; a failure is logged, not raised."""
+    deregister = getattr(client, "deregister_memory", None)
+    if deregister is not None:
+        try:
+            deregister(ptr)
+        except Exception as exc:
+            _log.warning("UMBP deregister_memory failed", ptr=ptr, error=repr(exc))
+
+
 class UmbpStore:
     """The Store protocol over a mori UMBP client.
 
@@ -158,6 +168,15 @@ class UmbpStore:
         if not ok:
             raise StoreUnavailableError(f"UMBP refused to register {size} bytes at {ptr:#x}")
         self._regions.append((ptr, region))
+
+    def unregister(self, region: torch.Tensor) -> None:
+        if self._client is None:
+            return
+        ptr = region.data_ptr()
+        if not any(p == ptr for p, _ in self._regions):
+            return
+        self._regions = [(p, r) for p, r in self._regions if p != ptr]
+        _deregister(self._client, ptr)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         check_keys(keys)
@@ -222,13 +241,8 @@ class UmbpStore:
         if not await self._calls.close():
             return
         client, self._client = self._client, None
-        deregister = getattr(client, "deregister_memory", None)
         for ptr, _ in self._regions:
-            if deregister is not None:
-                try:
-                    deregister(ptr)
-                except Exception as exc:
-                    _log.warning("UMBP deregister_memory failed", ptr=ptr, error=repr(exc))
+            _deregister(client, ptr)
         self._regions.clear()
 
     # ---- blocking halves (worker threads) -----------------------------------------------------

@@ -353,6 +353,9 @@ class _Forwarding:
     def register(self, region: torch.Tensor) -> None:
         self.inner.register(region)
 
+    def unregister(self, region: torch.Tensor) -> None:
+        self.inner.unregister(region)
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         return await self.inner.exists(keys)
 
@@ -902,3 +905,89 @@ def test_hashed_sub_batches_ramp_up_and_cover_every_object_once(n: int, per: int
     sizes = [hi - lo for lo, hi in batches]
     assert max(sizes) <= per and sizes[0] <= max(1, -(-per // 8))
     assert all(b <= 2 * a for a, b in itertools.pairwise(sizes))
+
+
+# ---- the verify-all arena grows to fit a load: registered once, kept for later loads
+
+
+class _RegionLog(_Forwarding):
+    """Forwards to ``inner``, recording the regions registered and unregistered (by address)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def register(self, region: torch.Tensor) -> None:
+        self.registered.append(region.data_ptr())
+        self.inner.register(region)
+
+    def unregister(self, region: torch.Tensor) -> None:
+        self.unregistered.append(region.data_ptr())
+        self.inner.unregister(region)
+
+
+async def _grown_loads(store: Store, *, max_bytes: int) -> tuple[_RegionLog, list[Any]]:
+    """Offload 6 pages, then load 2, 4, 3 and 6 of them with verify-all through a plane whose
+    held arena starts at one frame; returns the region log and the FULL actor's statistics
+    after each load, every load byte-checked."""
+    a, b = EnginePools(1), EnginePools(2)
+    async with plane(a, store) as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, keys("g", 6), pages(*range(6)))])).wait()).ok
+    log = _RegionLog(store)
+    frame = a.views()[PoolKind.FULL].payload_bytes + 64
+    config = DataPlaneConfig(in_place=False, verify_all_staging_bytes=frame, verify_all_staging_max_bytes=max_bytes)
+    stats = []
+    kv = 2 * len(FULL_IDS)
+    async with DataPlane(b.views(), log, config, namespace="test") as dp:
+        actor = dp.actors[PoolKind.FULL]
+        for n in (2, 4, 3, 6):
+            dest = pages(*range(n))
+            out = await (await dp.load([Transfer(PoolKind.FULL, keys("g", n), dest)], verify_all=True)).wait()
+            assert out.ok and not actor._held_busy
+            assert all(torch.equal(x, y) for x, y in zip(b.rows(dest)[:kv], a.rows(pages(*range(n)))[:kv]))
+            stats.append(actor.statistics())
+    return log, stats
+
+
+def _assert_grown(log: _RegionLog, stats: list[Any]) -> None:
+    frame = EnginePools(0).views()[PoolKind.FULL].payload_bytes + 64
+    # 2 frames: doubled from 1; 4: doubled; 3: fits; 6: doubled to 8
+    assert [s.held_arena_growths for s in stats] == [1, 2, 2, 3]
+    sizes = [s.held_arena_bytes for s in stats]
+    assert sizes[0] >= 2 * frame and sizes[1] >= 4 * frame and sizes[2] == sizes[1] and sizes[3] >= 8 * frame
+    # every arena it dropped was unregistered, and only those
+    assert len(log.unregistered) == 3 and set(log.unregistered) <= set(log.registered)
+
+
+async def test_a_larger_verify_all_load_grows_the_registered_arena() -> None:
+    store = EmbeddedStore(64 << 20)
+    _assert_grown(*await _grown_loads(store, max_bytes=1 << 30))
+    await store.close()
+
+
+async def test_the_grown_arena_is_what_mooncake_has_registered(mooncake_store: Store) -> None:
+    from hylinker.stores.mooncake import MooncakeStore
+
+    assert isinstance(mooncake_store, MooncakeStore)
+    log, stats = await _grown_loads(mooncake_store, max_bytes=1 << 30)
+    _assert_grown(log, stats)
+    # the dropped arenas are gone from Mooncake's table; the plane closed, the last one stays
+    # registered with the store (the store outlives the plane that lent it)
+    assert not any(mooncake_store._registered(ptr, 1) for ptr in log.unregistered)
+    assert mooncake_store._registered(log.registered[-1], stats[-1].held_arena_bytes)
+
+
+async def test_a_load_over_the_arena_limit_takes_fresh_memory() -> None:
+    store = EmbeddedStore(64 << 20)
+    frame = EnginePools(0).views()[PoolKind.FULL].payload_bytes + 64
+    log, stats = await _grown_loads(store, max_bytes=3 * frame)
+    # 2 frames grows to 2; 4 is over the limit (fresh memory); 3 grows to the limit; 6 is over
+    assert [s.held_arena_growths for s in stats] == [1, 1, 2, 2] and len(log.unregistered) == 2
+    assert stats[-1].held_arena_bytes <= 3 * frame + 64
+    await store.close()
+
+
+def test_the_arena_limit_is_checked() -> None:
+    with pytest.raises(ValueError, match="verify_all_staging_max_bytes"):
+        DataPlaneConfig(verify_all_staging_max_bytes=-1)

@@ -38,6 +38,9 @@ class ShortAnswers:
     def register(self, region: torch.Tensor) -> None:
         self.inner.register(region)
 
+    def unregister(self, region: torch.Tensor) -> None:
+        self.inner.unregister(region)
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         got = await self.inner.exists(keys)
         return got[:-1] if self.short == "exists" else got
