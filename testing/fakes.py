@@ -264,6 +264,9 @@ class GatedStore:
     def register(self, region: torch.Tensor) -> None:
         self.inner.register(region)
 
+    def unregister(self, region: torch.Tensor) -> None:
+        self.inner.unregister(region)
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         self._record("exists", keys)
         out = await self.inner.exists(keys)
