@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from hylinker.tools import bench, bench_checksum
 from hylinker.tools.host_probe import describe, finish, host_record, memcpy_gbps
 
@@ -54,3 +56,22 @@ def test_integrity_levels_bench_compares_both_levels_with_the_raw_store(tmp_path
         ("embedded", size, d) for size in (64 << 10, 1 << 20) for d in ("put", "get")}
     assert all(r["checksum_gbps"] > 0 and r["header_gbps"] > 0 and r["header_vs_raw"] > 0 for r in rows)
     assert "data_path" not in data and data["host"]["memcpy_gbps"] > 0
+
+
+def test_object_steps_bench_times_every_step_at_both_sizes(tmp_path: Path) -> None:
+    """``--only steps``: every step of the host data path, per object, at 64 KiB and 1 MiB, with
+    the host beside them (the figures are timing: only their presence is checked here)."""
+    from hylinker.tools.bench_steps import STEP_NOTES, object_steps
+
+    parser = argparse.ArgumentParser()
+    bench.configure(parser)
+    out = tmp_path / "steps.json"
+    assert bench.run(parser.parse_args(["--only", "steps", "--quick", "--json", str(out)])) == 0
+    data = json.loads(out.read_text())
+    assert [r["object_bytes"] for r in data["object_steps"]] == [64 << 10, 1 << 20]
+    for row in data["object_steps"]:
+        assert set(row["us_per_object"]) == set(STEP_NOTES)
+        assert all(v > 0 for v in row["us_per_object"].values())
+    assert data["host"]["memcpy_gbps"] > 0
+    with pytest.raises(ValueError, match="header"):
+        object_steps(64)

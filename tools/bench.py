@@ -47,8 +47,10 @@ HELP = "benchmarks: control path, event-loop lag, data path (JSON with --json PA
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
-    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade", "levels"], action="append",
-                        help="run only these sections (repeatable; 'levels' is --integrity-levels alone)")
+    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade", "levels", "steps"],
+                        action="append",
+                        help="run only these sections (repeatable; 'levels' is --integrity-levels alone; "
+                             "'steps': µs per object of each data-path step, not in the default set)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="data path: interleaved rounds, best and median kept (default 5, 3 with --quick)")
     parser.add_argument("--mooncake", choices=["auto", "yes", "no"], default="auto",
@@ -81,6 +83,13 @@ def run(args: argparse.Namespace) -> int:
         out["integrity_levels"] = data_path(args.quick, args.mooncake, args.rounds, variants=LEVEL_VARIANTS,
                                             stores=("embedded", "mooncake-inproc"))
         _print_data_path(out["integrity_levels"], LEVEL_VARIANTS, "integrity levels, runtime vs raw store")
+    if "steps" in sections:
+        from .bench_steps import object_steps, print_steps
+
+        n, reps = (64, 5) if args.quick else (256, 15)
+        out["object_steps"] = [object_steps(size, n, reps, (64 if args.quick else 256) << 20)
+                               for size in (64 << 10, 1 << 20)]
+        print_steps(out["object_steps"])
     if "facade" in sections:
         out["sync_facade_us"] = sync_facade(args.quick)
         _print_section("synchronous facade: µs per call, facade vs the async call on the loop",
