@@ -175,6 +175,15 @@ def test_swa_with_dcp_is_refused_at_startup(caches: list[SGLangCache]) -> None:
     assert bare.params.page_size == bare.allocator.page_size == 1  # not page_size x dcp_size
     locs = bare.allocator.alloc(4)
     assert locs is not None and int(locs.max()) < spec.kv_pages  # no widened loc space
+    # SGLang's own direct linker has no DCP check for this group: it resolves it as without DCP
+    from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import (
+        resolve_hybrid_device_pool_group,
+    )
+
+    bare.publish_dcp()
+    group = resolve_hybrid_device_pool_group(kvcache=bare.kvcache, page_size=1, params=bare.params,
+                                             components=set(bare.cache.components))
+    assert {str(e.name.value) for e in group.entries} == {"kv", "swa", "mamba"} and group.page_size == 1
     with pytest.raises(PoolLayoutError, match=r"FULL \+ SWA with DCP 2 is not supported: SGLang does not shard"):
         SGLangCache(spec, {**PLUGIN, "linker_extra_config": {}})
 
