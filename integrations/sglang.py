@@ -566,7 +566,11 @@ def _dcp_full(pools: dict[PoolKind, SGLangPool], tree_page: int, size: int, rank
     from sglang.srt.layers.dcp.layout import maybe_dcp_kernel_indices
 
     if PoolKind.SWA in pools:
-        raise PoolLayoutError(f"FULL + SWA with DCP {size} is not supported yet")
+        # SGLang 0.5.23 builds a sliding-window model's allocator unwidened under DCP (its locs
+        # are not sharded by token, the tree page is not page x dcp) and its DCP attention
+        # backends refuse sliding-window layers: there is no sharded layout to serve
+        raise PoolLayoutError(f"FULL + SWA with DCP {size} is not supported: SGLang does not shard a "
+                              "sliding-window model's KV locs by DCP rank (its SWA allocator is not widened)")
     full = pools[PoolKind.FULL]
     page = full.view.unit
     if tree_page != page * size:

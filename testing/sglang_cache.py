@@ -107,7 +107,9 @@ class CacheSpec:
     #: ``attn_dcp_size``/``attn_dcp_rank``, the paged allocator's pages (the tree page) are
     #: ``page_size * dcp_size`` widened locs over ``dcp_size`` times the pool's rows, and this
     #: rank's forward writes only the locs it owns (``loc % dcp_size == dcp_rank``) at
-    #: ``KVIndexTranslator.translate_dcp_read_ids(loc)`` (``loc // dcp_size``)
+    #: ``KVIndexTranslator.translate_dcp_read_ids(loc)`` (``loc // dcp_size``). With
+    #: ``model="swa_mamba"`` the allocator stays unwidened, as SGLang builds it under DCP (for
+    #: the plugin's refusal; the synthetic forward does not shard it)
     dcp_size: int = 1
     dcp_rank: int = 0
     #: packed MTP draft KV (SGLang's ``mtp_draft_device_pools``): one NextN draft runner's KV pool
@@ -187,9 +189,11 @@ class SGLangCache:
         if self.swa and (P != 1 or spec.kv != "mha"):
             raise ValueError("CacheSpec(model='swa_mamba') needs page_size=1 and kv='mha'")
         D = spec.dcp_size
-        if D < 1 or not 0 <= spec.dcp_rank < D or (D > 1 and self.swa):
-            raise ValueError(f"bad DCP {spec.dcp_rank}/{D} for model {spec.model!r} (SWA has no DCP here)")
-        W = P * D  # the tree page: SGLang's tree and allocator page under DCP
+        if D < 1 or not 0 <= spec.dcp_rank < D:
+            raise ValueError(f"bad DCP rank {spec.dcp_rank} of {D}")
+        # the tree page: SGLang's tree and allocator page, widened under DCP; SGLang's SWA
+        # allocators never widen (kv_cache_configurator.logical_token_capacity)
+        W = P if self.swa else P * D
         self.tree_page = W
         self.full_layers = list(range(spec.num_layers)) if self.dense else list(spec.full_layers)
         self.mamba_layers = [] if self.dense else [i for i in range(spec.num_layers) if i not in spec.full_layers]
@@ -257,7 +261,7 @@ class SGLangCache:
                     size=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num, head_dim=spec.head_dim,
                     layer_num=1, device="cpu", enable_memory_saver=False))
         self.allocator: Any
-        if D > 1:  # SGLang's DCP allocator: widened on both axes (kv_cache_configurator)
+        if D > 1 and not self.swa:  # SGLang's DCP allocator: widened on both axes (kv_cache_configurator)
             self.allocator = PagedTokenToKVPoolAllocator(size * D, page_size=W, dtype=spec.dtype, device="cpu",
                                                          kvcache=self.kvcache, need_sort=False)
         elif self.swa:

@@ -11,6 +11,7 @@ SGLang's translator names.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,14 +19,11 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.testing.sglang_cache import CacheSpec, SGLangCache, page_keys
+from hylinker.testing.sglang_ranks import DCP_A as A
+from hylinker.testing.sglang_ranks import DCP_GROUPS as GROUPS
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
-A = list(range(1000, 1064))  # 64 tokens: one Mamba checkpoint (SGLang's grid is 64 here)
 C = list(range(3000, 3010))
-GROUPS: dict[str, dict[str, Any]] = {  # name -> CacheSpec fields
-    "dense-mha": {"model": "dense", "kv": "mha"},
-    "full-mamba-mla": {"model": "hybrid", "kv": "mla", "mamba_extra_buffer": True},
-}
 
 
 def dcp_ranks(caches: list[SGLangCache], monkeypatch: pytest.MonkeyPatch, dcp: int, group: str,
@@ -162,3 +160,104 @@ def test_draft_kv_with_dcp_is_refused_at_startup(monkeypatch: pytest.MonkeyPatch
                      draft_layers=1)
     with pytest.raises(PoolLayoutError, match="draft KV with DCP 2"):
         SGLangCache(spec, {**PLUGIN, "linker_extra_config": {}})
+
+
+def test_swa_with_dcp_is_refused_at_startup(caches: list[SGLangCache]) -> None:
+    # SGLang 0.5.23 does not shard a sliding-window model's KV by DCP rank: its SWA allocator is
+    # built unwidened under DCP (kv_cache_configurator: "SWA allocators never widen under DCP"),
+    # so the tree page is the pool's page and every rank's locs name every token; its DCP
+    # attention backends refuse sliding-window layers. The plugin stops at construction, naming it
+    from hylinker.integrations.sglang_pools import PoolLayoutError
+
+    spec = CacheSpec(model="swa_mamba", kv="mha", page_size=1, dcp_size=2, dcp_rank=1, kv_pages=64)
+    bare = SGLangCache(spec, None)  # SGLang's own cache under DCP 2, no linker: it builds
+    caches.append(bare)
+    assert bare.params.page_size == bare.allocator.page_size == 1  # not page_size x dcp_size
+    locs = bare.allocator.alloc(4)
+    assert locs is not None and int(locs.max()) < spec.kv_pages  # no widened loc space
+    # SGLang's own direct linker has no DCP check for this group: it resolves it as without DCP
+    from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import (
+        resolve_hybrid_device_pool_group,
+    )
+
+    bare.publish_dcp()
+    group = resolve_hybrid_device_pool_group(kvcache=bare.kvcache, page_size=1, params=bare.params,
+                                             components=set(bare.cache.components))
+    assert {str(e.name.value) for e in group.entries} == {"kv", "swa", "mamba"} and group.page_size == 1
+    with pytest.raises(PoolLayoutError, match=r"FULL \+ SWA with DCP 2 is not supported: SGLang does not shard"):
+        SGLangCache(spec, {**PLUGIN, "linker_extra_config": {}})
+
+
+@pytest.fixture
+def published_dcp() -> Iterator[Callable[[int, int], None]]:
+    """Publish a DCP size and rank in SGLang's process-wide ``get_parallel()``; DCP off after."""
+    from sglang.srt.runtime_context import get_parallel
+
+    def publish(size: int, rank: int) -> None:
+        get_parallel().override_permanently(attn_dcp_size=size, dcp_size=size, dcp_enabled=size > 1,
+                                            attn_dcp_rank=rank, dcp_rank=rank)
+
+    yield publish
+    publish(1, 0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sglangs_unified_mamba_allocator_under_dcp_is_refused(published_dcp: Callable[[int, int], None],
+                                                              rank: int) -> None:
+    # SGLang's unified memory pool (--enable-unified-memory) for FULL (MLA) + MAMBA under DCP 2,
+    # built on CPU by SGLang's own init_unified_mamba_pools. Its allocator hands out widened
+    # *virtual* locs; a reader collapses them (maybe_dcp_kernel_indices, what the plugin's
+    # DcpShare does) and then translates through the pool's page table (host_transfer_translate)
+    # to the physical rows the forward writes. The plugin's rows stop at the first stage: it
+    # refuses the pool at startup rather than move bytes at virtual ids
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.layers.dcp.layout import maybe_dcp_kernel_indices
+    from sglang.srt.mem_cache.allocator.unified_mamba import UnifiedMambaTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.mem_cache.unified_memory_pool import init_unified_mamba_pools
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from hylinker.integrations.sglang import HylinkerLinker
+    from hylinker.integrations.sglang_pools import DcpShare, PoolLayoutError
+
+    server_args = ServerArgs(model_path="dummy", page_size=2)
+    set_global_server_args_for_scheduler(server_args)
+    published_dcp(2, rank)
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=8,
+                                        state_size=8, conv_kernel=4)
+        state_params = Mamba2CacheParams(shape=shape, layers=[0, 1])
+    bundle = init_unified_mamba_pools(
+        device="cpu", kv_cache_dtype=torch.bfloat16, head_num=1, head_dim=40, page_size=2, start_layer=0,
+        end_layer=3, is_draft_worker=False, use_mla_backend=True, kv_lora_rank=32, qk_rope_head_dim=8,
+        mamba_layer_ids=[0, 1], full_attention_layer_ids=[2], mamba2_cache_params=state_params,
+        model_context_len=1024, extra_max_context_len=0, max_total_num_tokens=1024, max_mamba_cache_size=16,
+        max_num_reqs=4, enable_memory_saver=False, enable_mamba_extra_buffer=True,
+        enable_mamba_extra_buffer_lazy=False, speculative_num_draft_tokens=3, disable_overlap_schedule=True,
+        need_sort=False)
+    allocator = bundle.token_to_kv_pool_allocator
+    assert isinstance(allocator, UnifiedMambaTokenToKVPoolAllocator)
+    assert allocator.page_size == 4  # page_size x dcp_size, like the static DCP allocator
+    full = bundle.token_to_kv_pool.full_kv_pool
+    locs = allocator.alloc(8)  # two widened pages
+    assert locs is not None and locs.numel() == 8
+    # the plugin's rows of these locs are SGLang's first stage (collapsed, still virtual) ...
+    share = DcpShare(2, rank, 2, maybe_dcp_kernel_indices)
+    virtual = share.rows(locs)
+    assert torch.equal(virtual, maybe_dcp_kernel_indices(locs, 2, rank).to(torch.int64))
+    # ... and the rows the forward writes are the second stage, elsewhere in the pool's buffer
+    physical = full.host_transfer_translate(virtual).to(torch.int64)
+    assert not torch.equal(physical, virtual)
+    assert bool((physical > 0).all()) and int(physical.max()) < full.kv_buffer[0].shape[0]
+    # widened ids translated without the collapse land on the sink row 0: the order matters
+    assert set(full.host_transfer_translate(locs.to(torch.int64)).tolist()) == {0}
+    # the Mamba slots are virtual too (the state pool has its own translate)
+    assert bundle.req_to_token_pool.mamba_pool.host_transfer_translate is not None
+    params = CacheInitParams(req_to_token_pool=bundle.req_to_token_pool, token_to_kv_pool_allocator=allocator,
+                             page_size=4, disable=False,
+                             tree_components=(ComponentType.FULL, ComponentType.MAMBA))
+    with pytest.raises(PoolLayoutError, match="unified memory pool"):
+        HylinkerLinker(server_args, params, components={ComponentType.FULL, ComponentType.MAMBA},
+                       extra_config={})

@@ -10,43 +10,17 @@ taken.
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from hylinker.testing.sglang_ranks import run_rank_processes
 
 
 def _run_ranks(tmp_path: Path, master: str, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Both ranks of ``hylinker.testing.sglang_ranks`` (``args`` added), each its own process;
-    returns what each wrote."""
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        cmd = [sys.executable, "-m", "hylinker.testing.sglang_ranks", "--rank", str(rank), "--world", "2",
-               "--port", str(port), "--master", master, "--out", str(tmp_path / f"rank{rank}.json"), *args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    """Both ranks of ``hylinker.testing.sglang_ranks`` (``args`` added), each its own process."""
+    r0, r1 = run_rank_processes(tmp_path, master, 2, *args, timeout_s=240)
     return r0, r1
 
 
