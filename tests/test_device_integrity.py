@@ -42,9 +42,9 @@ class DeviceAddressing(EmbeddedStore):
     tensors, so its scatter-gather calls reach them as a GPU-capable Mooncake reaches GPU rows.
     Counts its calls and keeps what was registered."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_batch: int = 4096) -> None:
         super().__init__(capacity)
-        self._capabilities = attrs.evolve(self._capabilities, device_memory=True)
+        self._capabilities = attrs.evolve(self._capabilities, device_memory=True, max_batch=max_batch)
         self.calls: collections.Counter[str] = collections.Counter()
         self.registered: list[int] = []
 
@@ -77,12 +77,14 @@ def _pools(seed: int, device: str = "cpu") -> Pools:
 
 
 def _plane(pools: Pools, store: Store, *, device: bool, path: str = "staged",
-           copies: FakeDeviceCopies | None = None, level: Integrity = Integrity.CHECKSUM) -> DataPlane:
+           copies: FakeDeviceCopies | None = None, level: Integrity = Integrity.CHECKSUM,
+           staging_frames: int = 0) -> DataPlane:
     """``device``: the pool goes through FakeDeviceCopies (unless its tensors are on CUDA,
     which get the real copies); ``path``: "staged", "in-place" (host pools; for device pools:
     registered, when the store addresses device memory) or "held" (verify-all loads)."""
     k, v = pools
-    config = DataPlaneConfig(integrity=level, in_place=path == "in-place", in_place_min_bytes=0)
+    config = DataPlaneConfig(integrity=level, in_place=path == "in-place", in_place_min_bytes=0,
+                             staging_bytes_per_pool=staging_frames * (OBJECT + 64) or 16 << 20)
     fake = {PoolKind.FULL: copies or FakeDeviceCopies(auto=True)} if device and k[0].device.type == "cpu" else None
     return DataPlane(PoolSet([kv_view(k, v, layer_ids=[0, 1], page_size=P)]), store, config,
                      namespace="device-integrity", copies=fake)
@@ -345,27 +347,62 @@ async def test_no_layer_is_reported_before_the_device_verification_completed() -
         await store.close()
 
 
-async def test_registered_device_rows_move_in_place_with_no_staging(no_host_hash: None) -> None:
+@pytest.mark.parametrize("level", list(Integrity), ids=lambda i: i.value)
+async def test_registered_device_rows_move_in_place_with_no_staging(level: Integrity, no_host_hash: None) -> None:
     """A store that addresses device memory: the pool rows are registered, every object moves
     with put_parts / get_parts straight from and into the rows (no whole-frame put or get), and
-    the device checksum is written and verified."""
+    the device checksum is written and verified (at "header": unhashed frames, no sums)."""
     src, dst = _pools(13), _pools(14)
     keys, a, b = _keys(5), _rows(0, 2, 4, 6, 1), _rows(7, 5, 3, 1, 0)
     store = DeviceAddressing(64 << 20)
     try:
-        async with _plane(src, store, device=True, path="in-place") as dp:
+        async with _plane(src, store, device=True, path="in-place", level=level) as dp:
             actor = dp.actors[PoolKind.FULL]
             assert actor.in_place_groups == [True] and actor.scatter
             rows = {t.data_ptr() for t in (*src[0], *src[1])}
             assert rows <= set(store.registered)
             assert (await (await dp.offload([Transfer(PoolKind.FULL, keys, a)])).wait()).ok
         frame = await _raw(store, keys[0])
-        assert frame[4].item() == framing.DEVICE_SUM_VERSION
-        out, layers, faults, _ = await _load(dst, store, keys, b, device=True, path="in-place")
-        assert out.ok and layers == [True, True], faults
+        kind = Checksum.DEVICE if level is Integrity.CHECKSUM else Checksum.NONE
+        assert (frame[4].item(), frame[6].item()) == kind.value
+        async with _plane(dst, store, device=True, path="in-place", level=level) as dp:
+            out = await (await dp.load([Transfer(PoolKind.FULL, keys, b)])).wait()
+            assert out.ok, out.faults
         assert _same_rows(src, a, dst, b)
         assert store.calls["put"] == 0 and store.calls["get"] == 1  # the one get: _raw above
         assert store.calls["put_parts"] >= 1 and store.calls["get_parts"] >= 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("path", ["staged", "held", "in-place"])
+async def test_many_sub_batches_round_trip_and_a_corrupt_one_is_pinpointed(path: str) -> None:
+    """Seven objects in sub-batches of two (staging of four frames; the registered store takes
+    two keys per call): restored byte for byte; then the fourth object (second sub-batch) is
+    damaged in the store and only it fails."""
+    src, dst = _pools(15), _pools(16)
+    keys, a, b = _keys(7), _rows(0, 1, 2, 3, 4, 5, 6), _rows(7, 6, 5, 4, 3, 2, 1)
+    store = DeviceAddressing(64 << 20, max_batch=2)
+    try:
+        async with _plane(src, store, device=True, path=path, staging_frames=4) as dp:
+            assert dp.actors[PoolKind.FULL].batch == 2
+            assert (await (await dp.offload([Transfer(PoolKind.FULL, keys, a)])).wait()).ok
+        calls = store.calls["put_parts" if path == "in-place" else "put"]
+        assert calls == 4
+        async with _plane(dst, store, device=True, path=path, staging_frames=4) as dp:
+            ticket = await dp.load([Transfer(PoolKind.FULL, keys, b)], verify_all=path == "held")
+            assert (await ticket.wait()).ok
+        assert _same_rows(src, a, dst, b)
+        frames = [await _raw(store, k) for k in keys]
+        frames[3][HEADER_BYTES + 100] ^= 0x01
+        await store.remove(keys)
+        assert await store.put(keys, frames) == [Outcome.OK] * 7
+        async with _plane(dst, store, device=True, path=path, staging_frames=4) as dp:
+            ticket = await dp.load([Transfer(PoolKind.FULL, keys, b)], verify_all=path == "held")
+            out = await ticket.wait()
+            assert [await ticket.wait_layer(layer) for layer in (0, 1)] == [False, False]
+        assert out.objects[PoolKind.FULL] == [True, True, True, False, True, True, True]
+        assert dict(out.faults) == {"bad_checksum": 1}
     finally:
         await store.close()
 
