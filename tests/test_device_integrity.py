@@ -180,6 +180,24 @@ def test_no_one_damaged_header_byte_changes_the_kind_of_check(kind: Checksum) ->
         assert framing.read_header(bad, bad.shape[0], 40, "k", b"layout!!", Integrity.HEADER)[0] is other
 
 
+def test_host_frames_are_byte_for_byte_those_of_earlier_releases() -> None:
+    """Version 1 (XXH3) and version 2 (unhashed) headers, packed by hand from the format."""
+    import hashlib
+    import struct
+
+    import xxhash
+
+    payload = np.arange(300, dtype=np.uint16).view(np.uint8)
+    digest = hashlib.blake2b(b"k", digest_size=16).digest()
+    for level, version, flags, checksum in ((Integrity.CHECKSUM, 1, 0, xxhash.xxh3_64_intdigest(payload.data)),
+                                            (Integrity.HEADER, 2, 1, 0)):
+        frame = np.zeros(HEADER_BYTES + payload.shape[0], dtype=np.uint8)
+        frame[HEADER_BYTES:] = payload
+        framing.seal_array(frame, "k", b"layout!!", level)
+        assert frame[:HEADER_BYTES].tobytes() == struct.pack(
+            "<4sHH8s16sQQ16s", b"HYLK", version, flags, b"layout!!", digest, payload.shape[0], checksum, bytes(16))
+
+
 def test_a_host_reader_verifies_a_device_summed_frame_with_the_same_function() -> None:
     frame = _header(Checksum.DEVICE)
     payload = framing.verify_array(frame, frame.shape[0], "k", b"layout!!")
