@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import os
 import struct
 from types import TracebackType
@@ -132,8 +133,11 @@ class MooncakeConfig:
 
 def needed_libraries(path: str) -> list[str]:
     """The shared libraries an ELF64 little-endian object names as needed (``DT_NEEDED``)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return _needed(data, path)
+
+
+def _needed(data: mmap.mmap, path: str) -> list[str]:
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError(f"{path} is not a little-endian ELF64 object")
     shoff = int.from_bytes(data[0x28:0x30], "little")
@@ -151,7 +155,7 @@ def needed_libraries(path: str) -> list[str]:
                 break
             if tag == 1:  # DT_NEEDED
                 start = strings + value
-                needed.append(data[start:data.index(b"\0", start)].decode())
+                needed.append(data[start:data.find(b"\0", start)].decode())
     return needed
 
 
