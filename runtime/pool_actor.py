@@ -36,8 +36,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ..components.layout import PoolKind
 from ..stores import framing
 from ..stores.base import GetResult, Outcome, Store
+from .device_transfers import DeviceTransfers
 from .events import DeviceEvent, wait_fence
-from .held_load import HeldLoads
 from .pool_staging import check_landed
 from .statistics import PoolActorStatistics, QueueStatistics
 from .transfer import PoolCodec
@@ -69,7 +69,7 @@ class _Queue:
         return QueueStatistics(self.depth, self.bound, self.waiting, self.completed, self.failed)
 
 
-class PoolActor(HeldLoads):
+class PoolActor(DeviceTransfers):
     """Moves one pool's objects between device rows and the store. See the module doc."""
 
     def __init__(self, kind: PoolKind, codecs: Sequence[PoolCodec], store: Store, fingerprint: bytes, *,
@@ -140,6 +140,8 @@ class PoolActor(HeldLoads):
         await wait_fence(job.fence, timeout_s=self.fence_timeout_s)
         t0 = time.perf_counter()
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]
+        if self.device_route(job):  # summed on the device, or registered device rows
+            return await self._offload_device(job, codec, size, t0)
         if self.in_place_groups[job.group] and codec.host_path(job.index):
             return await self._offload_in_place(job, codec, size, t0)
         batches = self._batches(len(job.keys))
@@ -214,6 +216,8 @@ class PoolActor(HeldLoads):
         faults: dict[str, int] = {}
         t0 = time.perf_counter()
         codec, size = self.codecs[job.group], self.frame_sizes[job.group]
+        if self.device_route(job):  # verified on the device (verify-all included)
+            return await self._load_device(job, codec, size, t0)
         if job.hold:
             return await self._load_held(job, codec, size, t0)
         if self.in_place_groups[job.group] and codec.host_path(job.index):

@@ -25,6 +25,7 @@ from ..stores.base import (
     Store,
     StoreError,
     supports_checksums,
+    supports_device_memory,
     supports_scatter,
 )
 from .device import DeviceCopies, copies_for
@@ -180,6 +181,10 @@ class PoolStaging:
         # decision per layer group (its object size), made here and read by both directions
         able = supports_scatter(store) and self.codec.device.type == "cpu" and in_place and self.copies is None
         self.in_place_groups = [able and c.payload_bytes >= in_place_min_bytes for c in self.codecs]
+        if self.copies is not None and in_place and supports_device_memory(store):
+            # device pools over a store that addresses device memory: the rows are registered
+            # and moved in place whatever the size (runtime/device_transfers.py)
+            self.in_place_groups = [True] * len(self.codecs)
         self.scatter = any(self.in_place_groups)
         # a store that checksums while it copies (framing.copy_checksummed): headers only on
         # offload, the landed checksum on load; the bytes cross memory once less per transfer
@@ -188,9 +193,14 @@ class PoolStaging:
         # put/get, unhashed frames; a hashed frame written by a "checksum" writer is still
         # hashed here when read, framing.verify_array)
         self.integrity = integrity
-        self.store_checksums = supports_checksums(store) and integrity is framing.Integrity.CHECKSUM
+        #: device pools at "checksum": version-3 frames, summed and verified on the device
+        #: (runtime/device_transfers.py); no XXH3 on their path, so no checksumming store calls
+        self.device_sums = self.copies is not None and integrity is framing.Integrity.CHECKSUM
+        self.store_checksums = (supports_checksums(store) and integrity is framing.Integrity.CHECKSUM
+                                and not self.device_sums)
         #: the runtime hashes payloads itself (worth a worker thread for large batches)
-        self.hashes_here = integrity is framing.Integrity.CHECKSUM and not self.store_checksums
+        self.hashes_here = (integrity is framing.Integrity.CHECKSUM and not self.store_checksums
+                            and not self.device_sums)
         if self.scatter:
             moved = [c for c, yes in zip(self.codecs, self.in_place_groups, strict=True) if yes]
             for region in {id(t): t for c in moved for t in c.regions()}.values():

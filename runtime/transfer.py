@@ -54,7 +54,7 @@ class PoolCodec:
     def pieces(self, first: int) -> list[torch.Tensor]:
         """One object's payload as views of the pool memory, in payload order (one run of
         ``unit`` rows per layer part): what a scatter-gather store reads or writes in place.
-        Host pools with ascending-run objects only (``host_path``)."""
+        Ascending-run objects only (:meth:`in_runs`); device pools' pieces are device views."""
         u = self.unit
         return [b[first:first + u].reshape(-1) for _, b in self._segments]
 
@@ -101,6 +101,10 @@ class PoolCodec:
             out[:, off:off + w].copy_(b.index_select(0, rows).reshape(n, w), non_blocking=self.non_blocking)
 
     # ---- load ---------------------------------------------------------------------------
+    def in_runs(self, index: torch.Tensor) -> bool:
+        """Whether each object's rows are one ascending run (what :meth:`pieces` needs)."""
+        return _runs(index)
+
     def host_path(self, index: torch.Tensor) -> bool:
         """Whether these objects move by plain memcpy between host memory and frames."""
         return self._host is not None and _runs(index)

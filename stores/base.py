@@ -5,7 +5,8 @@ runtime moves data in batches: one call carries many keys, each with its own hos
 
 Invariants a caller keeps:
 
-* Buffers are 1-D, contiguous, ``torch.uint8`` CPU tensors. A ``put`` reads exactly
+* Buffers are 1-D, contiguous, ``torch.uint8`` CPU tensors (a store that declares
+  ``capabilities.device_memory`` also takes device tensors in ``put_parts`` / ``get_parts``). A ``put`` reads exactly
   ``buffer.numel()`` bytes; a ``get`` writes at most ``buffer.numel()`` bytes and reports how
   many it wrote. Buffers must stay alive and untouched until the awaited call returns, even
   if the awaiting task is cancelled (the runtime keeps a reference for that reason).
@@ -70,6 +71,9 @@ class StoreCapabilities:
     max_batch: int = 4096  # keys per call the backend handles well
     scatter: bool = False  # put_parts / get_parts: one object from / into several buffers
     checksums: bool = False  # put_sealed / get_checked: checksums the payload while copying it
+    #: put_parts / get_parts also take device (GPU) buffers: registered device pools move in
+    #: place, no host staging (Mooncake built with GPU support)
+    device_memory: bool = False
 
 
 @attrs.frozen
@@ -224,8 +228,15 @@ def supports_scatter(store: Store) -> bool:
     return bool(store.capabilities.scatter) and isinstance(store, ScatterStore)
 
 
-def check_buffers(keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> None:
-    """Raise a clear ``ValueError`` unless ``buffers`` fit the protocol's rules."""
+def supports_device_memory(store: Store) -> bool:
+    """Whether ``store`` reads and writes device buffers in place (scatter-gather over device
+    pool rows): the flag and scatter-gather both."""
+    return bool(store.capabilities.device_memory) and supports_scatter(store)
+
+
+def check_buffers(keys: Sequence[str], buffers: Sequence[torch.Tensor], *, devices: bool = False) -> None:
+    """Raise a clear ``ValueError`` unless ``buffers`` fit the protocol's rules (``devices``:
+    device buffers are allowed too, for a store that declares ``device_memory``)."""
     if len(keys) != len(buffers):
         raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
     for key, buf in zip(keys, buffers):
@@ -238,5 +249,5 @@ def check_buffers(keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> None:
                 f"buffer for {key!r} must be a contiguous 1-D uint8 tensor, got "
                 f"dtype={buf.dtype} shape={tuple(buf.shape)} contiguous={buf.is_contiguous()}"
             )
-        if buf.device.type != "cpu":
+        if buf.device.type != "cpu" and not devices:
             raise ValueError(f"buffer for {key!r} is on {buf.device}; stores take host buffers")

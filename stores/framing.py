@@ -3,12 +3,13 @@
 Header (64 bytes, little endian)::
 
     magic      4s   b"HYLK"
-    version    u16  FORMAT_VERSION (1): payload hashed; UNHASHED_VERSION (2): not
-    flags      u16  0 in version 1; FLAG_UNHASHED in version 2
+    version    u16  FORMAT_VERSION (1): XXH3; UNHASHED_VERSION (2): none; DEVICE_SUM_VERSION (3): device sum
+    flags      u16  0 in version 1; FLAG_UNHASHED in version 2; FLAG_DEVICE_SUM in version 3
     layout     8s   first 8 bytes of the model layout fingerprint
     key        16s  BLAKE2b-128 digest of the object key
     length     u64  payload bytes
-    checksum   u64  XXH3-64 of the payload (version 1); 0 (version 2)
+    checksum   u64  XXH3-64 of the payload (version 1); 0 (version 2); the device checksum
+                    (``stores/device_checksum.py``) of the payload (version 3)
     reserved   16s  zeros
 
 A reader verifies all of it before a single payload byte is used: a truncated, corrupted,
@@ -22,7 +23,17 @@ release. A writer at ``"header"`` seals version-2 frames: ``flags = FLAG_UNHASHE
 checksum field, no pass over the payload. A frame says which it is, and a reader verifies by
 what it says: version 1 needs flags 0 and a matching payload checksum, version 2 needs exactly
 ``FLAG_UNHASHED`` and a zero checksum field (any other combination is ``bad_version``, so one
-flipped byte cannot turn a hashed frame into an unhashed one). A ``"header"`` reader still
+flipped byte cannot turn a hashed frame into an unhashed one).
+
+**Device-summed frames** (version 3, ``FLAG_DEVICE_SUM``): written by device pools at
+``"checksum"``, whose payload is checksummed on the device with
+:func:`~hylinker.stores.device_checksum.device_checksums` (integer arithmetic, the same value on
+CPU and CUDA), so neither side needs the bytes on the host to seal or verify them. :class:`Checksum`
+names the three kinds; each is one (version, flags) pair, and version and flags sit in different
+bytes, so one damaged byte cannot turn one kind into another (it makes a pair no kind has:
+``bad_version``). A host reader verifies a version-3 frame by computing the same function over
+the payload on the CPU (:func:`verify_array`, :func:`verify_parts`); a device reader reads the
+header with :func:`read_header` and compares the checksum on the device. A ``"header"`` reader still
 checks the checksum of a version-1 frame (it never trusts less than the writer recorded); a
 ``"checksum"`` reader rejects a version-2 frame as ``unhashed`` (it was asked for payload
 checksums and the object has none). A release before version 2 rejects version-2 frames as
@@ -48,12 +59,17 @@ import numpy as np
 import torch
 import xxhash
 
+from .device_checksum import device_checksum
+
 MAGIC = b"HYLK"
 FORMAT_VERSION = 1
-"""A frame whose payload is hashed (integrity ``"checksum"``)."""
+"""A frame whose payload is hashed with XXH3 (integrity ``"checksum"``, host pools)."""
 UNHASHED_VERSION = 2
 """A frame whose payload is not hashed (integrity ``"header"``)."""
+DEVICE_SUM_VERSION = 3
+"""A frame whose payload carries the device checksum (integrity ``"checksum"``, device pools)."""
 FLAG_UNHASHED = 1
+FLAG_DEVICE_SUM = 2
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<4sHH8s16sQQ16s")
 assert _HEADER.size == HEADER_BYTES
@@ -80,6 +96,22 @@ class Integrity(enum.Enum):
             return cls(value)
         except ValueError:
             raise ValueError(f"{where} must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+class Checksum(enum.Enum):
+    """What a frame's checksum field holds: one (version, flags) pair per kind."""
+
+    XXH3 = (FORMAT_VERSION, 0)  # XXH3-64 of the payload
+    NONE = (UNHASHED_VERSION, FLAG_UNHASHED)  # nothing: the field is 0
+    DEVICE = (DEVICE_SUM_VERSION, FLAG_DEVICE_SUM)  # device_checksums of the payload
+
+    @classmethod
+    def of_level(cls, integrity: Integrity) -> Checksum:
+        """The kind a host writer at ``integrity`` seals."""
+        return cls.XXH3 if integrity is Integrity.CHECKSUM else cls.NONE
+
+
+_KINDS = {c.value: c for c in Checksum}
 
 
 class FrameFault(enum.Enum):
@@ -146,12 +178,9 @@ def verify(frame: torch.Tensor, nbytes: int, key: str, layout_fingerprint: bytes
     return frame[HEADER_BYTES: HEADER_BYTES + length]
 
 
-def _pack(key: str, layout_fingerprint: bytes, length: int, checksum: int | None) -> np.ndarray:
-    """A header: hashed (version 1) with ``checksum``, or unhashed (version 2) for None."""
-    if checksum is None:
-        version, flags, checksum = UNHASHED_VERSION, FLAG_UNHASHED, 0
-    else:
-        version, flags = FORMAT_VERSION, 0
+def _pack(key: str, layout_fingerprint: bytes, length: int, kind: Checksum, checksum: int) -> np.ndarray:
+    """A header of ``kind`` with ``checksum`` (0 for :attr:`Checksum.NONE`)."""
+    version, flags = kind.value
     return np.frombuffer(_HEADER.pack(MAGIC, version, flags, layout_fingerprint[:8], key_digest(key), length,
                                       checksum, b"\0" * 16), dtype=np.uint8)
 
@@ -161,30 +190,45 @@ def seal_array(frame: np.ndarray, key: str, layout_fingerprint: bytes,
     """:func:`seal` on a 1-D uint8 NumPy view (the runtime's hot path: no tensor per object)."""
     payload = frame[HEADER_BYTES:]
     hashed = integrity is Integrity.CHECKSUM
-    frame[:HEADER_BYTES] = _pack(key, layout_fingerprint, payload.shape[0],
-                                 xxhash.xxh3_64_intdigest(payload.data) if hashed else None)
+    frame[:HEADER_BYTES] = _pack(key, layout_fingerprint, payload.shape[0], Checksum.of_level(integrity),
+                                 xxhash.xxh3_64_intdigest(payload.data) if hashed else 0)
 
 
 def _header_fields(header: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes,
-                   integrity: Integrity) -> tuple[int, int | None]:
+                   integrity: Integrity) -> tuple[int, Checksum, int]:
     """Check a header's magic, version and flags, layout and key (one rule for whole and
-    scattered objects); its payload length and checksum (None: the frame is unhashed, which a
-    ``"checksum"`` reader refuses). Raises :class:`FrameError`."""
+    scattered objects); its payload length, checksum kind and checksum (an unhashed frame is
+    refused by a ``"checksum"`` reader). Raises :class:`FrameError`."""
     if nbytes < HEADER_BYTES or header.shape[0] < HEADER_BYTES:
         raise FrameError(FrameFault.TRUNCATED, key, f"{nbytes} bytes, header needs {HEADER_BYTES}")
     magic, version, flags, layout, digest, length, checksum, _ = _HEADER.unpack_from(header.data, 0)
     if magic != MAGIC:
         raise FrameError(FrameFault.BAD_MAGIC, key)
-    hashed = version == FORMAT_VERSION and flags == 0
-    if not hashed and not (version == UNHASHED_VERSION and flags == FLAG_UNHASHED and checksum == 0):
+    kind = _KINDS.get((version, flags))
+    if kind is None or (kind is Checksum.NONE and checksum != 0):
         raise FrameError(FrameFault.BAD_VERSION, key, f"version {version}, flags {flags:#x}")
     if layout != layout_fingerprint[:8]:
         raise FrameError(FrameFault.OTHER_LAYOUT, key)
     if digest != key_digest(key):
         raise FrameError(FrameFault.OTHER_KEY, key)
-    if not hashed and integrity is Integrity.CHECKSUM:
+    if kind is Checksum.NONE and integrity is Integrity.CHECKSUM:
         raise FrameError(FrameFault.UNHASHED, key, "written at integrity 'header', read at 'checksum'")
-    return length, checksum if hashed else None
+    return length, kind, checksum
+
+
+def _payload_checksum(kind: Checksum, pieces: list[np.ndarray], landed_checksum: int | None) -> int:
+    """The checksum of kind ``kind`` (not NONE) of the payload ``pieces``, computed on the host.
+    ``landed_checksum``: the XXH3 whoever wrote the pieces computed as they landed (used for
+    XXH3 frames only; a device-summed frame is summed here, with the device's function)."""
+    if kind is Checksum.XXH3:
+        if landed_checksum is not None:
+            return landed_checksum
+        h = xxhash.xxh3_64()
+        for p in pieces:
+            h.update(p.data)
+        return h.intdigest()
+    whole = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    return device_checksum(torch.from_numpy(whole))
 
 
 def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes,
@@ -194,7 +238,7 @@ def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: b
     the payload's checksum as computed by whoever wrote it into ``frame``
     (:func:`copy_checksummed`); otherwise the payload is hashed here, if the frame says it is
     hashed. ``integrity``: the reader's level (a ``"checksum"`` reader refuses unhashed frames)."""
-    length, checksum = _header_fields(frame, nbytes, key, layout_fingerprint, integrity)
+    length, kind, checksum = _header_fields(frame, nbytes, key, layout_fingerprint, integrity)
     room = frame.shape[0] - HEADER_BYTES
     if length != nbytes - HEADER_BYTES or length > room:
         raise FrameError(
@@ -203,11 +247,9 @@ def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: b
             f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}",
         )
     payload = frame[HEADER_BYTES: HEADER_BYTES + length]
-    if checksum is None:  # unhashed frame, "header" reader: the header is all there is
+    if kind is Checksum.NONE:  # unhashed frame, "header" reader: the header is all there is
         return payload
-    if landed_checksum is None:
-        landed_checksum = xxhash.xxh3_64_intdigest(payload.data)
-    if landed_checksum != checksum:
+    if _payload_checksum(kind, [payload], landed_checksum) != checksum:
         raise FrameError(FrameFault.BAD_CHECKSUM, key)
     return payload
 
@@ -218,13 +260,9 @@ def seal_parts(header: np.ndarray, pieces: list[np.ndarray], key: str, layout_fi
     same object :func:`seal_array` makes, for a payload scattered over several buffers (pool
     rows read in place by a zero-copy put)."""
     length = sum(p.shape[0] for p in pieces)
-    checksum: int | None = None
-    if integrity is Integrity.CHECKSUM:
-        h = xxhash.xxh3_64()
-        for p in pieces:
-            h.update(p.data)
-        checksum = h.intdigest()
-    header[:HEADER_BYTES] = _pack(key, layout_fingerprint, length, checksum)
+    kind = Checksum.of_level(integrity)
+    checksum = 0 if kind is Checksum.NONE else _payload_checksum(kind, pieces, None)
+    header[:HEADER_BYTES] = _pack(key, layout_fingerprint, length, kind, checksum)
 
 
 def seal_header(header: np.ndarray, key: str, layout_fingerprint: bytes, length: int,
@@ -234,8 +272,14 @@ def seal_header(header: np.ndarray, key: str, layout_fingerprint: bytes, length:
     with :func:`set_checksum` once the payload has landed (a store that checksums while
     copying, see :func:`copy_checksummed`). At ``integrity="header"`` the header is complete:
     an unhashed frame, nothing to set."""
-    header[:HEADER_BYTES] = _pack(key, layout_fingerprint, length,
-                                  0 if integrity is Integrity.CHECKSUM else None)
+    header[:HEADER_BYTES] = _pack(key, layout_fingerprint, length, Checksum.of_level(integrity), 0)
+
+
+def seal_device(header: np.ndarray, key: str, layout_fingerprint: bytes, length: int, checksum: int) -> None:
+    """Write into ``header`` (64 bytes) a version-3 header for a ``length``-byte payload whose
+    device checksum (:func:`~hylinker.stores.device_checksum.device_checksums`, computed where
+    the payload lives) is ``checksum``."""
+    header[:HEADER_BYTES] = _pack(key, layout_fingerprint, length, Checksum.DEVICE, checksum)
 
 
 def set_checksum(header: np.ndarray, checksum: int) -> None:
@@ -274,21 +318,23 @@ def verify_parts(header: np.ndarray, nbytes: int, pieces: list[np.ndarray], key:
     bytes as they landed. ``landed_checksum``: that checksum, when whoever wrote the pieces
     computed it over them as they landed (:func:`copy_checksummed`); otherwise the pieces are
     hashed here (if the frame says it is hashed). Raises :class:`FrameError`."""
-    length, checksum = _header_fields(header, nbytes, key, layout_fingerprint, integrity)
-    room = sum(p.shape[0] for p in pieces)
+    kind, checksum = read_header(header, nbytes, sum(p.shape[0] for p in pieces), key, layout_fingerprint, integrity)
+    if kind is not Checksum.NONE and _payload_checksum(kind, pieces, landed_checksum) != checksum:
+        raise FrameError(FrameFault.BAD_CHECKSUM, key)
+
+
+def read_header(header: np.ndarray, nbytes: int, room: int, key: str, layout_fingerprint: bytes,
+                integrity: Integrity = Integrity.CHECKSUM) -> tuple[Checksum, int]:
+    """Check the header of an object of ``nbytes`` read into ``header`` and ``room`` payload
+    bytes of buffers: every field and the length; return what its checksum field holds and the
+    checksum, for whoever verifies the payload (on the host, or on the device where it landed).
+    Raises :class:`FrameError`."""
+    length, kind, checksum = _header_fields(header, nbytes, key, layout_fingerprint, integrity)
     if length != nbytes - HEADER_BYTES or length != room:
         raise FrameError(
             FrameFault.BAD_LENGTH if nbytes - HEADER_BYTES >= room else FrameFault.TRUNCATED, key,
             f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}, rows hold {room}")
-    if checksum is None:
-        return
-    if landed_checksum is None:
-        h = xxhash.xxh3_64()
-        for p in pieces:
-            h.update(p.data)
-        landed_checksum = h.intdigest()
-    if landed_checksum != checksum:
-        raise FrameError(FrameFault.BAD_CHECKSUM, key)
+    return kind, checksum
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:

@@ -91,6 +91,7 @@ from .mooncake_client import (
     OBJECT_HAS_LEASE,
     RPC_FAIL,
     MooncakeConfig,
+    device_memory_support,
     get_outcome,
     import_mooncake_store,
     put_outcome,
@@ -118,9 +119,11 @@ class MooncakeStore:
     def __init__(self, client: Any, config: MooncakeConfig) -> None:
         self._client = client
         self._config = config
+        # GPU rows registered and moved in place only where the client was built for it
+        device_memory, self.device_memory_reason = device_memory_support(config)
         self._capabilities = StoreCapabilities(
             name="mooncake", touch=True, remove=True, zero_copy=True, max_batch=config.max_batch,
-            scatter=True,
+            scatter=True, device_memory=device_memory,
         )
         self._limiter = anyio.CapacityLimiter(config.workers)
         # registered regions, sorted by start and disjoint, with their starts (for bisect);
@@ -191,12 +194,15 @@ class MooncakeStore:
         return self._closed
 
     def register(self, region: torch.Tensor) -> None:
-        """Register a host staging region with the transfer engine, once, up front."""
+        """Register a host staging region (or, with ``device_memory``, device pool memory)
+        with the transfer engine, once, up front."""
         self._check_open()
         if not isinstance(region, torch.Tensor):
             raise TypeError(f"region is {type(region).__name__}, not a torch.Tensor")
-        if region.device.type != "cpu" or not region.is_contiguous() or region.numel() == 0:
-            raise ValueError("a staging region must be a non-empty contiguous CPU tensor")
+        if region.device.type != "cpu" and not self._capabilities.device_memory:
+            raise ValueError(f"cannot register {region.device} memory: {self.device_memory_reason}")
+        if not region.is_contiguous() or region.numel() == 0:
+            raise ValueError("a region must be a non-empty contiguous CPU tensor (or device tensor, with device_memory)")
         start = region.data_ptr()
         end = start + region.numel() * region.element_size()
         starts, regions = self._table
@@ -282,7 +288,7 @@ class MooncakeStore:
     async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
         """Store each object from several buffers (``batch_put_from_multi_buffers`` when all
         of an object's buffers lie in registered regions; others are joined and bounced)."""
-        sizes = _check_parts(keys, parts)
+        sizes = _check_parts(keys, parts, self._capabilities.device_memory)
         keys = list(keys)
         if not keys:
             self._check_open()
@@ -305,7 +311,7 @@ class MooncakeStore:
     async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
         """Read each object into several buffers in order (``batch_get_into_multi_buffers``
         when all of them lie in registered regions; others are read whole and split)."""
-        _check_parts(keys, parts)
+        _check_parts(keys, parts, self._capabilities.device_memory)
         keys = list(keys)
         if not keys:
             self._check_open()
@@ -601,7 +607,8 @@ class MooncakeStore:
                 [keys[i] for i in idx], ptrs[chunk.start:chunk.stop], sizes[chunk.start:chunk.stop])
             self._record(outcomes, idx, codes, put_outcome)
         if joined:  # not registered: one contiguous copy each, then the bounced path
-            got = self._put_blocking([keys[i] for i in joined], [torch.cat(parts[i]) for i in joined])
+            got = self._put_blocking([keys[i] for i in joined], [torch.cat([p.cpu() for p in parts[i]])
+                                                                 for i in joined])
             for i, o in zip(joined, got):
                 outcomes[i] = o
         return [o if o is not None else Outcome.FAILED for o in outcomes]
@@ -672,15 +679,16 @@ class MooncakeStore:
             outcomes[i] = mapping(code)
 
 
-def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[int]:
-    """Check every buffer like ``check_buffers``; returns each object's total bytes."""
+def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]], devices: bool) -> list[int]:
+    """Check every buffer like ``check_buffers`` (``devices``: device buffers allowed);
+    returns each object's total bytes."""
     if len(keys) != len(parts):
         raise ValueError(f"{len(keys)} keys but {len(parts)} part lists")
     sizes: list[int] = []
     for key, ps in zip(keys, parts):
         if not ps:
             raise ValueError(f"no buffers for {key!r}")
-        check_buffers([key] * len(ps), list(ps))
+        check_buffers([key] * len(ps), list(ps), devices=devices)
         sizes.append(sum(p.numel() for p in ps))
     return sizes
 

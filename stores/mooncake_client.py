@@ -22,8 +22,11 @@ other < 0                              FAILED
 
 from __future__ import annotations
 
+import functools
 import logging
+import mmap
 import os
+import struct
 from types import TracebackType
 from typing import Any
 
@@ -114,6 +117,9 @@ class MooncakeConfig:
     probe_timeout_s: float = 1.0  # TCP probe of the master after it failed once
     detect_exists: bool = True  # check existence before put to report EXISTS
     force_remove: bool = True  # remove even leased objects (see module docstring)
+    #: whether the client reads and writes GPU memory (device pools registered and moved in
+    #: place); None: found out from the client's build (:func:`device_memory_support`)
+    device_memory: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         split_address(self.master_address)
@@ -123,6 +129,63 @@ class MooncakeConfig:
             raise ValueError("workers, max_batch and setup_retries must be >= 1")
         if self.bounce_bytes < 4096:
             raise ValueError("bounce_bytes must be at least 4096")
+
+
+def needed_libraries(path: str) -> list[str]:
+    """The shared libraries an ELF64 little-endian object names as needed (``DT_NEEDED``)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return _needed(data, path)
+
+
+def _needed(data: mmap.mmap, path: str) -> list[str]:
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{path} is not a little-endian ELF64 object")
+    shoff = int.from_bytes(data[0x28:0x30], "little")
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    # (name, type, flags, addr, offset, size, link, info, addralign, entsize) per section
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    needed: list[str] = []
+    for sec in sections:
+        if sec[1] != 6:  # SHT_DYNAMIC
+            continue
+        strings = sections[sec[6]][4]
+        for off in range(sec[4], sec[4] + sec[5], 16):
+            tag, value = struct.unpack_from("<qQ", data, off)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == 1:  # DT_NEEDED
+                start = strings + value
+                needed.append(data[start:data.find(b"\0", start)].decode())
+    return needed
+
+
+@functools.cache
+def _client_links(path: str) -> tuple[str, ...]:
+    return tuple(n for n in needed_libraries(path) if n.startswith(("libcuda.", "libcuda-", "libcudart")))
+
+
+def device_memory_support(config: MooncakeConfig) -> tuple[bool, str]:
+    """Whether the Mooncake client can address GPU memory, and why we think so.
+
+    The Python client has no call that says so: GPU support is a build option (``USE_CUDA``;
+    the ``mooncake-transfer-engine`` wheels are built with it, ``-non-cuda`` ones without), and
+    a client built with it links the CUDA runtime or driver (Mooncake's own release check reads
+    the same ``DT_NEEDED`` entries). So: ``config.device_memory`` when set, else whether
+    ``mooncake/store`` links ``libcuda`` / ``libcudart``. A build that links CUDA statically
+    reads as unsupported (device pools then stay staged: slower, never wrong); set
+    ``device_memory=True`` for it."""
+    if config.device_memory is not None:
+        return config.device_memory, f"MooncakeConfig.device_memory={config.device_memory}"
+    try:
+        mooncake_store = import_mooncake_store()
+        path = str(mooncake_store.__file__)
+        cuda = _client_links(path)
+    except (StoreUnavailableError, OSError, ValueError, AttributeError, struct.error) as exc:
+        return False, f"cannot tell how the Mooncake client was built ({exc})"
+    if cuda:
+        return True, f"{path} links {', '.join(cuda)} (built with GPU support)"
+    return False, (f"{path} links no CUDA library: the client was built without GPU support "
+                   "(e.g. the mooncake-transfer-engine-non-cuda wheel)")
 
 
 def setup_client(mooncake_store: Any, config: MooncakeConfig) -> Any:

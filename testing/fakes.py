@@ -103,6 +103,11 @@ class FakeDeviceCopies:
     def on_stream(self) -> contextlib.AbstractContextManager[None]:
         return self._stream()
 
+    @property
+    def streaming(self) -> bool:
+        """Whether a block on the copy stream is running now (tests check where work ran)."""
+        return self._depth > 0
+
     def record(self) -> DeviceEvent:
         ev = FakeDeviceEvent(polls=0 if self.auto else None)
         self.events.append(ev)

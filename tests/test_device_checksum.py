@@ -1,4 +1,4 @@
-"""The device checksum (``runtime/device_checksum.py``): equal to a plain-Python reference on
+"""The device checksum (``stores/device_checksum.py``): equal to a plain-Python reference on
 CPU, sensitive to the damage it must catch, and (``cuda`` tests, run where torch sees a GPU)
 equal on CPU and CUDA and catching a corrupt object on the device."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hylinker.runtime import device_checksum as dc
-from hylinker.runtime.device_checksum import P, device_checksum, device_checksums, verify_on_device
+from hylinker.stores import device_checksum as dc
+from hylinker.stores.device_checksum import P, device_checksum, device_checksums, verify_on_device
 
 
 def reference(data: bytes) -> int:

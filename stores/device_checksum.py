@@ -1,11 +1,11 @@
 """A payload checksum computed with torch integer ops, so it runs where the bytes are (CPU or
 CUDA) and gives the same value on both.
 
-XXH3 (the frame checksum, ``stores/framing.py``) runs on the host only: a device pool's payload
-is copied to pinned host memory and hashed there (``runtime/device.py``). This checksum is built
-for the other case, a store that reads and writes device memory directly, where the bytes never
-pass through the host (planned: not wired into the frame or the data plane yet, see
-docs/design.md §5).
+XXH3 (the checksum of host pools' frames, ``stores/framing.py``) runs on the host only. This
+checksum is built for device pools: it is the checksum of version-3 frames (``stores/framing.py``), computed on the
+copy stream over the rows (``runtime/device_transfers.py``), so a store that reads and writes
+device memory directly never brings the bytes to the host, and a staged device pool needs no
+host hash pass (docs/design.md §4, §5).
 
 Definition. The payload is read as little-endian unsigned 32-bit words ``w_0 .. w_{m-1}`` (the
 last word zero-padded); with the Mersenne prime ``p = 2**31 - 1``::
@@ -29,7 +29,8 @@ import torch
 P = (1 << 31) - 1
 """The modulus: the Mersenne prime 2**31 - 1."""
 CHUNK_WORDS = 1 << 22
-"""Words reduced per step (16 MiB of payload): bounds the int64 temporaries (2 x 32 MiB per row)."""
+"""Words reduced per step over all rows together (16 MiB of payload): bounds each int64
+temporary to 32 MiB however many rows a batch has."""
 
 
 def device_checksums(payloads: torch.Tensor) -> torch.Tensor:
@@ -55,8 +56,9 @@ def device_checksums(payloads: torch.Tensor) -> torch.Tensor:
     m = words.shape[1]
     a_sum = torch.zeros(n, dtype=torch.int64, device=rows.device)
     b_sum = torch.zeros(n, dtype=torch.int64, device=rows.device)
-    for lo in range(0, m, CHUNK_WORDS):
-        w = (words[:, lo:lo + CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF) % P  # unsigned word mod p
+    step = max(1, CHUNK_WORDS // n)
+    for lo in range(0, m, step):
+        w = (words[:, lo:lo + step].to(torch.int64) & 0xFFFFFFFF) % P  # unsigned word mod p
         pos = torch.arange(lo + 1, lo + 1 + w.shape[1], dtype=torch.int64, device=rows.device) % P
         a_sum = (a_sum + w.sum(dim=1)) % P
         b_sum = (b_sum + ((w * pos) % P).sum(dim=1)) % P
