@@ -20,3 +20,13 @@ def test_bench_sglang_json_carries_the_host_and_the_level(tmp_path: Path, integr
     assert {"cores", "memcpy_gbps", "load_average", "load_average_end"} <= set(data["host"])
     (row,) = data["results"]
     assert row["integrity"] == integrity and row["restore_mismatches"] == 0
+
+
+def test_the_segment_holds_every_timed_prompt() -> None:
+    """Each repeat stores a new prompt and restores it afterwards: a segment too small for all
+    of them evicts one before its restore (5 repeats of 256 x 1 MiB did, in a 1 GiB segment)."""
+    from hylinker.tools.bench_sglang import _segment_mb
+
+    assert _segment_mb(64, 48, 3) == 1024
+    for kib, tokens, repeats in ((1024, 256, 5), (64, 4096, 8), (1024, 1024, 3)):
+        assert _segment_mb(kib, tokens, repeats) << 20 >= (repeats + 2) * tokens * (kib << 10)

@@ -65,13 +65,20 @@ def _spec(object_kib: int, tokens: int, tree_core: str) -> Any:
                      max_context=4 * tokens + 64, tree_core=tree_core)
 
 
-def _config(linker: str, master: str, integrity: str = "checksum") -> tuple[dict[str, Any], str]:
+def _segment_mb(object_kib: int, tokens: int, repeats: int) -> int:
+    """The in-process segment each linker contributes: 1 GiB, or room for every timed prompt
+    (one per repeat, none of them evicted before its restore) plus the extra cases' if more."""
+    return max(1024, -(-(repeats + 2) * tokens * object_kib // 1024) + 64)
+
+
+def _config(linker: str, master: str, integrity: str = "checksum",
+            segment_mb: int = 1024) -> tuple[dict[str, Any], str]:
     if linker == "hylinker":
         return ({"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang",
-                 "linker_extra_config": {"store": "mooncake", "master": master, "segment_mb": 1024,
+                 "linker_extra_config": {"store": "mooncake", "master": master, "segment_mb": segment_mb,
                                          "integrity": integrity}},
                 "dynamic")
-    return ({"master_server_address": master, "protocol": "tcp", "global_segment_size": 1 << 30,
+    return ({"master_server_address": master, "protocol": "tcp", "global_segment_size": segment_mb << 20,
              "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}, "mooncake")
 
 
@@ -237,7 +244,7 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
     out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens,
                            "integrity": integrity if linker == "hylinker" else None}
     with MooncakeMaster() as master:
-        config, backend = _config(linker, master.address, integrity)
+        config, backend = _config(linker, master.address, integrity, _segment_mb(object_kib, tokens, repeats))
         before = anonymous_mappings()
         # every thread started from here on (the linkers' own, and the store's worker threads
         # started on first use) runs under its own profiler until the profile is written
