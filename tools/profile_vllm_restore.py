@@ -226,12 +226,12 @@ def _save_copy(args: argparse.Namespace, host: dict[str, Any], objects: int = 45
             times[name].append(time.perf_counter() - t0)
     assert torch.equal(staging[dst_t], raw[src_t])
     host = finish(host)
-    out = {"host": host, "objects": objects, "page_bytes": page, "rounds": rounds,
-           "seconds": {k: sorted(v) for k, v in times.items()}}
-    for name, xs in out["seconds"].items():
+    seconds = {k: sorted(v) for k, v in times.items()}
+    out: dict[str, Any] = {"host": host, "objects": objects, "page_bytes": page, "rounds": rounds, "seconds": seconds}
+    for name, xs in seconds.items():
         print(f"{name:<24} best {1000 * xs[0]:7.2f} ms  median {1000 * xs[len(xs) // 2]:7.2f} ms")
-    best = {k: v[0] for k, v in out["seconds"].items()}
-    med = {k: v[len(v) // 2] for k, v in out["seconds"].items()}
+    best = {k: v[0] for k, v in seconds.items()}
+    med = {k: v[len(v) // 2] for k, v in seconds.items()}
     out["ratio_best"] = round(best["index_select_index_copy"] / best["row_copies"], 2)
     out["ratio_median"] = round(med["index_select_index_copy"] / med["row_copies"], 2)
     print(f"index_select + index_copy_ / row copies: {out['ratio_best']}x (best), {out['ratio_median']}x (median)")
