@@ -62,7 +62,15 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 from ..runtime.tracing import enable_trace_logging, trace
 from . import store_host, vllm_metrics
 from .vllm_config import VllmConnectorConfig
-from .vllm_index import ObjectLookup, RankReport, StoreIndex, StoreProbe
+from .vllm_index import (
+    CopyRanks,
+    KeyLayout,
+    ObjectLookup,
+    RankReport,
+    StoreIndex,
+    StoreProbe,
+    kv_replicas,
+)
 from .vllm_pages import PageTransfers, RawPages
 from .vllm_plan import (
     BlockKeys,
@@ -152,6 +160,17 @@ def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
             f"groups={','.join(specs)}")
 
 
+def _layout(vllm_config: VllmConfig, ranks: int, shared_store: bool) -> KeyLayout:
+    """Whose key each rank reads and writes. In a store every rank reaches, attention pages vLLM
+    replicates over ranks are written once (:func:`~hylinker.integrations.vllm_index.kv_replicas`);
+    a store inside each worker keeps a copy per rank (no rank can read another's)."""
+    if not shared_store or ranks == 1:
+        return KeyLayout.per_rank(ranks)
+    model = vllm_config.model_config
+    replicas = kv_replicas(model.get_total_num_kv_heads(), ranks, latent=bool(model.use_mla))
+    return KeyLayout(CopyRanks(ranks, replicas), CopyRanks(ranks))
+
+
 class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector over hylinker's data plane; see the module docstring."""
 
@@ -181,6 +200,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.rank = 0
         self.host: store_host.StoreHost | None = None
         self.lookup: ObjectLookup
+        self.layout = _layout(vllm_config, self.ranks, shared_store=self.config.store != "embedded")
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -190,8 +210,8 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         elif self.config.store == "embedded":
             self.lookup = StoreIndex(self.ranks)  # each worker's store, known from its reports
         else:
-            self.host = self._open_store(role, self.config)
-            self.lookup = StoreProbe(self.host, self.ranks)
+            self.host = self._open_store(role, self.config.for_scheduler())
+            self.lookup = StoreProbe(self.host, self.layout)
         self.incarnation = uuid.uuid4().hex
         geometry = _geometry(vllm_config, kv_cache_config)
         self.seed = namespace_seed(str(vllm_config.model_config.model), geometry, self.config.salt)
@@ -206,9 +226,10 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._transfers: PageTransfers | None = None
         self._closed = False
-        log.info("hylinker: %s connector (rank %d of %d), groups attention=%s state=%s, block %d, store %s",
-                 role.name.lower(), self.rank, self.ranks, self.groups.attention, self.groups.state,
-                 self.block_size, self.config.store)
+        log.info("hylinker: %s connector (rank %d of %d), groups attention=%s state=%s, block %d, store %s, "
+                 "attention pages written by ranks %s", role.name.lower(), self.rank, self.ranks,
+                 self.groups.attention, self.groups.state, self.block_size, self.config.store,
+                 list(self.layout.blocks.copies()))
 
     def _open_store(self, role: KVConnectorRole, config: VllmConnectorConfig) -> store_host.StoreHost:
         """This process's store; one that cannot be opened stops startup, naming it."""
@@ -367,7 +388,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self._transfers = PageTransfers(self.host, pages, fingerprint=fingerprint,
                                         with_state=bool(self.groups.state),
                                         staging_bytes=self.config.staging_mb * MIB, rank=self.rank,
-                                        integrity=self.config.integrity_level)
+                                        integrity=self.config.integrity_level, layout=self.layout)
         for plane in (self._transfers.engine_plane, self._transfers.staging_plane):
             self.stats.watch(plane)
         self.host.on_evict(self._transfers.note_evicted)

@@ -2,7 +2,9 @@
 
 The keys every engine plugin takes (:class:`~hylinker.integrations.config.PluginConfig`) plus
 ``fault_rank``: the tensor-parallel rank whose store the ``faults`` plan wraps (``-1``, the
-default: every rank's), so a test can damage one rank's objects and not the others'.
+default: every rank's and the scheduler's), so a test can damage one rank's objects, or make one
+rank's store die mid-run (``faults: "fail_calls=N-1000000000,scheduled=unavailable"``: every call
+from the N-th on raises), and not the others'.
 
 This module imports neither vLLM nor a store client, so it can be checked anywhere.
 """
@@ -35,6 +37,13 @@ class VllmConnectorConfig(PluginConfig):
     def for_rank(self, rank: int) -> VllmConnectorConfig:
         """The settings of rank ``rank``'s store: without the fault plan unless it is that rank's."""
         if self.fault_rank in (-1, rank):
+            return self
+        return attrs.evolve(self, faults="")
+
+    def for_scheduler(self) -> VllmConnectorConfig:
+        """The settings of the scheduler side's store (its probe of a shared store): without the
+        fault plan when the plan names one rank (that rank's store dies, not the scheduler's)."""
+        if self.fault_rank == -1:
             return self
         return attrs.evolve(self, faults="")
 

@@ -6,7 +6,10 @@ key that carries the rank (:func:`rank_key`); the scheduler plans with rank-free
 offers a hit only when every rank holds every object it needs. Two ways to know that, one object
 per kind of store (:class:`ObjectLookup`):
 
-* :class:`StoreProbe` — a store every process can reach (Mooncake): ask it for every rank's key.
+* :class:`StoreProbe` — a store every process can reach (Mooncake): ask it for every copy's key.
+  There, attention pages that vLLM replicates over ranks (fewer KV heads than ranks, or an MLA
+  latent cache: :func:`kv_replicas`) are written once, by the first rank of each group of
+  replicas, and read by all of them (:class:`KeyLayout`).
 * :class:`StoreIndex` — a store inside each worker (the embedded store): the scheduler keeps an
   index per rank, fed by :class:`RankReport` s that travel with vLLM's worker → scheduler
   connector output each step (objects stored, objects gone: a failed write, a skipped save, an
@@ -32,11 +35,77 @@ import attrs
 from .store_host import StoreHost
 
 RANK_MARK = ":r"
+BLOCK_MARK = ":kv:"  # in the names of attention blocks (vllm_plan.attention_key), not of states
 
 
 def rank_key(name: str, rank: int) -> str:
     """The store key of rank ``rank``'s shard of object ``name``."""
     return f"{name}{RANK_MARK}{rank}"
+
+
+def kv_replicas(total_kv_heads: int, tp: int, *, latent: bool = False) -> int:
+    """How many consecutive tensor-parallel ranks hold identical attention pages, by vLLM's own
+    sharding: with fewer KV heads than ranks each head lives on ``tp // heads`` ranks
+    (``QKVParallelLinear.num_kv_head_replicas``, rank ``r`` loads head shard ``r // replicas``);
+    an MLA latent cache (``latent``) is the same on every rank (``ModelConfig.get_num_kv_heads``
+    answers 1 for MLA; ``kv_a_proj_with_mqa`` is a ``ReplicatedLinear``)."""
+    if tp < 1 or total_kv_heads < 1:
+        raise ValueError(f"tensor parallel size {tp} and KV heads {total_kv_heads} must be >= 1")
+    if latent:
+        return tp
+    if total_kv_heads >= tp:
+        return 1
+    if tp % total_kv_heads:
+        raise ValueError(f"{total_kv_heads} KV heads do not replicate evenly over {tp} ranks")
+    return tp // total_kv_heads
+
+
+@attrs.frozen
+class CopyRanks:
+    """How the ranks share one kind of object: ``replicas`` consecutive ranks hold identical
+    pages; the first of them writes the one copy under its key and all of them read it."""
+
+    ranks: int
+    replicas: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.ranks < 1 or self.replicas < 1 or self.ranks % self.replicas:
+            raise ValueError(f"{self.replicas} replicas do not divide {self.ranks} ranks")
+
+    def owner(self, rank: int) -> int:
+        """The rank whose key holds the copy ``rank`` reads."""
+        return rank - rank % self.replicas
+
+    def writes(self, rank: int) -> bool:
+        return rank % self.replicas == 0
+
+    def copies(self) -> range:
+        """The ranks whose keys hold a copy: every one must be present for a hit."""
+        return range(0, self.ranks, self.replicas)
+
+
+@attrs.frozen
+class KeyLayout:
+    """Store keys per rank: attention blocks follow ``blocks``, recurrent states ``states``
+    (states are always sharded: vLLM splits linear-attention and Mamba heads over the ranks)."""
+
+    blocks: CopyRanks
+    states: CopyRanks
+
+    @classmethod
+    def per_rank(cls, ranks: int) -> KeyLayout:
+        """Every rank writes and reads its own copy of everything (a store inside each worker)."""
+        return cls(CopyRanks(ranks), CopyRanks(ranks))
+
+    def of(self, name: str) -> CopyRanks:
+        return self.blocks if BLOCK_MARK in name else self.states
+
+    def key(self, name: str, rank: int) -> str:
+        """The key rank ``rank`` reads ``name`` from (and writes it to, if it writes)."""
+        return rank_key(name, self.of(name).owner(rank))
+
+    def copy_keys(self, name: str) -> list[str]:
+        return [rank_key(name, r) for r in self.of(name).copies()]
 
 
 def name_of(key: str) -> str:
@@ -128,18 +197,24 @@ class StoreIndex:
 
 
 class StoreProbe:
-    """A store every rank and the scheduler reach: ask it for every rank's key."""
+    """A store every rank and the scheduler reach: ask it for every copy's key (one per rank,
+    one per group of replicas for a replicated kind, see :class:`KeyLayout`)."""
 
-    def __init__(self, host: StoreHost, ranks: int) -> None:
+    def __init__(self, host: StoreHost, layout: KeyLayout) -> None:
         self.host = host
-        self.ranks = ranks
+        self.layout = layout
 
     def exists(self, names: Sequence[str], timeout_s: float) -> list[bool] | None:
-        keys = [rank_key(n, r) for n in names for r in range(self.ranks)]
-        present = self.host.exists(keys, timeout_s)
+        per_name = [self.layout.copy_keys(n) for n in names]
+        present = self.host.exists([k for keys in per_name for k in keys], timeout_s)
         if present is None:
             return None
-        return [all(present[i * self.ranks:(i + 1) * self.ranks]) for i in range(len(names))]
+        out: list[bool] = []
+        at = 0
+        for keys in per_name:
+            out.append(all(present[at:at + len(keys)]))
+            at += len(keys)
+        return out
 
     def planned(self, names: Iterable[str]) -> None:
         return None  # the store answers for itself
@@ -148,4 +223,5 @@ class StoreProbe:
         return None
 
 
-__all__ = ["ObjectLookup", "RankReport", "StoreIndex", "StoreProbe", "name_of", "rank_key"]
+__all__ = ["CopyRanks", "KeyLayout", "ObjectLookup", "RankReport", "StoreIndex", "StoreProbe", "kv_replicas",
+           "name_of", "rank_key"]

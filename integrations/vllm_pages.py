@@ -20,7 +20,9 @@ registers (checking that blocks are the outer dimension) and views each as
   forward's path. Without a free staging slot a save is skipped and counted, never blocks.
 
 Objects are planned by rank-free names; this rank's store keys carry its rank
-(:func:`~hylinker.integrations.vllm_index.rank_key`). For a scheduler that cannot ask the store
+(:func:`~hylinker.integrations.vllm_index.rank_key`), or, for attention pages vLLM replicates
+over ranks in a shared store, the rank of the one copy (:class:`~hylinker.integrations.vllm_index.KeyLayout`:
+only that rank writes it). For a scheduler that cannot ask the store
 itself, :meth:`PageTransfers.take_report` lists the names stored and gone since the last call,
 and a load of an object whose save is still in flight waits for that save first.
 """
@@ -38,6 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio.to_thread
+import attrs
 import torch
 
 from ..components.layout import PoolKind
@@ -45,7 +48,7 @@ from ..components.pool_view import LayerParts, PoolSet, PoolView, PoolViewError
 from ..runtime.data_plane import DataPlane, DataPlaneConfig, Transfer, TransferOutcome
 from ..stores.framing import Integrity
 from .store_host import StoreHost
-from .vllm_index import name_of, rank_key
+from .vllm_index import KeyLayout, name_of
 from .vllm_plan import TransferPlan
 
 log = logging.getLogger("vllm.hylinker")
@@ -107,12 +110,13 @@ def _views(raws: Sequence[torch.Tensor], with_state: bool) -> PoolSet:
     return PoolSet(views)
 
 
-def _transfers(plan: TransferPlan, kv_index: Sequence[int], state_index: Sequence[int], rank: int) -> list[Transfer]:
+def _transfers(plan: TransferPlan, kv_index: Sequence[int], state_index: Sequence[int], rank: int,
+               layout: KeyLayout) -> list[Transfer]:
     out = []
     if plan.kv_keys:
-        out.append(Transfer(PoolKind.FULL, [rank_key(n, rank) for n in plan.kv_keys], list(kv_index)))
+        out.append(Transfer(PoolKind.FULL, [layout.key(n, rank) for n in plan.kv_keys], list(kv_index)))
     if plan.state_keys:
-        out.append(Transfer(PoolKind.MAMBA, [rank_key(n, rank) for n in plan.state_keys], list(state_index)))
+        out.append(Transfer(PoolKind.MAMBA, [layout.key(n, rank) for n in plan.state_keys], list(state_index)))
     return out
 
 
@@ -121,10 +125,11 @@ class PageTransfers:
 
     def __init__(self, host: StoreHost, pages: RawPages, *, fingerprint: bytes, with_state: bool,
                  staging_bytes: int, rank: int = 0, save_wait_s: float = 10.0,
-                 integrity: Integrity = Integrity.CHECKSUM) -> None:
+                 integrity: Integrity = Integrity.CHECKSUM, layout: KeyLayout | None = None) -> None:
         self.host = host
         self.pages = pages
         self.rank = rank
+        self.layout = layout if layout is not None else KeyLayout.per_rank(rank + 1)
         self.save_wait_s = save_wait_s  # longest wait of a load for a save of its objects in flight
         per_object = sum(pages.page_bytes)
         slots = max(1, staging_bytes // per_object)
@@ -155,7 +160,7 @@ class PageTransfers:
     # ---- loads ------------------------------------------------------------------------------------
     def load(self, plan: TransferPlan) -> None:
         """Start restoring ``plan`` into the engine's blocks (asynchronously)."""
-        transfers = _transfers(plan, plan.kv_blocks, plan.state_blocks, self.rank)
+        transfers = _transfers(plan, plan.kv_blocks, plan.state_blocks, self.rank, self.layout)
         with self._lock:
             saving = [f for f in {self._saving.get(n) for n in plan.kv_keys + plan.state_keys} if f is not None]
 
@@ -210,7 +215,8 @@ class PageTransfers:
         if bad:
             self.counters["objects_removed"] += len(bad)
             self._dropped.extend(bad)
-            future = self.host.portal.start_task_soon(self.host.store.remove, [rank_key(n, self.rank) for n in bad])
+            future = self.host.portal.start_task_soon(self.host.store.remove,
+                                                      [self.layout.key(n, self.rank) for n in bad])
             future.add_done_callback(lambda f: f.exception())  # retrieve it: never logged as unhandled
 
     def fail_now(self, request_ids: Iterable[str]) -> None:
@@ -227,8 +233,12 @@ class PageTransfers:
     # ---- saves ------------------------------------------------------------------------------------
     def save(self, plans: Iterable[TransferPlan]) -> None:
         """Copy every plan's pages into staging now, then write them to the store off the
-        step. A plan without enough free staging slots is skipped (counted)."""
+        step. A plan without enough free staging slots is skipped (counted). Attention pages
+        another rank writes for this one (replicated, see :class:`KeyLayout`) are left out."""
+        writes_blocks = self.layout.blocks.writes(self.rank)
         for plan in plans:
+            if not writes_blocks:
+                plan = attrs.evolve(plan, kv_keys=(), kv_blocks=())
             n = len(plan.kv_blocks) + len(plan.state_blocks)
             if n == 0:
                 continue
@@ -238,11 +248,13 @@ class PageTransfers:
                     self._dropped.extend(plan.kv_keys + plan.state_keys)
                     continue
                 slots = [self._free.pop() for _ in range(n)]
-            src = torch.tensor(list(plan.blocks), dtype=torch.long)
-            dst = torch.tensor(slots, dtype=torch.long)
+            # one row copy per page (a memcpy each): an index_select + index_copy_ of the same
+            # pages took ~20x as long here (tools/profile_vllm_restore.py --save-copy), in the step
             for raw, st in zip(self.pages.raws, self.staging):
-                st.index_copy_(0, dst, raw.index_select(0, src))
-            transfers = _transfers(plan, slots[: len(plan.kv_blocks)], slots[len(plan.kv_blocks):], self.rank)
+                for slot, block in zip(slots, plan.blocks):
+                    st[slot].copy_(raw[block])
+            transfers = _transfers(plan, slots[: len(plan.kv_blocks)], slots[len(plan.kv_blocks):], self.rank,
+                                   self.layout)
 
             async def run(transfers: list[Transfer] = transfers, rid: str = plan.request_id) -> TransferOutcome:
                 ticket = await self.staging_plane.offload(transfers, request_id=rid)

@@ -7,6 +7,10 @@ between steps. Steps (a JSON list, ``--steps``):
 * ``{"op": "generate", "prompt": [ids...], "max_tokens": 8}`` → tokens, top-3 logprobs per
   token, ``cached`` (prompt tokens vLLM did not compute: its prefix cache plus the connector),
   ``seconds`` and ``ttft_s`` (time to the first token, from a separate 1-token request);
+* ``{"op": "decode", "prompt": [ids...], "max_tokens": 64}`` → the request streamed through the
+  engine's step loop (``LLMEngine.add_request`` / ``step``, EOS ignored): ``ttft_s`` and
+  ``token_s``, the time each later token arrived after the one before it (one engine step
+  each; tokens that arrive together count 0 for all but the first), and ``tokens``;
 * ``{"op": "reset"}`` → vLLM's prefix cache reset (the connector's store is kept);
 * ``{"op": "kill", "pid": N}`` → SIGKILL that process (a Mooncake master, say);
 * ``{"op": "stats"}`` → the connector's counters (scheduler and worker side) where the engine
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -54,6 +59,27 @@ def _connectors(llm: Any) -> list[Any]:
     except Exception:
         pass
     return [c for c in found if c is not None and hasattr(c, "statistics")]
+
+
+def _decode(llm: Any, step: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """One request through the engine's step loop, timing each token's arrival."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=int(step.get("max_tokens", 64)), temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(request_id, {"prompt_token_ids": list(step["prompt"])}, sp)
+    arrivals: list[float] = []
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            now = time.perf_counter()
+            tokens = list(out.outputs[0].token_ids)
+            arrivals += [now] * (len(tokens) - len(arrivals))
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    return {"op": "decode", "tokens": tokens, "ttft_s": arrivals[0] - t0 if arrivals else None, "token_s": gaps}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
             results.append({"op": op, "ttft_s": time.perf_counter() - t0, "cached": int(out.num_cached_tokens or 0)})
+        elif op == "decode":
+            results.append(_decode(llm, step, f"decode-{len(results)}"))
         elif op == "reset":
             results.append({"op": op, "ok": bool(llm.reset_prefix_cache())})
         elif op == "kill":

@@ -14,7 +14,16 @@ import torch
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfigError
 from hylinker.integrations.vllm_config import VllmConnectorConfig
-from hylinker.integrations.vllm_index import RankReport, StoreIndex, StoreProbe, name_of, rank_key
+from hylinker.integrations.vllm_index import (
+    CopyRanks,
+    KeyLayout,
+    RankReport,
+    StoreIndex,
+    StoreProbe,
+    kv_replicas,
+    name_of,
+    rank_key,
+)
 from hylinker.integrations.vllm_pages import PageTransfers, RawPages
 from hylinker.integrations.vllm_plan import TransferPlan
 
@@ -67,8 +76,8 @@ def test_probe_asks_the_store_for_every_ranks_key() -> None:
         host.portal.call(host.store.put, [rank_key("a", 0)], buf)
         host.portal.call(host.store.put, [rank_key("a", 1)], buf)
         host.portal.call(host.store.put, [rank_key("b", 0)], buf)
-        assert StoreProbe(host, 2).exists(["a", "b", "c"], 1.0) == [True, False, False]
-        assert StoreProbe(host, 1).exists(["a", "b"], 1.0) == [True, True]
+        assert StoreProbe(host, KeyLayout.per_rank(2)).exists(["a", "b", "c"], 1.0) == [True, False, False]
+        assert StoreProbe(host, KeyLayout.per_rank(1)).exists(["a", "b"], 1.0) == [True, True]
     finally:
         store_host.release(host)
 
@@ -77,6 +86,8 @@ def test_fault_rank_keeps_the_fault_plan_on_one_rank_only() -> None:
     cfg = VllmConnectorConfig.from_extra_config({"faults": "corrupt=1", "fault_rank": 1})
     assert cfg.for_rank(1).faults == "corrupt=1" and cfg.for_rank(0).faults == ""
     assert VllmConnectorConfig.from_extra_config({"faults": "corrupt=1"}).for_rank(0).faults == "corrupt=1"
+    assert cfg.for_scheduler().faults == ""  # one rank's store fails, the scheduler's probe does not
+    assert VllmConnectorConfig.from_extra_config({"faults": "corrupt=1"}).for_scheduler().faults == "corrupt=1"
     with pytest.raises(PluginConfigError, match="fault_rank"):
         VllmConnectorConfig.from_extra_config({"fault_rank": -2})
 
@@ -167,4 +178,58 @@ def test_a_load_waits_for_the_save_of_its_objects_in_flight() -> None:
         gated.gate.set()
         pt.close(5.0)
         host.store = inner
+        store_host.release(host)
+
+
+def test_kv_replicas_follows_vllms_sharding_of_kv_heads() -> None:
+    assert kv_replicas(1, 2) == 2  # one KV head on both ranks (the tests' tiny model at TP 2)
+    assert kv_replicas(2, 2) == 1 and kv_replicas(8, 2) == 1  # heads split: no two ranks alike
+    assert kv_replicas(2, 8) == 4  # ranks 0-3 hold head 0, ranks 4-7 head 1
+    assert kv_replicas(1, 1) == 1
+    assert kv_replicas(64, 4, latent=True) == 4  # MLA: one latent cache, the same on every rank
+    with pytest.raises(ValueError, match="evenly"):
+        kv_replicas(2, 3)
+    layout = KeyLayout(CopyRanks(8, 4), CopyRanks(8))
+    assert [layout.key("h:kv:g0", r) for r in (0, 3, 4, 7)] == ["h:kv:g0:r0", "h:kv:g0:r0", "h:kv:g0:r4", "h:kv:g0:r4"]
+    assert layout.key("h:state:g1", 3) == "h:state:g1:r3"  # states are sharded on every rank
+    assert layout.copy_keys("h:kv:g0") == ["h:kv:g0:r0", "h:kv:g0:r4"]
+    assert [r for r in range(8) if layout.blocks.writes(r)] == [0, 4]
+    with pytest.raises(ValueError, match="divide"):
+        CopyRanks(6, 4)
+
+
+def test_replicated_attention_pages_are_written_once_and_read_by_every_rank() -> None:
+    """Two ranks over one shared store with one KV head replicated on both: rank 0 writes the
+    block, rank 1 writes only its state; the probe needs the one block copy and both states;
+    rank 1 restores the block from rank 0's copy."""
+    host = store_host.acquire(VllmConnectorConfig.from_extra_config({"capacity_mb": 8}))
+    layout = KeyLayout(CopyRanks(2, 2), CopyRanks(2))
+    raws, ranks = [], []
+    for rank in (0, 1):
+        raw, pages = _pages(8)
+        raws.append(raw)
+        ranks.append(PageTransfers(host, pages, fingerprint=b"f" * 32, with_state=True, staging_bytes=8 * 128,
+                                   rank=rank, layout=layout))
+    kv, state = "h1:kv:g0", "h1:state:g1"
+    try:
+        raws[1].view(8, 128)[1].copy_(raws[0].view(8, 128)[1])  # the replicated block: the same bytes
+        for pt in ranks:
+            pt.save([TransferPlan("a", (kv,), (1,), (state,), (2,))])
+            assert pt.drain(10.0)
+        assert [pt.statistics()["objects_saved"] for pt in ranks] == [2, 1]  # the block once
+        keys = [rank_key(kv, 0), rank_key(kv, 1), rank_key(state, 0), rank_key(state, 1)]
+        assert host.portal.call(host.store.exists, keys) == [True, False, True, True]
+        probe = StoreProbe(host, layout)
+        assert probe.exists([kv, state, "h2:kv:g0"], 1.0) == [True, True, False]
+        host.portal.call(host.store.remove, [rank_key(state, 1)])
+        assert probe.exists([kv, state], 1.0) == [True, False]  # a state needs every rank's copy
+        ranks[1].load(TransferPlan("b", (kv,), (5,)))
+        done: set[str] = set()
+        bad: set[str] = set()
+        while not (done or bad):
+            done, bad = ranks[1].finished_loads()
+        assert done == {"b"} and torch.equal(raws[1].view(8, 128)[5], raws[0].view(8, 128)[1])
+    finally:
+        for pt in ranks:
+            pt.close(5.0)
         store_host.release(host)

@@ -14,10 +14,14 @@ with vLLM's prefix cache only (what the connector's overhead is measured against
 of a hybrid model has costs of its own, "align" mode chunks the prefill at block boundaries). For each prompt length
 the connector engine measures a 1-token request on a new prompt (a miss: it computes and stores),
 resets vLLM's prefix cache, then repeats it (a restore); the plain engine measures the same
-prompt (a recompute). Decode: 64 tokens on a fresh 200-token prompt, in both engines (no hit, so
-the connector only plans and copies the pages that fill). Timings on a shared machine are noisy:
-compare the ratios, measured side by side in one run; each time to first token is the minimum of
-``--repeats`` (all of them are in the JSON).
+prompt (a recompute). Decode: ``--decode-tokens`` (64) tokens on each of ``--repeats`` fresh
+350-token prompts in all three engines, streamed through the engine's step loop (the runner's
+``decode`` step): every token after the first is timed from the one before it, so the figure is
+the time per decode step, free of the generate call's fixed cost (the prompt crosses a block
+boundary while it decodes, so the connector plans and copies one filled block). Timings on a
+shared machine are noisy: compare the ratios, measured side by side in one run; each time to
+first token is the minimum of ``--repeats`` (all of them are in the JSON); decode figures are the
+median and mean of every timed step. The JSON's ``host`` comes from ``tools/host_probe.py``.
 """
 
 from __future__ import annotations
@@ -57,39 +61,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1024,4096,16384", help="prompt lengths in tokens")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-prompt", type=int, default=350, help="tokens of each decode prompt")
     ap.add_argument("--repeats", type=int, default=3, help="measurements per figure; the minimum is reported")
     ap.add_argument("--tp", default="1", help="tensor parallel sizes, e.g. 1,2")
     ap.add_argument("--default-mode", action="store_true",
                     help="vLLM's default process model at TP 1 too (TP > 1 always runs in it)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    results: dict[str, Any] = {"host": _host()}
+    from .host_probe import describe, finish, host_record
+
+    host = host_record()
+    results: dict[str, Any] = {}
     for tp in (int(t) for t in args.tp.split(",")):
         print(f"== tensor parallel size {tp}")
         results[f"tp{tp}"] = _bench(args, tp, in_process=tp == 1 and not args.default_mode)
-    results["host"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    result: dict[str, Any] = {"default_mode": args.default_mode, **results}
+    host = finish(host)
+    print(describe(host))
+    result: dict[str, Any] = {"default_mode": args.default_mode, "host": host, **results}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
     return 0
-
-
-def _host() -> dict[str, Any]:
-    """Cores, load average and a 256 MiB host memcpy (best of 3): the figures' host line."""
-    import time
-
-    import torch
-
-    src = torch.ones(256 << 20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return {"cores": os.cpu_count(), "memcpy_gbps": round(src.numel() / best / 1e9, 2),
-            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _bench(args: argparse.Namespace, tp: int, *, in_process: bool) -> dict[str, Any]:
@@ -97,7 +89,7 @@ def _bench(args: argparse.Namespace, tp: int, *, in_process: bool) -> dict[str, 
     reps = args.repeats
     rng = random.Random(0)
     prompts = {n: [[rng.randrange(10, 300) for _ in range(n)] for _ in range(reps)] for n in sizes}
-    decode_prompt = [rng.randrange(10, 300) for _ in range(200)]
+    decode_prompts = [[rng.randrange(10, 300) for _ in range(args.decode_prompt)] for _ in range(reps)]
     max_len = max(sizes) + 1024
     warm = [{"op": "ttft", "prompt": [rng.randrange(10, 300) for _ in range(500)]}]  # first-call costs
     # per size: `reps` new prompts (misses), then `reps` times: reset + the first prompt (restores)
@@ -110,10 +102,10 @@ def _bench(args: argparse.Namespace, tp: int, *, in_process: bool) -> dict[str, 
             with_steps += [{"op": "reset"}, {"op": "ttft", "prompt": prompts[n][0]}]
         plain_steps += [{"op": "ttft", "prompt": prompts[n][0]} for _ in range(reps)]
         prefix_steps += [{"op": "ttft", "prompt": p} for p in prompts[n]]
-    decode = {"op": "generate", "prompt": decode_prompt, "max_tokens": args.decode_tokens}
-    with_steps += [decode, {"op": "stats"}] if in_process else [decode]
-    plain_steps += [decode]
-    prefix_steps += [decode]
+    decode = [{"op": "decode", "prompt": dp, "max_tokens": args.decode_tokens} for dp in decode_prompts]
+    with_steps += decode + ([{"op": "stats"}] if in_process else [])
+    plain_steps += decode
+    prefix_steps += decode
     with tempfile.TemporaryDirectory(prefix="hylinker-bench-vllm-") as tmp:
         work = Path(tmp)
         model = build_tiny_qwen3_next(work / "model")
@@ -144,16 +136,7 @@ def _bench(args: argparse.Namespace, tp: int, *, in_process: bool) -> dict[str, 
                                "prefix_miss": [round(r["ttft_s"], 3) for r in prefix_miss],
                                "miss": [round(r["ttft_s"], 3) for r in misses],
                                "restore": [round(r["ttft_s"], 3) for r in restores]}})
-    wd, pd, qd = w[-2], p[-1], q[-1]
-    steps = max(1, args.decode_tokens - 1)
-    per_step_with = wd["seconds"] / steps
-    per_step_plain = pd["seconds"] / steps
-    per_step_prefix = qd["seconds"] / steps
-    decode_row = {"decode_tokens": args.decode_tokens, "step_ms_with_connector": round(1000 * per_step_with, 3),
-                  "step_ms_prefix_cache_only": round(1000 * per_step_prefix, 3),
-                  "step_ms_plain": round(1000 * per_step_plain, 3),
-                  "connector_ratio": round(per_step_with / per_step_prefix, 3),
-                  "same_tokens": wd["tokens"] == pd["tokens"] == qd["tokens"]}
+    decode_row = _decode_row([[r for r in rows_ if r["op"] == "decode"] for rows_ in (w, q, p)], args.decode_tokens)
     result = {"tp": tp, "in_process": in_process, "ttft": rows, "decode": decode_row,
               "connector_stats": w[-1]["stats"]}
     print(f"{'tokens':>7} {'restored':>8} {'recompute s':>11} {'prefix miss s':>13} {'miss+store s':>12} "
@@ -162,11 +145,33 @@ def _bench(args: argparse.Namespace, tp: int, *, in_process: bool) -> dict[str, 
         print(f"{r['tokens']:>7} {r['restored_tokens']:>8} {r['ttft_recompute_s']:>11.3f} "
               f"{r['ttft_miss_prefix_cache_only_s']:>13.3f} {r['ttft_miss_with_connector_s']:>12.3f} "
               f"{r['ttft_restore_s']:>9.3f} {r['restore_speedup']:>7.2f}")
-    print(f"decode step ms: {decode_row['step_ms_with_connector']:.2f} with the connector, "
-          f"{decode_row['step_ms_prefix_cache_only']:.2f} with vLLM's prefix cache only, "
-          f"{decode_row['step_ms_plain']:.2f} with neither; same tokens: {decode_row['same_tokens']}")
+    print("decode step ms (median / mean of every step after the first token): "
+          + "; ".join(f"{name} {decode_row[name]['median_ms']:.2f} / {decode_row[name]['mean_ms']:.2f}"
+                      for name in DECODE_ENGINES)
+          + f"; connector / prefix cache only {decode_row['connector_over_prefix_median']:.3f}, "
+          f"connector / neither {decode_row['connector_over_plain_median']:.3f}; same tokens: {decode_row['same_tokens']}")
     print("connector:", json.dumps(result["connector_stats"]))
     return result
+
+
+DECODE_ENGINES = ("with_connector", "prefix_cache_only", "plain")
+
+
+def _decode_row(runs: list[list[dict[str, Any]]], decode_tokens: int) -> dict[str, Any]:
+    """Per engine (connector, vLLM's prefix cache only, neither): the median and mean time per
+    decode step, pooled over every timed step of every decode request."""
+    row: dict[str, Any] = {"decode_tokens": decode_tokens}
+    for name, decodes in zip(DECODE_ENGINES, runs):
+        steps = sorted(g for d in decodes for g in d["token_s"])
+        if not steps:
+            raise RuntimeError(f"no decode step was timed ({name})")
+        row[name] = {"median_ms": round(1000 * steps[len(steps) // 2], 3),
+                     "mean_ms": round(1000 * sum(steps) / len(steps), 3), "steps": len(steps),
+                     "ttft_s": [round(d["ttft_s"], 4) for d in decodes]}
+    for other, key in (("prefix_cache_only", "connector_over_prefix_median"), ("plain", "connector_over_plain_median")):
+        row[key] = round(row["with_connector"]["median_ms"] / row[other]["median_ms"], 3)
+    row["same_tokens"] = all(a["tokens"] == b["tokens"] == c["tokens"] for a, b, c in zip(*runs))
+    return row
 
 
 if __name__ == "__main__":
