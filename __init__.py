@@ -39,16 +39,14 @@ from .runtime.data_plane import (
     DataPlane,
     DataPlaneClosedError,
     DataPlaneConfig,
-    LoadTicket,
-    OffloadTicket,
     SyncDataPlane,
     SyncLoad,
     Transfer,
-    TransferOutcome,
 )
 from .runtime.events import DeviceEvent, FenceError, wait_fence
 from .runtime.linker import Linker, LoadHandle, LookupResult, PhaseError, Request
 from .runtime.statistics import LinkerStatistics, PoolActorStatistics, QueueStatistics
+from .runtime.tickets import LoadTicket, OffloadTicket, TransferOutcome
 from .runtime.tracing import disable_trace_logging, enable_trace_logging
 from .runtime.tree_actor import PoolExhaustedError
 from .stores.base import (

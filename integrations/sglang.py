@@ -56,9 +56,10 @@ import torch
 
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolViewError
-from ..runtime.data_plane import DataPlaneConfig, SyncDataPlane, SyncLoad, Transfer, TransferOutcome
+from ..runtime.data_plane import DataPlaneConfig, SyncDataPlane, SyncLoad, Transfer
 from ..runtime.events import record_fence
 from ..runtime.metrics import Figures, plane_figures, store_figures
+from ..runtime.tickets import TransferOutcome
 from ..runtime.tracing import enable_trace_logging, trace
 from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore

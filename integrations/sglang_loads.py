@@ -13,7 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..runtime.data_plane import SyncLoad, TransferOutcome
+from ..runtime.data_plane import SyncLoad
+from ..runtime.tickets import TransferOutcome
 
 if TYPE_CHECKING:
     from .sglang import HylinkerLinker

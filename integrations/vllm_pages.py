@@ -45,7 +45,8 @@ import torch
 
 from ..components.layout import PoolKind
 from ..components.pool_view import LayerParts, PoolSet, PoolView, PoolViewError
-from ..runtime.data_plane import DataPlane, DataPlaneConfig, Transfer, TransferOutcome
+from ..runtime.data_plane import DataPlane, DataPlaneConfig, Transfer
+from ..runtime.tickets import TransferOutcome
 from ..stores.framing import Integrity
 from .store_host import StoreHost
 from .vllm_index import KeyLayout, name_of

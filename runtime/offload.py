@@ -20,8 +20,9 @@ from ..stores.base import Store, StoreError
 from ..stores.resilient import ResilientStore
 from .agreement import Agreement, AgreementError, SingleRank, page_runs, runs_pages
 from .config import LinkerConfig
-from .data_plane import DataPlane, OffloadTicket, Transfer
+from .data_plane import DataPlane, Transfer
 from .events import DeviceEvent
+from .tickets import OffloadTicket
 from .tracing import trace
 from .tree_actor import TreeActor
 

@@ -16,8 +16,9 @@ from ..components.partial import restorable_prefixes
 from ..stores.base import StoreError
 from ..stores.framing import FrameFault
 from .agreement import Boundaries
-from .data_plane import LoadTicket, Transfer, TransferOutcome
+from .data_plane import Transfer
 from .request import LinkerRoom, PhaseError, Request
+from .tickets import LoadTicket, TransferOutcome
 from .tracing import trace
 
 if TYPE_CHECKING:
