@@ -9,7 +9,7 @@ every call of the parts below is timed (wall clock, the thread it ran on does no
 * scheduler side: the lookup (``get_num_new_matched_tokens``), inside it the chained block keys and
   the index; the load plan (``update_state_after_alloc``); the step's metadata
   (``build_connector_meta``); the worker reports (``update_connector_output``);
-* worker side: submitting the load (``start_load_kv``), polling it (``get_finished``), the save
+* worker side: submitting the load (``start_load_kv``), polling it (``get_transfer_results``, what vLLM 0.32 calls), the save
   copy (``wait_for_save``); in the data plane: store gets, frame verification, copies into the
   KV cache and state pages; the load's wall time from submit to done;
 * vLLM: ``Scheduler.schedule``, the model runner's ``execute_model`` (the forward) and
@@ -99,7 +99,7 @@ PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("hylinker.integrations.vllm", "HylinkerConnector", "build_connector_meta", "S step metadata (save plans)"),
     ("hylinker.integrations.vllm", "HylinkerConnector", "update_connector_output", "S worker reports"),
     ("hylinker.integrations.vllm", "HylinkerConnector", "start_load_kv", "W submit load"),
-    ("hylinker.integrations.vllm", "HylinkerConnector", "get_finished", "W poll loads"),
+    ("hylinker.integrations.vllm", "HylinkerConnector", "get_transfer_results", "W poll loads"),
     ("hylinker.integrations.vllm", "HylinkerConnector", "wait_for_save", "W save copy"),
     ("hylinker.stores.embedded", "EmbeddedStore", "get", "W   store get"),
     ("hylinker.stores.embedded", "EmbeddedStore", "get_parts", "W   store get"),
