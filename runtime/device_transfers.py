@@ -27,9 +27,9 @@ report waits for the rest of the load (``job.in_rows``), as for host pools moved
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -42,7 +42,7 @@ from ..stores.base import GetResult, Outcome, Store
 from ..stores.device_checksum import device_checksums, verify_on_device
 from .events import DeviceEvent, wait_fence
 from .held_load import HeldLoads
-from .pool_staging import check_landed
+from .pool_staging import check_landed, pipelined
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, OffloadResult, TransferJob
 
@@ -52,7 +52,6 @@ gathered into for their checksums (and its int64 temporaries)."""
 _HB = framing.HEADER_BYTES
 _NO_SUM = 1 << 63  # above any device checksum: a header holding it can never match
 
-X = TypeVar("X")
 
 
 class _Frames:
@@ -109,20 +108,6 @@ class _Rows:
 
     def land(self, codec: PoolCodec, index: torch.Tensor, sel: list[int]) -> None:
         """The store already wrote the rows."""
-
-
-async def _pipelined(n: int, first: Callable[[int], Awaitable[X]],
-                     then: Callable[[int, X], Coroutine[Any, Any, None]]) -> None:
-    """``first(k)`` for every ``k`` in order, each overlapped with ``then(k - 1, ...)``."""
-    ready: tuple[int, X] | None = None
-    for k in range(n):
-        async with anyio.create_task_group() as tg:
-            if ready is not None:
-                tg.start_soon(then, *ready)
-            got = await first(k)
-        ready = (k, got)
-    if ready is not None:
-        await then(*ready)
 
 
 class DeviceTransfers(HeldLoads):
@@ -209,7 +194,7 @@ class DeviceTransfers(HeldLoads):
             call = self.store.put_parts if in_rows else self.store.put  # type: ignore[attr-defined]
             results[k] = await self._store_call(call, job.keys[lo:hi], buffers, Outcome.UNREACHABLE, Outcome.FAILED)
 
-        await _pipelined(len(batches), prepare, put)
+        await pipelined(len(batches), prepare, put)
         return self._offloaded(job, [o for r in results for o in r], size, t0)
 
     # ---- load ---------------------------------------------------------------------------
@@ -238,7 +223,7 @@ class DeviceTransfers(HeldLoads):
             for i, good in zip(which, verdicts):
                 ok[i] = good
 
-        await _pipelined(len(batches), fetch, settle)
+        await pipelined(len(batches), fetch, settle)
         if again:
             again.sort()
             self._reread_outcome(ok, again, await self._reread_device(job, codec, size, in_rows, again, faults))

@@ -15,7 +15,7 @@ from ..stores import framing
 from ..stores.base import GetResult, Outcome
 from .events import wait_fence
 from .in_place import InPlaceTransfers
-from .pool_staging import check_landed
+from .pool_staging import check_landed, pipelined
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, TransferJob
 
@@ -113,15 +113,7 @@ class HeldLoads(InPlaceTransfers):
             else:
                 await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
 
-        fetched: tuple[int, list[GetResult]] | None = None
-        for k in range(len(batches)):
-            async with anyio.create_task_group() as tg:
-                if fetched is not None:
-                    tg.start_soon(verify_async, *fetched)
-                results = await get(k)
-            fetched = (k, results)
-        if fetched is not None:
-            await verify_async(*fetched)
+        await pipelined(len(batches), get, verify_async)  # sub-batch k verified while k+1 is read
         ok = [g for batch in good for g in batch]
         if again:  # read once more into the same private frames
             again.sort()

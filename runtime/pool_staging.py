@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -85,6 +85,21 @@ class LatencyMonitor:
 
 R = TypeVar("R")
 V = TypeVar("V")
+X = TypeVar("X")
+
+
+async def pipelined(n: int, first: Callable[[int], Awaitable[X]],
+                    then: Callable[[int, X], Coroutine[Any, Any, None]]) -> None:
+    """``first(k)`` for every ``k`` in order, each overlapped with ``then(k - 1, ...)``."""
+    ready: tuple[int, X] | None = None
+    for k in range(n):
+        async with anyio.create_task_group() as tg:
+            if ready is not None:
+                tg.start_soon(then, *ready)
+            got = await first(k)
+        ready = (k, got)
+    if ready is not None:
+        await then(*ready)
 
 
 def check_landed(result: GetResult, checksums: bool, verify: Callable[[int | None], V],
