@@ -77,6 +77,7 @@ from .vllm_plan import (
     Groups,
     LoadSpec,
     TransferPlan,
+    UnkeyableRequest,
     attention_key,
     load_plan,
     namespace_seed,
@@ -84,6 +85,7 @@ from .vllm_plan import (
     state_key,
     window_blocks,
 )
+from .vllm_request_keys import request_block_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -127,7 +129,7 @@ class _Tracked:
     """Scheduler-side state of one request."""
 
     request: Request
-    keys: BlockKeys
+    keys: BlockKeys  # the request's own keys: its tokens and vLLM's extra keys (vllm_request_keys)
     saved_blocks: int = 0  # attention blocks below this are stored, restored or the engine's own hit
     stored_states: set[int] = field(default_factory=set)  # boundaries (in blocks) stored or restored
 
@@ -217,11 +219,12 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.seed = namespace_seed(str(vllm_config.model_config.model), geometry, self.config.salt)
         self.counters: dict[str, int] = dict.fromkeys(
             ("lookups", "lookup_hits", "lookup_errors", "hit_tokens", "loads_planned", "loads_refused",
-             "kv_saves_planned", "state_saves_planned"), 0)
+             "kv_saves_planned", "state_saves_planned", "requests_unkeyable"), 0)
         # scheduler side
         self._requests: dict[str, _Tracked] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._no_store_hit: set[str] = set()
+        self._unkeyable: set[str] = set()  # requests served without the store (vllm_request_keys)
         self._step = HylinkerConnectorMetadata()
         # worker side
         self._transfers: PageTransfers | None = None
@@ -241,24 +244,54 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
                                f"store {config.store!r}{where}: {exc}") from exc
 
     # ================================ scheduler side ================================
-    def _tracked(self, request: Request) -> _Tracked:
-        t = self._requests.get(request.request_id)
+    def _tracked(self, request: Request) -> _Tracked | None:
+        """The request's state; None for a request its keys cannot describe (no store for it)."""
+        rid = request.request_id
+        t = self._requests.get(rid)
         if t is None or t.request is not request:
-            t = _Tracked(request, BlockKeys(self.seed, self.block_size))
-            self._requests[request.request_id] = t
+            if rid in self._unkeyable:
+                return None
+            try:
+                t = _Tracked(request, request_block_keys(self.seed, self.block_size, request))
+            except UnkeyableRequest as exc:
+                self._refuse(rid, exc)
+                return None
+            self._requests[rid] = t
         return t
+
+    def _keys(self, tracked: _Tracked, n_blocks: int) -> list[bytes] | None:
+        """The request's first ``n_blocks`` block keys; None (and no store for it from now on)
+        where its extra keys cannot be described."""
+        try:
+            return tracked.keys.extend(tracked.request.all_token_ids, n_blocks)
+        except UnkeyableRequest as exc:
+            self._refuse(tracked.request.request_id, exc)
+            return None
+
+    def _refuse(self, rid: str, exc: UnkeyableRequest) -> None:
+        """Serve ``rid`` without the store: no lookup, no load, no save; counted and logged."""
+        if rid in self._unkeyable:
+            return
+        self.counters["requests_unkeyable"] += 1
+        self._unkeyable.add(rid)
+        self._requests.pop(rid, None)
+        self._pending.pop(rid, None)
+        log.warning("hylinker: request %s is served without the store: %s", rid, exc)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self.block_size
         tracked = self._tracked(request)
+        if tracked is None:
+            return 0, False
         local = num_computed_tokens // bs
         tracked.saved_blocks = max(tracked.saved_blocks, local)
         last = (request.num_tokens - 1) // bs  # one token must run
         self._pending.pop(request.request_id, None)
         if last <= local or request.request_id in self._no_store_hit:
             return 0, False
-        tokens = request.all_token_ids
-        keys = tracked.keys.extend(tokens, last)
+        keys = self._keys(tracked, last)
+        if keys is None:
+            return 0, False
         names = self.groups.probe_keys(keys, local)
         self.counters["lookups"] += 1
         present = self.lookup.exists(names, self.config.lookup_timeout_s)
@@ -284,7 +317,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._tracked(request)
         spec = self._pending.pop(request.request_id, None)
-        if num_external_tokens == 0 or spec is None:
+        if num_external_tokens == 0 or spec is None or tracked is None:
             return
         try:
             plan = load_plan(spec, self.groups, blocks.get_block_ids())
@@ -318,7 +351,9 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             block_ids = block_state.get_block_ids(rid)
             if block_ids is None:
                 continue
-            keys = tracked.keys.extend(tokens, n_full)
+            keys = self._keys(tracked, n_full)
+            if keys is None:
+                continue
             names: list[str] = []
             ids: list[int] = []
             for g in self.groups.block_groups:
@@ -332,15 +367,15 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         states: dict[str, tuple[list[str], list[int]]] = {}
         for rid, offers in block_state.boundary_state_offloads.items():
             tracked = self._requests.get(rid)
-            if tracked is None:
+            if tracked is None or rid in self._unkeyable:
                 continue
             for group, block, n_tokens in offers:
                 boundary = n_tokens // bs
                 if (group not in self.groups.state or block == 0 or n_tokens % bs or boundary == 0
                         or boundary in tracked.stored_states):
                     continue
-                keys = tracked.keys.extend(tracked.request.all_token_ids, boundary)
-                if len(keys) < boundary:
+                keys = self._keys(tracked, boundary)
+                if keys is None or len(keys) < boundary:
                     continue
                 names, ids = states.setdefault(rid, ([], []))
                 names.append(state_key(keys[boundary - 1], group))
@@ -348,7 +383,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             for group, _block, n_tokens in offers:
                 if group in self.groups.state and n_tokens % bs == 0 and rid in states:
                     tracked.stored_states.add(n_tokens // bs)
-        for rid in sorted(kv.keys() | states.keys()):
+        for rid in sorted((kv.keys() | states.keys()) - self._unkeyable):
             kn, kb = kv.get(rid, ([], []))
             sn, sb = states.get(rid, ([], []))
             self.counters["kv_saves_planned"] += len(kn)
@@ -379,6 +414,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests.pop(rid, None)
         self._pending.pop(rid, None)
         self._no_store_hit.discard(rid)
+        self._unkeyable.discard(rid)
 
     # ================================ worker side ================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -2,7 +2,11 @@
 
 Objects and keys. vLLM hands out blocks of ``block_size`` tokens per KV cache group. Block ``i``
 of a token sequence has the chained key ``k_i = H(k_{i-1} ‖ tokens of block i)``
-(:func:`~hylinker.components.keys.page_keys`, ``k_{-1}`` = :func:`namespace_seed`). Per group:
+(:func:`~hylinker.components.keys.page_keys`, ``k_{-1}`` = :func:`namespace_seed`, folded with
+the request's own seed parts by :func:`request_seed`); a block for which the request has extra
+keys (vLLM's block-hash extra keys: LoRA adapter, multimodal inputs overlapping the block, the
+cache salt on block 0, prompt embeddings) gets ``k_i = H(H(k_{i-1} ‖ tokens) ‖ extras)``
+(:func:`fold_extra_keys`), so a key differs wherever vLLM's own block hash differs. Per group:
 
 * an attention group stores block ``i`` as the object ``{k_i}:kv:g{group}``;
 * a recurrent-state group stores the state *after* block ``i`` — at the boundary
@@ -23,7 +27,7 @@ below the window).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -41,6 +45,51 @@ def namespace_seed(model: str, geometry: str, salt: str) -> bytes:
     return h.digest()
 
 
+class UnkeyableRequest(ValueError):
+    """A request carries something its block keys cannot describe exactly (an extra-key kind or
+    value this connector does not know): it is served without the store."""
+
+
+#: vLLM 0.32's block-hash extra-key kinds (``generate_block_hash_extra_keys``) the keys carry
+EXTRA_KEY_KINDS = ("lora", "mm", "cache_salt", "prompt_embeds")
+
+
+def _encode_value(v: object) -> bytes:
+    if isinstance(v, bool) or not isinstance(v, (str, bytes, int)):
+        raise UnkeyableRequest(f"an extra-key value of type {type(v).__name__} ({v!r:.60})")
+    if isinstance(v, str):
+        tag, raw = b"s", v.encode("utf-8", "surrogatepass")
+    elif isinstance(v, bytes):
+        tag, raw = b"b", v
+    else:
+        tag, raw = b"i", str(v).encode()
+    return tag + len(raw).to_bytes(8, "little") + raw
+
+
+def encode_extra_keys(keys: Sequence[tuple[object, ...]]) -> bytes:
+    """A canonical, process-independent encoding of a block's extra keys: each a tuple whose
+    first item is one of :data:`EXTRA_KEY_KINDS`, the rest strings, bytes or integers; anything
+    else raises :class:`UnkeyableRequest`."""
+    out = [len(keys).to_bytes(4, "little")]
+    for key in keys:
+        if not isinstance(key, tuple) or not key or key[0] not in EXTRA_KEY_KINDS:
+            raise UnkeyableRequest(f"an extra key of unknown kind: {key!r:.80}")
+        out.append(len(key).to_bytes(4, "little"))
+        out.extend(_encode_value(v) for v in key)
+    return b"".join(out)
+
+
+def fold_extra_keys(key: bytes, encoded: bytes) -> bytes:
+    """A block's key with its encoded extra keys folded in (see the module docstring)."""
+    return hashlib.blake2b(key + b"\x01extra" + encoded, digest_size=KEY_BYTES).digest()
+
+
+def request_seed(seed: bytes, parts: Sequence[tuple[object, ...]]) -> bytes:
+    """``k_{-1}`` of one request: the deployment's :func:`namespace_seed` with the request-wide
+    parts that are not block extra keys (the LoRA adapter's weights digest) folded in."""
+    return fold_extra_keys(seed, encode_extra_keys(parts)) if parts else seed
+
+
 def attention_key(block_key: bytes, group: int) -> str:
     return f"{block_key.hex()}:kv:g{group}"
 
@@ -49,23 +98,39 @@ def state_key(block_key: bytes, group: int) -> str:
     return f"{block_key.hex()}:state:g{group}"
 
 
-class BlockKeys:
-    """A request's chained block keys, extended as its tokens grow."""
+#: a request's extra keys of block ``i`` (``extras(i)``), encoded; None where it has none
+BlockExtras = Callable[[int], "bytes | None"]
 
-    def __init__(self, seed: bytes, block_size: int) -> None:
+
+class BlockKeys:
+    """A request's chained block keys, extended as its tokens grow. ``extras``: the request's
+    per-block extra keys (None: a plain request, none on any block); it may raise
+    :class:`UnkeyableRequest`, and then the keys stop at the block before."""
+
+    def __init__(self, seed: bytes, block_size: int, extras: BlockExtras | None = None) -> None:
         self.seed = seed
         self.block_size = block_size
+        self.extras = extras
         self.keys: list[bytes] = []
 
     def extend(self, tokens: Sequence[int], n_blocks: int | None = None) -> list[bytes]:
         """Keys of the first ``n_blocks`` whole blocks of ``tokens`` (all whole blocks if None)."""
-        whole = len(tokens) // self.block_size
+        bs = self.block_size
+        whole = len(tokens) // bs
         want = whole if n_blocks is None else min(n_blocks, whole)
         if want > len(self.keys):
-            lo = len(self.keys) * self.block_size
-            parent = self.keys[-1] if self.keys else self.seed
-            arr = as_tokens(np.asarray(tokens[lo: want * self.block_size], dtype=np.int64))
-            self.keys.extend(page_keys(arr, self.block_size, parent))
+            lo = len(self.keys) * bs
+            arr = as_tokens(np.asarray(tokens[lo: want * bs], dtype=np.int64))
+            if self.extras is None:
+                parent = self.keys[-1] if self.keys else self.seed
+                self.keys.extend(page_keys(arr, bs, parent))
+            else:
+                for j in range(want - len(self.keys)):
+                    i = len(self.keys)
+                    extra = self.extras(i)
+                    parent = self.keys[-1] if self.keys else self.seed
+                    key = page_keys(arr[j * bs:(j + 1) * bs], bs, parent)[0]
+                    self.keys.append(key if extra is None else fold_extra_keys(key, extra))
         return self.keys[:want]
 
 
@@ -191,13 +256,19 @@ def load_plan(spec: LoadSpec, groups: Groups, block_ids: Sequence[Sequence[int]]
 
 
 __all__ = [
+    "EXTRA_KEY_KINDS",
+    "BlockExtras",
     "BlockKeys",
     "Groups",
     "LoadSpec",
     "TransferPlan",
+    "UnkeyableRequest",
     "attention_key",
+    "encode_extra_keys",
+    "fold_extra_keys",
     "load_plan",
     "namespace_seed",
+    "request_seed",
     "restorable_blocks",
     "state_key",
     "window_blocks",
