@@ -3,6 +3,8 @@ changes exactly where its extra keys do, and anything the encoding cannot descri
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
 from hylinker.integrations.vllm_plan import (
@@ -19,7 +21,7 @@ SEED = namespace_seed("m", "g", "")
 TOKENS = list(range(10, 26))  # 4 blocks
 
 
-def keys_with(extras: dict[int, tuple[tuple[object, ...], ...]], seed: bytes = SEED) -> list[bytes]:
+def keys_with(extras: Mapping[int, tuple[tuple[object, ...], ...]], seed: bytes = SEED) -> list[bytes]:
     return BlockKeys(seed, BS, lambda i: encode_extra_keys(extras[i]) if i in extras else None).extend(TOKENS)
 
 
@@ -46,6 +48,7 @@ def test_a_blocks_extra_keys_change_its_key_and_every_key_after_it(
 
 
 def test_extra_key_values_that_differ_give_different_keys() -> None:
+    variants: list[Mapping[int, tuple[tuple[object, ...], ...]]]
     variants = [{0: (("cache_salt", s),)} for s in ("A", "B", "a", "A ")]
     variants += [{1: (("mm", "x", 0),)}, {1: (("mm", "y", 0),)}, {1: (("mm", "x", 1),)},
                  {1: (("mm", "x", 0), ("mm", "y", 3))}]
