@@ -81,12 +81,6 @@ def seed_parts(request: Request) -> list[tuple[object, ...]]:
     return [("lora", name, path, adapter_digest(name, path))]
 
 
-def needs_extras(request: Request) -> bool:
-    """Whether any block of ``request`` has vLLM extra keys (a plain request takes the fast path)."""
-    return bool(request.lora_request or request.mm_features or request.cache_salt
-                or request.prompt_embeds is not None)
-
-
 def block_extras(request: Request, block_size: int) -> BlockExtras:
     """``extras(i)``: the encoded extra keys vLLM's block hash carries for block ``i`` of
     ``request`` (tokens ``[i · block_size, (i + 1) · block_size)``), None where it carries none.
@@ -115,10 +109,10 @@ def block_extras(request: Request, block_size: int) -> BlockExtras:
 
 def request_block_keys(seed: bytes, block_size: int, request: Request) -> BlockKeys:
     """The chained block keys of ``request`` under the deployment seed ``seed``; raises
-    :class:`UnkeyableRequest` now or as the keys extend (see the module docstring)."""
-    if not needs_extras(request):
-        return BlockKeys(seed, block_size)
+    :class:`UnkeyableRequest` now or as the keys extend (see the module docstring). Every
+    request asks vLLM's function, a plain one too, so a kind a later vLLM adds is never missed;
+    a block without extra keys keeps the plain chained key."""
     return BlockKeys(request_seed(seed, seed_parts(request)), block_size, block_extras(request, block_size))
 
 
-__all__ = ["adapter_digest", "block_extras", "needs_extras", "request_block_keys", "seed_parts"]
+__all__ = ["adapter_digest", "block_extras", "request_block_keys", "seed_parts"]

@@ -209,7 +209,7 @@ def test_a_request_its_keys_cannot_describe_is_served_without_the_store(
             return (keys or ()) + (("adapter_v2", "x"),), nxt
 
         monkeypatch.setattr(vllm_request_keys, "generate_block_hash_extra_keys", newer_vllm)
-        request = make(cache_salt="A")
+        request = make()  # a plain request too: the same tokens as the stored prompt
     elif case == "salt-not-a-string":
         request = make(cache_salt=5)
     elif case == "adapter-not-a-directory":
@@ -228,4 +228,5 @@ def test_a_request_its_keys_cannot_describe_is_served_without_the_store(
     report = c.get_kv_connector_stats()
     assert isinstance(report, HylinkerStats) and report.data["counter"]["lookups|unkeyable"] == 1
     c.request_finished_all_groups(request, ([], []))
+    monkeypatch.undo()
     assert hit(c, make()) == 8 * BS  # other requests still use the store
