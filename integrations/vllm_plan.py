@@ -125,13 +125,37 @@ class BlockKeys:
                 parent = self.keys[-1] if self.keys else self.seed
                 self.keys.extend(page_keys(arr, bs, parent))
             else:
-                for j in range(want - len(self.keys)):
-                    i = len(self.keys)
-                    extra = self.extras(i)
-                    parent = self.keys[-1] if self.keys else self.seed
-                    key = page_keys(arr[j * bs:(j + 1) * bs], bs, parent)[0]
-                    self.keys.append(key if extra is None else fold_extra_keys(key, extra))
+                self._extend_with_extras(arr, want)
         return self.keys[:want]
+
+    def _extend_with_extras(self, arr: np.ndarray, want: int) -> None:
+        """Keys of blocks ``len(self.keys)..want-1`` (``arr``: their tokens): runs of blocks without
+        extra keys chained in one :func:`page_keys` call, a block with extra keys folded alone."""
+        assert self.extras is not None
+        bs = self.block_size
+        extras: list[bytes | None] = []
+        failure: UnkeyableRequest | None = None
+        for i in range(len(self.keys), want):
+            try:
+                extras.append(self.extras(i))
+            except UnkeyableRequest as exc:
+                failure = exc  # the keys stop at the block before
+                break
+        j = 0
+        while j < len(extras):
+            parent = self.keys[-1] if self.keys else self.seed
+            extra = extras[j]
+            if extra is not None:
+                self.keys.append(fold_extra_keys(page_keys(arr[j * bs:(j + 1) * bs], bs, parent)[0], extra))
+                j += 1
+                continue
+            k = j
+            while k < len(extras) and extras[k] is None:
+                k += 1
+            self.keys.extend(page_keys(arr[j * bs:k * bs], bs, parent))
+            j = k
+        if failure is not None:
+            raise failure
 
 
 def window_blocks(sliding_window: int, block_size: int) -> int:
