@@ -6,7 +6,8 @@ between steps. Steps (a JSON list, ``--steps``):
 
 * ``{"op": "generate", "prompt": [ids...], "max_tokens": 8}`` → tokens, top-3 logprobs per
   token, ``cached`` (prompt tokens vLLM did not compute: its prefix cache plus the connector),
-  ``seconds`` and ``ttft_s`` (time to the first token, from a separate 1-token request);
+  ``seconds`` and ``ttft_s`` (time to the first token, from a separate 1-token request); optional
+  ``"cache_salt": "A"`` (the prompt's per-request salt);
 * ``{"op": "decode", "prompt": [ids...], "max_tokens": 64}`` → the request streamed through the
   engine's step loop (``LLMEngine.add_request`` / ``step``, EOS ignored): ``ttft_s`` and
   ``token_s``, the time each later token arrived after the one before it (one engine step
@@ -82,6 +83,14 @@ def _decode(llm: Any, step: dict[str, Any], request_id: str) -> dict[str, Any]:
     return {"op": "decode", "tokens": tokens, "ttft_s": arrivals[0] - t0 if arrivals else None, "token_s": gaps}
 
 
+def _prompt(step: dict[str, Any]) -> dict[str, Any]:
+    """A generate step's prompt, with its ``cache_salt`` if it has one."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(step["prompt"])}
+    if "cache_salt" in step:
+        prompt["cache_salt"] = step["cache_salt"]
+    return prompt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in json.loads(text):
         op = step["op"]
         if op == "generate":
-            prompt = {"prompt_token_ids": list(step["prompt"])}
+            prompt = _prompt(step)
             sp = SamplingParams(max_tokens=int(step.get("max_tokens", 8)), temperature=0.0, logprobs=3)
             t0 = time.perf_counter()
             out = llm.generate([prompt], sp, use_tqdm=False)[0]
