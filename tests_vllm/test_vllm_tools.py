@@ -1,5 +1,6 @@
 """The vLLM tools run as written: ``profile_vllm_restore`` times every part it names during a
-real restore (a renamed hook in the connector or in vLLM would leave its part empty)."""
+real restore (a renamed hook in the connector or in vLLM would leave its part empty);
+``bench_vllm_keys`` times every keying variant."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ def test_restore_profile_times_every_part_of_a_real_restore(tmp_path: Path) -> N
         assert name in timed, (name, sorted(timed))
     assert timed <= {name for *_, name in PARTS} | {"W load wall (submit to done)"}
     assert data["host"]["memcpy_gbps"] > 0
+
+
+def test_the_keys_benchmark_runs_and_times_every_variant(tmp_path: Path) -> None:
+    from hylinker.tools.bench_vllm_keys import main
+
+    out = tmp_path / "keys.json"
+    assert main(["--tokens", "4096", "--blocks", "16", "--repeats", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"]["4096_tokens_block_16"]
+    assert row["blocks"] == 256
+    assert all(row[k] > 0 for k in ("plain_chain_ms", "plain_request_ms", "salt_and_image_ms"))
