@@ -87,6 +87,7 @@ def test_content_check_catches_one_wrong_byte() -> None:
     assert content.check_pages(keys, rows) == 0 and content.check_state(keys[-1], 0)
     pools.kv.tensor.view(torch.uint8)[0, 70, 3] ^= 1  # page 1, token 6
     assert content.check_pages(keys, rows) == 1
+    assert pools.mamba is not None
     pools.mamba.tensors()[0].view(torch.uint8).reshape(2, -1)[0, 5] ^= 1
     assert not content.check_state(keys[-1], 0)
 
@@ -115,3 +116,18 @@ def test_unreachable_master_fails_fast_inside_a_namespace() -> None:
     assert float(done.stdout.split()[1]) < 3.0, done.stdout
     assert took < 30
     assert not names & set(list_own())
+
+
+def test_throughput_bench_reads_another_hosts_segment_over_tcp() -> None:
+    """The figures' tool: every object lives on the storage host (its endpoint, not the
+    client's), every read equals what was written, across the veth and over loopback."""
+    from hylinker.tools.fleet_bench import throughput
+
+    rows = throughput(object_kib=256, count=8, repeats=1)
+    veth, loop = rows
+    assert veth["setup"] == "veth" and loop["setup"] == "loopback"
+    assert veth["object_hosts"] == [veth["storage_address"]] and veth["storage_address"].startswith("10.77.0.")
+    assert loop["object_hosts"] == ["127.0.0.1"]
+    for r in rows:
+        assert r["runtime_restores_verified"] == 4 and r["runtime_misses"] == 0, r
+        assert min(r["raw_put_gbps"], r["raw_get_gbps"], r["store_put_gbps"], r["store_get_gbps"]) > 0

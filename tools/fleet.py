@@ -174,14 +174,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--after-s", type=float, default=8.0, help="traffic after each fault")
     parser.add_argument("--deadline-s", type=float, default=2.0,
                         help="the engines' store transfer deadline (ResiliencePolicy.deadline_s)")
+    parser.add_argument("--throughput", action="store_true",
+                        help="instead: put/get GB/s to another host's segment across the veth and over "
+                             "loopback (raw client, store adapter, runtime; tools/fleet_bench.py)")
     parser.add_argument("--workdir", default=None, help="keep the processes' logs here")
     parser.add_argument("--json", default=None, help="write the result here")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.throughput:
+        return _throughput(args)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     cfg = FleetConfig(hosts=args.hosts, deadline_s=args.deadline_s,
                       call_timeout_s=min(1.0, args.deadline_s / 2))
+    from .host_probe import describe, finish, host_record
+
+    host = host_record()
     try:
         with Fleet(cfg, workdir=args.workdir) as fleet:
             result = run_faults(fleet, faults, warm_s=args.warm_s, fault_s=args.fault_s,
@@ -189,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
     except NetnsUnavailableError as exc:
         print(f"fleet: {exc}", file=sys.stderr)
         return 2
+    result["host"] = finish(host)
     print(format_faults(result))
+    print(describe(result["host"]))
     print("leaks:", json.dumps(result["leaks"]))
     if args.json:
         with open(args.json, "w") as f:
@@ -198,3 +208,24 @@ def run(args: argparse.Namespace) -> int:
         e is None or e["leaked_rows"] or e["leaked_slots"] or e["locked_nodes"] or e["idle_error"]
         for e in result["leaks"].values())
     return 1 if bad else 0
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    from .fleet_bench import throughput
+    from .host_probe import describe, finish, host_record
+
+    host = host_record()
+    try:
+        rows = throughput()
+    except NetnsUnavailableError as exc:
+        print(f"fleet: {exc}", file=sys.stderr)
+        return 2
+    host = finish(host)
+    keys = ("setup", "raw_put_gbps", "raw_get_gbps", "store_put_gbps", "store_get_gbps",
+            "runtime_put_gbps", "runtime_get_gbps", "one_object_get_ms_p50", "exists_call_ms_p50")
+    print(format_table([{k: r[k] for k in keys} for r in rows]))
+    print(describe(host))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"throughput": rows, "host": host}, f, indent=1)
+    return 0
