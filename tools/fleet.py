@@ -83,6 +83,7 @@ def phase_figures(reqs: Sequence[dict[str, Any]], p: PhaseTimes, warm_s: float) 
     return {
         "fault": p.fault, "fault_s": round(p.ended - p.began, 2),
         "requests": len(phase), "requests_during": len(during),
+        "served_during": {h: sum(1 for r in during if r["host"] == h) for h in sorted({r["host"] for r in reqs})},
         "wrong_restores": sum(r["wrong"] for r in phase),
         "restores_verified": sum(1 for r in phase if r["restored"]),
         "recomputed": sum(1 for r in phase if r["recomputed"] and r["t"] >= p.began),
@@ -157,7 +158,7 @@ def run_faults(fleet: Fleet, faults: Sequence[str], *, warm_s: float, fault_s: f
 
 def format_faults(result: dict[str, Any]) -> str:
     rows = [{"fault": r["fault"], "wrong": r["wrong_restores"], "verified": r["restores_verified"],
-             "recomputed": r["recomputed"],
+             "recomputed": r["recomputed"], "misses": r["misses_after"],
              "lookup p99/max ms": f"{r['lookup']['p99_ms']}/{r['lookup']['max_ms']}",
              "load p99/max ms": f"{r['load']['p99_ms']}/{r['load']['max_ms']}",
              "pre hit": r["pre_hit_rate"], "recovery s": r["recovery_s"],
