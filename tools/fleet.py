@@ -4,13 +4,16 @@ One :class:`~hylinker.testing.fleet.Fleet` (a master and ``--hosts`` engine host
 network namespace on one bridge) serves traffic from every host while the tool applies, in
 turn, each fault of ``--faults``:
 
-* ``partition``: host h1's bridge port goes down for ``--fault-s``, then up;
-* ``host-death``: h1 is cut off and its engine SIGKILLed (its segment and the objects in it
+* ``partition``: a host's bridge port goes down for ``--fault-s``, then up;
+* ``host-death``: a host is cut off and its engine SIGKILLed (its segment and the objects in it
   vanish, mid-load and mid-offload for the others), then it comes back empty;
 * ``master-restart``: the master is SIGKILLed and, ``--fault-s`` later, restarted empty on the
   same address;
-* ``engine-kill9``: h0's engine is SIGKILLed while it drains its offloads, and restarted at
+* ``engine-kill9``: an engine is SIGKILLed while it drains its offloads, and restarted at
   once against the same store.
+
+Each host fault hits the host whose segment the others were reading from (:func:`holder`), so
+its objects are ones in use.
 
 For each fault: wrong restores (must be 0), requests that recomputed, lookup and load p99 and
 max during the fault (bounded by the engines' store timeouts), and the seconds after the fault
@@ -43,6 +46,7 @@ WINDOW_S = 1.0
 @attrs.define
 class PhaseTimes:
     fault: str
+    victim: str  # the host it hit (or "master")
     began: float  # the fault was applied
     ended: float  # the fault was lifted (healed, restarted)
     until: float  # the phase's traffic ended
@@ -81,7 +85,7 @@ def phase_figures(reqs: Sequence[dict[str, Any]], p: PhaseTimes, warm_s: float) 
         return {"p99_ms": round(percentiles(values, (99,))["p99"], 1), "max_ms": round(max(values), 1)}
 
     return {
-        "fault": p.fault, "fault_s": round(p.ended - p.began, 2),
+        "fault": p.fault, "victim": p.victim, "fault_s": round(p.ended - p.began, 2),
         "requests": len(phase), "requests_during": len(during),
         "served_during": {h: sum(1 for r in during if r["host"] == h) for h in sorted({r["host"] for r in reqs})},
         "wrong_restores": sum(r["wrong"] for r in phase),
@@ -99,21 +103,36 @@ def phase_figures(reqs: Sequence[dict[str, Any]], p: PhaseTimes, warm_s: float) 
     }
 
 
-def apply_fault(fleet: Fleet, fault: str, fault_s: float) -> tuple[float, float]:
-    """Apply ``fault`` and lift it; (when it began, when it was lifted)."""
+def holder(fleet: Fleet, window_s: float) -> str:
+    """The host whose segment the others read most from lately: the one that, of its own
+    reads in the last ``window_s``, took the fewest across the network (so killing or cutting
+    it loses objects the others are reading)."""
+    now = time.monotonic()
+    remote = {role: 0 for role in fleet.roles}
+    local = {role: 0 for role in fleet.roles}
+    for r in fleet.requests():
+        if r["t"] >= now - window_s and r["host"] in remote:
+            remote[r["host"]] += r.get("get_remote", 0)
+            local[r["host"]] += r.get("get_local", 0)
+    return min(fleet.roles, key=lambda h: (remote[h] - local[h], h))
+
+
+def apply_fault(fleet: Fleet, fault: str, fault_s: float, victim: str) -> tuple[float, float]:
+    """Apply ``fault`` to ``victim`` (the master for a master restart) and lift it; (when it
+    began, when it was lifted)."""
     if fault == "partition":
         began = time.monotonic()
-        fleet.partition("h1")
+        fleet.partition(victim)
         time.sleep(fault_s)
-        fleet.heal("h1")
+        fleet.heal(victim)
         return began, time.monotonic()
     if fault == "host-death":
         began = time.monotonic()
-        fleet.partition("h1")  # a dead host answers nothing, not even a reset
-        fleet.kill_engine("h1")
+        fleet.partition(victim)  # a dead host answers nothing, not even a reset
+        fleet.kill_engine(victim)
         time.sleep(fault_s)
-        fleet.heal("h1")
-        fleet.start_engine("h1")
+        fleet.heal(victim)
+        fleet.start_engine(victim)
         return began, time.monotonic()
     if fault == "master-restart":
         began = time.monotonic()
@@ -122,11 +141,11 @@ def apply_fault(fleet: Fleet, fault: str, fault_s: float) -> tuple[float, float]
         fleet.start_master()
         return began, time.monotonic()
     if fault == "engine-kill9":
-        eng = fleet.engines["h0"]
+        eng = fleet.engines[victim]
         eng.wait_event("offloading", 30.0, after=len(eng.events))
         began = time.monotonic()
-        fleet.kill_engine("h0")  # while it drains this request's offloads
-        fleet.start_engine("h0")
+        fleet.kill_engine(victim)  # while it drains this request's offloads
+        fleet.start_engine(victim)
         return began, time.monotonic()
     raise ValueError(f"unknown fault {fault!r}; choose from {FAULTS}")
 
@@ -142,9 +161,10 @@ def run_faults(fleet: Fleet, faults: Sequence[str], *, warm_s: float, fault_s: f
     phases = []
     for fault in faults:
         time.sleep(warm_s)
-        began, ended = apply_fault(fleet, fault, fault_s)
+        victim = "master" if fault == "master-restart" else holder(fleet, warm_s)
+        began, ended = apply_fault(fleet, fault, fault_s, victim)
         time.sleep(after_s)
-        phases.append(PhaseTimes(fault, began, ended, time.monotonic()))
+        phases.append(PhaseTimes(fault, victim, began, ended, time.monotonic()))
     ends = fleet.stop_engines()
     reqs = fleet.requests()
     rows = [phase_figures(reqs, p, warm_s) for p in phases]
@@ -157,7 +177,7 @@ def run_faults(fleet: Fleet, faults: Sequence[str], *, warm_s: float, fault_s: f
 
 
 def format_faults(result: dict[str, Any]) -> str:
-    rows = [{"fault": r["fault"], "wrong": r["wrong_restores"], "verified": r["restores_verified"],
+    rows = [{"fault": r["fault"], "victim": r["victim"], "wrong": r["wrong_restores"], "verified": r["restores_verified"],
              "recomputed": r["recomputed"], "misses": r["misses_after"],
              "lookup p99/max ms": f"{r['lookup']['p99_ms']}/{r['lookup']['max_ms']}",
              "load p99/max ms": f"{r['load']['p99_ms']}/{r['load']['max_ms']}",

@@ -98,7 +98,7 @@ async def _adapter(cfg: MooncakeConfig, src: torch.Tensor, dst: torch.Tensor, si
                 t0 = time.perf_counter()
                 await store.exists([k])
                 exists_ms.append((time.perf_counter() - t0) * 1e3)
-            for i in range(32):
+            for i in range(min(32, count)):
                 t0 = time.perf_counter()
                 await store.get([keys[i]], [dst[i * size:(i + 1) * size]])
                 small_get_ms.append((time.perf_counter() - t0) * 1e3)
