@@ -220,13 +220,14 @@ class Engine:
         emit("offloading", n=n)
         t0 = time.monotonic()
         drained = False
-        with anyio.move_on_after(self.args.deadline_s):  # an offload stuck in the client
-            await lk.drain()                             # must not stop this host serving
+        with anyio.move_on_after(self.args.call_timeout_s):  # an offload stuck in the client
+            await lk.drain()                                 # must not stop this host serving
             drained = True
         drain_s = time.monotonic() - t0
         if drained:
             lk.flush_device()  # the next hit comes from the store
-        paths = await self.paths() if self.args.probe_paths else {}
+        # the probe is one more master call: not while this host's calls are failing
+        paths = await self.paths() if self.args.probe_paths and drained else {}
         emit("req", n=n, start=t_start, doc=d, prompt=len(tokens), store_hit=hit.store_tokens,
              restored=restored, recomputed=bool(hit.store_tokens and not restored), wrong=wrong,
              lookup_s=lookup_s, load_s=load_s, drain_s=drain_s, drained=drained, **paths)
@@ -247,7 +248,7 @@ class Engine:
         keys = self.store.got_keys + self.store.put_keys
         if not keys:
             return out
-        with anyio.move_on_after(self.args.deadline_s):
+        with anyio.move_on_after(self.args.call_timeout_s):
             endpoints = await self.mooncake.replica_endpoints(keys)
             for i, ep in enumerate(endpoints):
                 if ep is None:
