@@ -13,9 +13,12 @@ copied through an internal registered bounce buffer, so correctness never depend
 caller registering. Batches are cut into ``max_batch`` keys per client call.
 
 Threads. Every client call is synchronous (it releases the GIL) and runs in a worker thread
-bounded by a ``CapacityLimiter``; the event loop never blocks. A cancelled caller waits for
-its call's thread to return before the cancellation lands, so its buffers are never written
-after it regains control. :meth:`MooncakeStore.close` refuses new calls, waits for those in
+bounded by a ``CapacityLimiter``; the event loop never blocks. A cancelled put or get waits
+for its call's thread to return before the cancellation lands, so its buffers are never
+written after it regains control; calls that touch no caller buffer (exists, touch, remove,
+replica queries) return at once and leave their thread to finish (a partitioned master holds
+one ~4 s in the client's reconnect). A get's own bound is Mooncake's transfer timeout
+(``MooncakeConfig.transfer_timeout_s``). :meth:`MooncakeStore.close` refuses new calls, waits for those in
 flight, then closes the client; the client is never touched after that (Mooncake crashes the
 process if it is).
 
