@@ -35,11 +35,12 @@ from ..components.keys import page_keys
 from ..components.pools import HybridPools, PoolError
 from ..runtime.config import LinkerConfig
 from ..runtime.linker import Linker
-from ..stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
+from ..stores.base import GetResult, Outcome, Store
 from ..stores.mooncake import MooncakeStore
 from ..stores.mooncake_client import MooncakeConfig
 from ..stores.resilient import ResiliencePolicy
 from ..tools.content import Content, preset_layout
+from .fakes import GatedStore
 
 MIB = 1 << 20
 
@@ -48,58 +49,35 @@ def emit(event: str, **fields: Any) -> None:
     print("@@" + json.dumps({"ev": event, "t": time.monotonic(), **fields}), flush=True)
 
 
-class PathRecorder:
-    """Passes every call to ``inner``; remembers the keys this request put and got (OK)."""
+class PathRecorder(GatedStore):
+    """A pass-through :class:`~.fakes.GatedStore` (nothing held) that also remembers the keys
+    this request put and got with ``OK``, and forwards scatter-gather (so the runtime moves
+    large objects in place, as it does on Mooncake directly)."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.got_keys: list[str] = []
-        self.put_keys: list[str] = []
-
-    @property
-    def capabilities(self) -> StoreCapabilities:
-        return self.inner.capabilities
-
-    def register(self, region: torch.Tensor) -> None:
-        self.inner.register(region)
-
-    def unregister(self, region: torch.Tensor) -> None:
-        self.inner.unregister(region)
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return await self.inner.exists(keys)
+        super().__init__(inner)
+        self.read_keys: list[str] = []
+        self.stored_keys: list[str] = []
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
-        out = await self.inner.put(keys, buffers)
-        self.put_keys.extend(k for k, o in zip(keys, out) if o is Outcome.OK)
+        out = await super().put(keys, buffers)
+        self.stored_keys.extend(k for k, o in zip(keys, out) if o is Outcome.OK)
         return out
 
     async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
-        out = await self.inner.get(keys, buffers)
-        self.got_keys.extend(k for k, r in zip(keys, out) if r.outcome is Outcome.OK)
+        out = await super().get(keys, buffers)
+        self.read_keys.extend(k for k, r in zip(keys, out) if r.outcome is Outcome.OK)
         return out
 
     async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
         out: list[Outcome] = await self.inner.put_parts(keys, parts)  # type: ignore[attr-defined]
-        self.put_keys.extend(k for k, o in zip(keys, out) if o is Outcome.OK)
+        self.stored_keys.extend(k for k, o in zip(keys, out) if o is Outcome.OK)
         return out
 
     async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
         out: list[GetResult] = await self.inner.get_parts(keys, parts)  # type: ignore[attr-defined]
-        self.got_keys.extend(k for k, r in zip(keys, out) if r.outcome is Outcome.OK)
+        self.read_keys.extend(k for k, r in zip(keys, out) if r.outcome is Outcome.OK)
         return out
-
-    async def touch(self, keys: Sequence[str]) -> None:
-        await self.inner.touch(keys)
-
-    async def remove(self, keys: Sequence[str]) -> int:
-        return await self.inner.remove(keys)
-
-    def statistics(self) -> StoreStatistics:
-        return self.inner.statistics()
-
-    async def close(self) -> None:
-        await self.inner.close()
 
 
 @attrs.define
@@ -186,8 +164,8 @@ class Engine:
         tail = self.rng.integers(1, 30000, size=int(self.rng.integers(64, 128))).astype(np.int32)
         tokens = np.concatenate([self.docs[d], tail])
         P = self.layout.page_size
-        self.store.got_keys.clear()
-        self.store.put_keys.clear()
+        self.store.read_keys.clear()
+        self.store.stored_keys.clear()
         t_start = time.monotonic()
         lookup_s = load_s = None
         restored = 0
@@ -245,7 +223,7 @@ class Engine:
     async def paths(self) -> dict[str, int]:
         """How many objects this request got / put through a memcpy (own segment) or TCP."""
         out = {"get_local": 0, "get_remote": 0, "put_local": 0, "put_remote": 0}
-        keys = self.store.got_keys + self.store.put_keys
+        keys = self.store.read_keys + self.store.stored_keys
         if not keys:
             return out
         with anyio.move_on_after(self.args.call_timeout_s):
@@ -254,7 +232,7 @@ class Engine:
                 if ep is None:
                     continue
                 side = "local" if ep.rpartition(":")[0] == self.args.address else "remote"
-                out[f"{'get' if i < len(self.store.got_keys) else 'put'}_{side}"] += 1
+                out[f"{'get' if i < len(self.store.read_keys) else 'put'}_{side}"] += 1
         return out
 
 
