@@ -26,3 +26,9 @@ fi
 
 # Mooncake Store client + master (needs Debian's libibverbs1)
 bash .ci/mooncake-setup.sh
+
+# the fleet suite builds network namespaces with iproute2's `ip` (as root)
+if ! command -v ip >/dev/null 2>&1; then
+    echo "setup: installing iproute2 (the fleet suite's network namespaces)"
+    apt-get update -qq && apt-get install -y -qq iproute2
+fi

@@ -13,9 +13,12 @@ copied through an internal registered bounce buffer, so correctness never depend
 caller registering. Batches are cut into ``max_batch`` keys per client call.
 
 Threads. Every client call is synchronous (it releases the GIL) and runs in a worker thread
-bounded by a ``CapacityLimiter``; the event loop never blocks. A cancelled caller waits for
-its call's thread to return before the cancellation lands, so its buffers are never written
-after it regains control. :meth:`MooncakeStore.close` refuses new calls, waits for those in
+bounded by a ``CapacityLimiter``; the event loop never blocks. A cancelled put or get waits
+for its call's thread to return before the cancellation lands, so its buffers are never
+written after it regains control; calls that touch no caller buffer (exists, touch, remove,
+replica queries) return at once and leave their thread to finish (a partitioned master holds
+one ~4 s in the client's reconnect). A get's own bound is Mooncake's transfer timeout
+(``MooncakeConfig.transfer_timeout_s``). :meth:`MooncakeStore.close` refuses new calls, waits for those in
 flight, then closes the client; the client is never touched after that (Mooncake crashes the
 process if it is).
 
@@ -136,7 +139,7 @@ class MooncakeStore:
         self._closed = False
         self._client_closed = False
         self._in_flight = 0
-        self._drained: anyio.Event | None = None
+        self._count_lock = threading.Lock()
         self._close_lock: anyio.Lock | None = None
         self._counters = new_counters()
 
@@ -241,7 +244,7 @@ class MooncakeStore:
         if not keys:
             return []
         try:
-            codes = await self._run(self._batch_is_exist, keys)
+            codes = await self._run(self._batch_is_exist, keys, abandon=True)
         except _Unreachable as exc:
             raise self._unavailable("exists") from exc
         if RPC_FAIL in codes:
@@ -323,6 +326,33 @@ class MooncakeStore:
         count_gets(self._counters, results)
         return results
 
+    async def replica_endpoints(self, keys: Sequence[str]) -> list[str | None]:
+        """Where each object's first memory replica lives: the transport endpoint
+        (``host:port``) of the segment holding it, None when absent. An object whose endpoint
+        is this client's own ``local_hostname`` is copied with a memcpy; any other crosses the
+        transfer engine (TCP here). One ``batch_get_replica_desc`` call; for diagnostics."""
+        keys = self._check_keys(keys)
+        if not keys:
+            return []
+        try:
+            found = await self._run(self._replica_endpoints_blocking, keys, abandon=True)
+        except _Unreachable:
+            return [None] * len(keys)
+        return found
+
+    def _replica_endpoints_blocking(self, keys: list[str]) -> list[str | None]:
+        self._gate()
+        descs = self._client.batch_get_replica_desc(keys)
+        out: list[str | None] = []
+        for key in keys:
+            endpoint = None
+            for replica in descs.get(key, []) if isinstance(descs, dict) else []:
+                if replica.is_memory_replica():
+                    endpoint = str(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
+                    break
+            out.append(endpoint)
+        return out
+
     async def touch(self, keys: Sequence[str]) -> None:
         """Refresh eviction recency via ``batch_is_exist`` (grants each object a lease).
 
@@ -332,7 +362,7 @@ class MooncakeStore:
         if not keys:
             return
         try:
-            codes = await self._run(self._batch_is_exist, keys)
+            codes = await self._run(self._batch_is_exist, keys, abandon=True)
         except _Unreachable:
             log.debug("mooncake touch skipped: master %s unreachable", self._config.master_address)
             return
@@ -343,7 +373,7 @@ class MooncakeStore:
         if not keys:
             return 0
         try:
-            codes = await self._run(self._batch_remove, keys)
+            codes = await self._run(self._batch_remove, keys, abandon=True)
         except _Unreachable as exc:
             raise self._unavailable("remove") from exc
         if RPC_FAIL in codes:
@@ -366,9 +396,8 @@ class MooncakeStore:
         async with self._close_lock:
             if self._client_closed:
                 return
-            if self._in_flight:
-                self._drained = anyio.Event()
-                await self._drained.wait()
+            while self._in_flight:  # counted by the worker threads themselves
+                await anyio.sleep(0.002)
             client, self._client = self._client, None
             self._client_closed = True
             with anyio.CancelScope(shield=True):  # never leave a half-closed client behind
@@ -398,18 +427,38 @@ class MooncakeStore:
             f"Mooncake master {self._config.master_address} unreachable during {what}"
         )
 
-    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run a blocking client call in the bounded pool, counted for close()."""
+    async def _run(self, fn: Callable[..., _T], *args: Any, abandon: bool = False) -> _T:
+        """Run a blocking client call in the bounded pool, counted for close().
+
+        ``abandon``: for calls that touch no caller buffer (existence checks, touches,
+        removes, replica queries) a cancelled caller returns at once and the thread finishes
+        on its own (a partitioned master holds such a call ~4 s in the client's reconnect);
+        it stays counted until it returns, so close() never closes the client under it."""
         self._check_open()
-        self._in_flight += 1
+        state = ["queued"]  # -> "running" (the thread took it) or "dropped" (cancelled first)
+        with self._count_lock:
+            self._in_flight += 1
+
+        def call() -> _T:
+            with self._count_lock:
+                if state[0] == "dropped":
+                    raise anyio.get_cancelled_exc_class()()  # never reached: the caller left
+                state[0] = "running"
+            try:
+                return fn(*args)
+            finally:
+                with self._count_lock:
+                    self._in_flight -= 1
+
         try:
-            # abandon_on_cancel=False: a cancelled caller resumes only after the thread
-            # returned, so the client never touches its buffers afterwards.
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+            # abandon_on_cancel=False elsewhere: a cancelled caller resumes only after the
+            # thread returned, so the client never touches its buffers afterwards.
+            return await anyio.to_thread.run_sync(call, limiter=self._limiter, abandon_on_cancel=abandon)
         finally:
-            self._in_flight -= 1
-            if self._in_flight == 0 and self._drained is not None:
-                self._drained.set()
+            with self._count_lock:
+                if state[0] == "queued":  # cancelled before a thread took the call
+                    state[0] = "dropped"
+                    self._in_flight -= 1
 
     def _gate(self) -> None:
         """Worker thread: after a -900, call the client only if the master port is open."""

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -99,7 +99,13 @@ class MooncakeMaster:
         extra_args: Sequence[str] = (),
         binary: str | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        launcher: Sequence[str] = (),
+        probe: Callable[[str, int, float], bool] | None = None,
     ) -> None:
+        """``launcher`` prefixes the command (e.g. ``ip netns exec NS``, which execs the binary
+        under the same PID); ``probe(host, port, timeout_s)`` says whether the RPC port accepts
+        (default: a TCP connect from this process; a master in another namespace needs one made
+        there). Ports given as None are picked free here, so with a launcher pass them."""
         if lease_ttl_ms is not None and lease_ttl_ms <= 0:
             raise ValueError(f"lease_ttl_ms must be positive, got {lease_ttl_ms}")
         for name, ratio in (("eviction_high_watermark", eviction_high_watermark),
@@ -114,6 +120,8 @@ class MooncakeMaster:
         self.eviction_ratio = eviction_ratio
         self.extra_args = tuple(extra_args)
         self._binary = binary
+        self._launcher = tuple(launcher)
+        self._probe = probe or port_accepts
         self._log_path = Path(log_path) if log_path is not None else None
         self._own_log = log_path is None
         self._process: subprocess.Popen[bytes] | None = None
@@ -181,6 +189,7 @@ class MooncakeMaster:
             self._log_path = Path(name)
         assert self._log_path is not None
         args = [
+            *self._launcher,
             binary,
             f"--rpc_address={self.host}",
             f"--rpc_port={self.rpc_port}",
@@ -214,7 +223,7 @@ class MooncakeMaster:
             code = self._process.poll()
             if code is not None:
                 return False, f"exited with code {code}; log tail:\n{self.log_tail()}"
-            if port_accepts(self.host, self.rpc_port, timeout_s=0.2):
+            if self._probe(self.host, self.rpc_port, 0.2):
                 return True, ""
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
