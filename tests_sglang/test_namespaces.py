@@ -14,7 +14,6 @@ positive control: the same namespace after a flush restores byte for byte.
 from __future__ import annotations
 
 from array import array
-from typing import Any
 
 import pytest
 
