@@ -14,6 +14,7 @@ positive control: the same namespace after a flush restores byte for byte.
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import pytest
 
@@ -25,8 +26,8 @@ A = list(range(1000, 1024))
 B = list(range(2000, 2016))
 C = list(range(3000, 3008))
 
-OWNER: dict[str, str] = {"extra_key": "tenant-a", "cache_salt": "salt-1"}
-OTHERS: list[dict[str, str]] = [
+OWNER: dict[str, Any] = {"extra_key": "tenant-a", "cache_salt": "salt-1"}
+OTHERS: list[dict[str, Any]] = [
     {},  # no namespace at all
     {"extra_key": "tenant-b", "cache_salt": "salt-1"},
     {"extra_key": "tenant-a", "cache_salt": "salt-2"},
@@ -37,7 +38,7 @@ OTHERS: list[dict[str, str]] = [
 ]
 
 
-def namespace(kw: dict[str, str]) -> dict[str, str | None]:
+def namespace(kw: dict[str, Any]) -> dict[str, Any]:
     """The RadixKey namespace SGLang's ``Req`` builds (``lora_id`` appended to ``extra_key``)."""
     extra = kw.get("extra_key")
     if "lora_id" in kw:
@@ -45,7 +46,7 @@ def namespace(kw: dict[str, str]) -> dict[str, str | None]:
     return {"extra_key": extra, "cache_salt": kw.get("cache_salt")}
 
 
-def kv_objects(cache: SGLangCache, tokens: list[int], kw: dict[str, str]) -> list[str]:
+def kv_objects(cache: SGLangCache, tokens: list[int], kw: dict[str, Any]) -> list[str]:
     return cache.linker.object_keys("kv", page_keys(tokens, cache.spec.page_size, **namespace(kw)))
 
 
