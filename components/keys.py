@@ -136,9 +136,12 @@ class MultimodalSpan:
         return h.digest()
 
 
-def check_multimodal(spans: Sequence[MultimodalSpan], n_tokens: int) -> tuple[MultimodalSpan, ...]:
+def check_multimodal(spans: Sequence[MultimodalSpan] | None, n_tokens: int) -> tuple[MultimodalSpan, ...]:
     """Validate a request's multimodal spans against its ``n_tokens`` prompt: each a
-    :class:`MultimodalSpan` inside the prompt, sorted by start, none overlapping another."""
+    :class:`MultimodalSpan` inside the prompt, sorted by start, none overlapping another
+    (None: none)."""
+    if spans is None:
+        return ()
     if isinstance(spans, (str, bytes, MultimodalSpan)) or not isinstance(spans, Sequence):
         raise TypeError(f"multimodal must be a sequence of MultimodalSpan, got {type(spans).__name__}")
     out = tuple(spans)

@@ -226,7 +226,7 @@ class Linker:
     # ---- requests ------------------------------------------------------------------
     def request(self, request_id: str, tokens: Sequence[int] | npt.NDArray[np.integer],
                 *, salt: bytes | str | None = None, adapter: str | None = None,
-                multimodal: Sequence[MultimodalSpan] = ()) -> Request:
+                multimodal: Sequence[MultimodalSpan] | None = ()) -> Request:
         """Register a request. Its extra keys (docs/design.md, "Isolation keys") fold into its
         page keys, so the device tree and the store only ever match a request with the same
         ones: ``salt`` (its tenant), ``adapter`` (the LoRA adapter it runs under; None: the base
@@ -249,7 +249,7 @@ class Linker:
     @contextlib.asynccontextmanager
     async def session(self, request_id: str, tokens: Sequence[int] | npt.NDArray[np.integer],
                       *, salt: bytes | str | None = None, adapter: str | None = None,
-                      multimodal: Sequence[MultimodalSpan] = ()) -> AsyncIterator[Request]:
+                      multimodal: Sequence[MultimodalSpan] | None = ()) -> AsyncIterator[Request]:
         """``request`` (same extra keys) + ``release`` on exit, even when the task is cancelled."""
         req = self.request(request_id, tokens, salt=salt, adapter=adapter, multimodal=multimodal)
         try:

@@ -138,12 +138,14 @@ async def test_bad_extra_keys_raise_at_the_request() -> None:
                     async with linker.session("bad", t, **kwargs):
                         pass
             # nothing was registered: the id is free, a good request with spans opens
+            async with linker.session("bad", t, multimodal=None) as req:
+                assert req.multimodal == ()
             start_np: Any = np.int64(8)  # numpy ints are ints
             async with linker.session("bad", t, salt="s", adapter="lora-1",
                                       multimodal=[MultimodalSpan(start_np, 12, b"x")]) as req:
                 assert req.multimodal == (MultimodalSpan(8, 12, b"x"),)
                 await linker.lookup(req)
             linker.check_idle()
-            assert linker.statistics().requests == 1
+            assert linker.statistics().requests == 2  # the two good ones
     finally:
         await store.close()

@@ -169,7 +169,7 @@ class LinkedEngine:
         donate: bool = True,
         salt: bytes | str | None = None,
         adapter: str | None = None,
-        multimodal: Sequence[MultimodalSpan] = (),
+        multimodal: Sequence[MultimodalSpan] | None = (),
     ) -> PrefillResult:
         """LOOKUP → LOAD → COMMIT → forward → INSERT → RELEASE for one prompt.
 
