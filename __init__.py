@@ -13,7 +13,7 @@ from .components.admission import (
     SpeculativeCheckpoints,
 )
 from .components.eviction import EvictionPolicy, FlopAwareEviction, LRUEviction
-from .components.keys import TokenError, namespace_seed, object_key, page_keys
+from .components.keys import MultimodalSpan, TokenError, namespace_seed, object_key, page_keys
 from .components.layout import LayoutError, MambaLayerSpec, ModelLayout, PoolKind
 from .components.lookup import restorable_page_counts
 from .components.mamba import checkpoint_depth, checkpoint_grid, restorable_ceiling
@@ -88,6 +88,7 @@ __all__ = [
     "LookupResult",
     "MambaLayerSpec",
     "ModelLayout",
+    "MultimodalSpan",
     "Outcome",
     "PhaseError",
     "PoolActorStatistics",

@@ -5,13 +5,20 @@ over little-endian int32 token ids. Two prompts share ``k_i`` exactly when they 
 first ``i + 1`` pages, the model layout and the tenant salt, so requests with different salts
 never share a key. An *object key* names one pool's object for one page on one rank:
 ``{k_i hex}:{pool}:{rank term}``.
+
+A request's own extra keys (docs/design.md, "Isolation keys") fold into the same chain: its
+salt and adapter into the seed (:func:`request_seed`: every page key changes), each
+multimodal input (:class:`MultimodalSpan`) into the pages its placeholder tokens overlap
+(:func:`page_keys` ``multimodal=``: those pages and, chained, every later one).
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -43,14 +50,113 @@ def as_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np
     return np.ascontiguousarray(arr, dtype="<i4")
 
 
+def _salt_bytes(salt: object, field: str) -> bytes:
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return salt.encode()
+    if isinstance(salt, bytes):
+        return salt
+    raise TypeError(f"{field} must be a str or bytes (or None), got {type(salt).__name__}")
+
+
 def namespace_seed(layout: ModelLayout, salt: bytes | str | None = None) -> bytes:
     """``k_{-1}``: the layout fingerprint, mixed with an optional tenant salt."""
+    raw = _salt_bytes(salt, "salt")
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     h.update(layout.fingerprint)
-    if salt:
+    if raw:
         h.update(b"\x00salt\x00")
-        h.update(salt.encode() if isinstance(salt, str) else salt)
+        h.update(raw)
     return h.digest()
+
+
+def _term(tag: bytes, value: bytes) -> bytes:
+    """``tag ‖ len ‖ value``: one unambiguous field of a hashed record."""
+    return tag + struct.pack("<Q", len(value)) + value
+
+
+def request_seed(seed: bytes, *, salt: bytes | str | None = None, adapter: str | None = None) -> bytes:
+    """The seed of one request's chain: ``seed`` (the deployment's) with the request's tenant
+    salt and adapter folded in. Neither given (or an empty salt): ``seed`` itself.
+
+    Raises ``TypeError`` for a salt that is not str/bytes or an adapter that is not a str, and
+    ``ValueError`` for an empty adapter name.
+    """
+    raw = _salt_bytes(salt, "salt")
+    if adapter is not None and not isinstance(adapter, str):
+        raise TypeError(f"adapter must be a str (the adapter's name or id) or None, got {type(adapter).__name__}")
+    if adapter == "":
+        raise ValueError("adapter must be a non-empty str, or None for the base model")
+    if not raw and adapter is None:
+        return seed
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"hylinker-request")
+    h.update(seed)
+    if raw:
+        h.update(_term(b"salt", raw))
+    if adapter is not None:
+        h.update(_term(b"adapter", adapter.encode()))
+    return h.digest()
+
+
+def _span_int(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"MultimodalSpan.{attr.name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"MultimodalSpan.{attr.name} must be >= 0, got {value}")
+
+
+def _span_hash(inst: object, attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, (bytes, str)):
+        raise TypeError(f"MultimodalSpan.hash must be bytes or str, got {type(value).__name__}")
+    if not value:
+        raise ValueError("MultimodalSpan.hash must not be empty")
+
+
+@attrs.frozen
+class MultimodalSpan:
+    """One multimodal input of a prompt: its placeholder tokens ``[start, end)`` and a hash of
+    its content (bytes, or a str taken as utf-8). Every page the span overlaps, and every page
+    after it, gets other keys than the same tokens with another content hash."""
+
+    start: int = attrs.field(validator=_span_int)
+    end: int = attrs.field(validator=_span_int)
+    hash: bytes | str = attrs.field(validator=_span_hash)
+
+    def __attrs_post_init__(self) -> None:
+        if self.end <= self.start:
+            raise ValueError(f"MultimodalSpan covers no tokens: end {self.end} <= start {self.start}")
+
+    def term(self) -> bytes:
+        """What this span adds to the key of a page it overlaps (16 bytes)."""
+        content = self.hash.encode() if isinstance(self.hash, str) else self.hash
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"hylinker-mmspan")
+        h.update(struct.pack("<QQ", int(self.start), int(self.end)))
+        h.update(content)
+        return h.digest()
+
+
+def check_multimodal(spans: Sequence[MultimodalSpan] | None, n_tokens: int) -> tuple[MultimodalSpan, ...]:
+    """Validate a request's multimodal spans against its ``n_tokens`` prompt: each a
+    :class:`MultimodalSpan` inside the prompt, sorted by start, none overlapping another
+    (None: none)."""
+    if spans is None:
+        return ()
+    if isinstance(spans, (str, bytes, MultimodalSpan)) or not isinstance(spans, Sequence):
+        raise TypeError(f"multimodal must be a sequence of MultimodalSpan, got {type(spans).__name__}")
+    out = tuple(spans)
+    prev_end = 0
+    for i, span in enumerate(out):
+        if not isinstance(span, MultimodalSpan):
+            raise TypeError(f"multimodal[{i}] must be a MultimodalSpan, got {type(span).__name__}")
+        if span.end > n_tokens:
+            raise ValueError(f"multimodal[{i}] [{span.start}, {span.end}) lies outside the prompt of "
+                             f"{n_tokens} tokens")
+        if span.start < prev_end:
+            raise ValueError(f"multimodal[{i}] [{span.start}, {span.end}) overlaps or precedes the "
+                             f"span before it (ending at {prev_end}): spans must be sorted and disjoint")
+        prev_end = span.end
+    return out
 
 
 def page_keys(
@@ -60,11 +166,14 @@ def page_keys(
     *,
     start_page: int = 0,
     max_pages: int | None = None,
+    multimodal: Sequence[MultimodalSpan] = (),
 ) -> list[bytes]:
     """Chained keys of the whole pages ``start_page, start_page + 1, ...`` of ``tokens``.
 
     ``parent_key`` is the key of page ``start_page - 1`` (the namespace seed for page 0).
     A trailing partial page gets no key. ``tokens`` must come from :func:`as_tokens`.
+    ``multimodal``: the prompt's spans (sorted, disjoint: :func:`check_multimodal`); a page
+    they overlap hashes their :meth:`MultimodalSpan.term` after its tokens.
     """
     if not isinstance(tokens, np.ndarray) or tokens.dtype != np.dtype("<i4") or tokens.ndim != 1 \
             or not tokens.flags.c_contiguous:
@@ -77,8 +186,23 @@ def page_keys(
     out: list[bytes] = []
     prev = parent_key
     blake = hashlib.blake2b
+    if not multimodal:
+        for i in range(start_page, n_pages):
+            prev = blake(prev + data[i * step : (i + 1) * step], digest_size=KEY_BYTES).digest()
+            out.append(prev)
+        return out
+    terms = [(s.start, s.end, s.term()) for s in multimodal]
+    j = 0  # the first span that may overlap the current page (spans are sorted)
     for i in range(start_page, n_pages):
-        prev = blake(prev + data[i * step : (i + 1) * step], digest_size=KEY_BYTES).digest()
+        lo, hi = i * page_size, (i + 1) * page_size
+        while j < len(terms) and terms[j][1] <= lo:
+            j += 1
+        k, parts = j, []
+        while k < len(terms) and terms[k][0] < hi:
+            parts.append(terms[k][2])  # starts below hi, ends above lo (k >= j): overlaps
+            k += 1
+        extra = b"".join(parts)
+        prev = blake(prev + data[i * step : (i + 1) * step] + extra, digest_size=KEY_BYTES).digest()
         out.append(prev)
     return out
 

@@ -38,7 +38,13 @@ import torch
 
 from ..components.admission import CheckpointPolicy, EndOfPrefill, Prefill
 from ..components.eviction import EvictionPolicy
-from ..components.keys import as_tokens, namespace_seed, page_keys
+from ..components.keys import (
+    MultimodalSpan,
+    as_tokens,
+    check_multimodal,
+    namespace_seed,
+    request_seed,
+)
 from ..components.layout import ModelLayout, PoolKind
 from ..components.mamba import checkpoint_depth, restorable_ceiling
 from ..components.pool_rules import pool_rules
@@ -219,24 +225,33 @@ class Linker:
 
     # ---- requests ------------------------------------------------------------------
     def request(self, request_id: str, tokens: Sequence[int] | npt.NDArray[np.integer],
-                *, salt: bytes | str | None = None) -> Request:
-        """Register a request (validates token ids; raises ``TokenError`` on bad input)."""
+                *, salt: bytes | str | None = None, adapter: str | None = None,
+                multimodal: Sequence[MultimodalSpan] | None = ()) -> Request:
+        """Register a request. Its extra keys (docs/design.md, "Isolation keys") fold into its
+        page keys, so the device tree and the store only ever match a request with the same
+        ones: ``salt`` (its tenant), ``adapter`` (the LoRA adapter it runs under; None: the base
+        model), ``multimodal`` (its inputs' placeholder spans and content hashes, sorted).
+
+        Raises ``TokenError`` on bad token ids, ``TypeError``/``ValueError`` naming the field on
+        a bad salt, adapter or span."""
         self._check_running()
         if request_id in self._requests:
             raise PhaseError(f"request {request_id!r} is already open")
         toks = as_tokens(tokens)
-        seed = self._default_seed if salt is None else namespace_seed(self.layout, salt)
+        seed = request_seed(self._default_seed, salt=salt, adapter=adapter)
+        spans = check_multimodal(multimodal, len(toks))
         req = Request(id=request_id, tokens=toks, seed=seed, node=self.tree.root,
-                      page_size=self.page)
+                      page_size=self.page, multimodal=spans)
         self._requests[request_id] = req
         self._c["requests"] += 1
         return req
 
     @contextlib.asynccontextmanager
     async def session(self, request_id: str, tokens: Sequence[int] | npt.NDArray[np.integer],
-                      *, salt: bytes | str | None = None) -> AsyncIterator[Request]:
-        """``request`` + ``release`` on exit, even when the task is cancelled."""
-        req = self.request(request_id, tokens, salt=salt)
+                      *, salt: bytes | str | None = None, adapter: str | None = None,
+                      multimodal: Sequence[MultimodalSpan] | None = ()) -> AsyncIterator[Request]:
+        """``request`` (same extra keys) + ``release`` on exit, even when the task is cancelled."""
+        req = self.request(request_id, tokens, salt=salt, adapter=adapter, multimodal=multimodal)
         try:
             yield req
         finally:
@@ -346,7 +361,7 @@ class Linker:
         """Where this request's prefill of the whole prompt donates states, by the linker's
         checkpoint policy (sorted; insert them in this order). Call once per prefill."""
         self._check_open(req)
-        keys = page_keys(req.tokens, self.page, req.seed)
+        keys = req.page_keys()
         return self.checkpoints.place(Prefill(req.prefix_tokens, len(req.tokens), keys, self.page,
                                               self.grid, self.layout.chunk_size))
 
@@ -377,7 +392,7 @@ class Linker:
         elif self.layout.is_hybrid and n_tokens > req.prefix_tokens:
             raise ValueError("a hybrid insert needs the checkpoint at its depth (checkpoint_slot)")
         n_pages = n_tokens // self.page
-        keys = page_keys(req.tokens, self.page, req.seed, max_pages=n_pages)
+        keys = req.page_keys(n_pages)
         rows = req.rows[:n_tokens]
         rest = req.rows[n_tokens:].clone()
         res = self.tree.insert(keys, rows, checkpoint_slot, req.prefix_pages)

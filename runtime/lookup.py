@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..components.keys import object_keys, page_keys
+from ..components.keys import object_keys
 from ..components.layout import PoolKind
 from ..components.lookup import restorable_page_counts
 from ..components.radix import MatchResult, Node
@@ -35,7 +35,7 @@ class LookupRoom(LinkerRoom):
         req.looked_up = True
         t0 = time.perf_counter()
         ceiling_pages = self.linker.ceiling_tokens(req) // self.page
-        keys = page_keys(req.tokens, self.page, req.seed, max_pages=ceiling_pages)
+        keys = req.page_keys(ceiling_pages)
         m = self.tree.match(keys)
         self.tree.lock(m.node)
         self._stand_on(req, m)

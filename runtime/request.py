@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ..components.keys import MultimodalSpan, page_keys
 from ..components.radix import Node
 
 if TYPE_CHECKING:
@@ -57,10 +58,19 @@ class Request:
     looked_up: bool = False
     released: bool = False
     releasing: anyio.Event | None = None  # set once a release has finished
+    #: the prompt's multimodal inputs (validated): folded into the keys of the pages they overlap
+    multimodal: tuple[MultimodalSpan, ...] = ()
 
     @property
     def prefix_tokens(self) -> int:
         return self.prefix_pages * self.page_size
+
+    def page_keys(self, max_pages: int | None = None) -> list[bytes]:
+        """The chained keys of the prompt's whole pages (at most ``max_pages``), under the
+        request's seed (deployment, salt, adapter) and its multimodal spans: the keys the device
+        tree matches and the store's objects are named by."""
+        return page_keys(self.tokens, self.page_size, self.seed, max_pages=max_pages,
+                         multimodal=self.multimodal)
 
 
 class LinkerRoom:

@@ -27,7 +27,6 @@ import anyio
 import numpy as np
 import torch
 
-from ..components.keys import page_keys
 from ..components.layout import MambaLayerSpec, ModelLayout
 from ..components.pools import HybridPools, dcp_fold
 from ..runtime.linker import Linker, Request
@@ -136,7 +135,7 @@ async def dcp_prefill(linker: Linker, content: DcpContent, req: Request) -> int:
     lay = linker.layout
     n = len(req.tokens)
     slots = linker.extend(req, n)
-    keys = page_keys(req.tokens, lay.tree_page, req.seed)
+    keys = req.page_keys()
     content.write_pages(keys, slots[: len(keys) * lay.tree_page])
     depth = n // linker.grid * linker.grid
     if lay.is_hybrid:
@@ -169,7 +168,7 @@ async def dcp_restore(linker: Linker, content: DcpContent, tokens: np.ndarray, r
             return 0, [*problems, "no load"]
         restored = await linker.commit(load)
         slots = req.rows[:restored]
-        keys = page_keys(req.tokens, lay.tree_page, req.seed, max_pages=restored // lay.tree_page)
+        keys = req.page_keys(restored // lay.tree_page)
         problems += [f"page {i}" for i in content.pages_hold(keys, slots)]
         if not content.untouched_outside(slots):
             problems.append("a restore wrote rows this rank does not hold")

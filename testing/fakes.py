@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator, Sequence
 import anyio
 import torch
 
-from ..components.keys import page_keys
 from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
 from ..components.pools import HybridPools
 from ..runtime.events import DeviceEvent
@@ -414,7 +413,7 @@ class SyntheticContent:
     def prefix_problems(self, linker: Linker, req: Request) -> list[str]:
         """What is wrong with the request's cached prefix: its rows and its state source
         must hold the content of its page keys (empty list: all good)."""
-        keys = page_keys(req.tokens, self.page, req.seed, max_pages=req.prefix_pages)
+        keys = req.page_keys(req.prefix_pages)
         problems = [f"page {i}" for i in self.pages_match(keys, req.rows[: req.prefix_tokens])]
         if self.layout.is_hybrid and req.prefix_pages:
             if req.state_source is None:
@@ -432,7 +431,7 @@ async def synthetic_prefill(linker: Linker, content: SyntheticContent, req: Requ
     layout = linker.layout
     page = layout.page_size
     n = len(req.tokens)
-    keys = page_keys(req.tokens, page, req.seed)
+    keys = req.page_keys()
     rows = linker.extend(req, n)
     first, whole = req.prefix_pages, n // page
     content.write_pages(keys[first:whole], rows[first * page: whole * page])

@@ -15,10 +15,12 @@ scheduler's steps:
 pools' own getters (``get_key_buffer``, ``mamba2_layer_cache``) → ``finish_external_linker_loads``
 → ``release_kv_cache(checkpoint=True)`` (insert + offloads) → ``check_hicache_events``.
 
-The synthetic forward writes bytes that are a pure function of the tokens: KV row ``p`` of layer
-``l`` from a chained hash of ``tokens[:p+1]``, the Mamba state of every layer from a hash of the
-tokens the tree will key it by. So a restored row or state can be compared byte for byte with
-what a recompute would have written (:attr:`Served.restore_mismatches`).
+The synthetic forward writes bytes that are a pure function of the tokens and the request's
+namespace (``extra_key``, ``cache_salt``: what SGLang keys its tree and storage by; a LoRA
+adapter's id is part of ``extra_key``): KV row ``p`` of layer ``l`` from a chained hash of
+``tokens[:p+1]``, the Mamba state of every layer from a hash of the tokens the tree will key it
+by. So a restored row or state can be compared byte for byte with what a recompute under the
+request's own namespace would have written (:attr:`Served.restore_mismatches`).
 """
 
 from __future__ import annotations
@@ -77,12 +79,15 @@ def install_cpu_shims() -> None:
     sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]  # type: ignore[attr-defined]
 
 
-def page_keys(tokens: Sequence[int], page_size: int = 1) -> list[str]:
-    """SGLang's page keys (the chained hashes its tree gives the linker) of ``tokens``."""
+def page_keys(tokens: Sequence[int], page_size: int = 1, *, extra_key: str | None = None,
+              cache_salt: str | None = None) -> list[str]:
+    """SGLang's page keys (the chained hashes its tree gives the linker) of ``tokens`` in the
+    namespace ``extra_key``/``cache_salt`` (SGLang's own ``get_storage_hash_str``)."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    return list(get_storage_hash_str(RadixKey(array("q", list(tokens))), None, page_size=page_size))
+    key = RadixKey(array("q", list(tokens)), extra_key=extra_key, cache_salt=cache_salt)
+    return list(get_storage_hash_str(key, None, page_size=page_size))
 
 
 @attrs.frozen
@@ -355,10 +360,10 @@ class SGLangCache:
         return out
 
     @staticmethod
-    def _chain(tokens: Sequence[int]) -> np.ndarray:
-        """h[p] = hash of tokens[:p+1], as uint64."""
+    def _chain(tokens: Sequence[int], ns: bytes = b"") -> np.ndarray:
+        """h[p] = hash of the namespace and tokens[:p+1], as uint64."""
         out = np.empty(len(tokens), dtype=np.uint64)
-        h = b"hylinker-harness"
+        h = b"hylinker-harness" + (hashlib.blake2b(ns, digest_size=8).digest() if ns else b"")
         for p, t in enumerate(tokens):
             h = hashlib.blake2b(h + int(t).to_bytes(8, "little", signed=True), digest_size=8).digest()
             out[p] = int.from_bytes(h, "little")
@@ -374,18 +379,18 @@ class SGLangCache:
         b = np.ascontiguousarray(x).view(np.uint8)[:, :width]
         return b & np.uint8(0x3F)  # keeps bf16/fp16 exponents small: finite values
 
-    def expected_rows(self, tokens: Sequence[int], lo: int, hi: int) -> list[list[np.ndarray]]:
+    def expected_rows(self, tokens: Sequence[int], lo: int, hi: int, ns: bytes = b"") -> list[list[np.ndarray]]:
         """What a forward writes into KV rows of positions [lo, hi): per layer, per buffer."""
-        seeds = self._chain(tokens[:hi])[lo:hi]
+        seeds = self._chain(tokens[:hi], ns)[lo:hi]
         out = []
         for li, bufs in enumerate(self.kv_buffers):
             out.append([self._bytes(seeds, 1000 * li + bi + 1, b[0].view(torch.uint8).numel())
                         for bi, b in enumerate(bufs)])
         return out
 
-    def expected_swa_rows(self, tokens: Sequence[int], lo: int, hi: int) -> list[list[np.ndarray]]:
+    def expected_swa_rows(self, tokens: Sequence[int], lo: int, hi: int, ns: bytes = b"") -> list[list[np.ndarray]]:
         """What a forward writes into the sliding-window rows of positions [lo, hi)."""
-        seeds = self._chain(tokens[:hi])[lo:hi]
+        seeds = self._chain(tokens[:hi], ns)[lo:hi]
         return [[self._bytes(seeds, 50000 + 1000 * li + bi + 1, b[0].view(torch.uint8).numel())
                  for bi, b in enumerate(bufs)] for li, bufs in enumerate(self.swa_buffers)]
 
@@ -393,16 +398,18 @@ class SGLangCache:
         """The sliding-window rows SGLang maps these full-attention rows to."""
         return self.allocator.translate_loc_from_full_to_swa(full_rows.to(torch.int64)).to(torch.int64)
 
-    def expected_state(self, tokens: Sequence[int], depth: int) -> list[np.ndarray]:
+    def expected_state(self, tokens: Sequence[int], depth: int, ns: bytes = b"") -> list[np.ndarray]:
         """The state a forward leaves at ``depth`` tokens (per state buffer, flat bytes)."""
-        seed = self._chain(tokens[:depth])[-1:] if depth else np.zeros(1, dtype=np.uint64)
+        seed = self._chain(tokens[:depth], ns)[-1:] if depth else np.zeros(1, dtype=np.uint64)
         return [self._bytes(seed, 7919 * (i + 1), b.numel())[0]
                 for i, b in enumerate(self.state_buffers(0))]
 
     # ---- one request ----------------------------------------------------------------
     def serve(self, tokens: Sequence[int], rid: str | None = None, *, settle: bool = True,
-              before_forward: Any = None) -> Served:
-        """Run one request through the scheduler's steps (see the module docstring)."""
+              before_forward: Any = None, extra_key: str | None = None, cache_salt: str | None = None,
+              lora_id: str | None = None) -> Served:
+        """Run one request through the scheduler's steps (see the module docstring), in the
+        namespace SGLang's ``Req`` builds from ``extra_key``, ``cache_salt`` and ``lora_id``."""
         from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
         from sglang.srt.mem_cache.common import release_kv_cache
@@ -416,7 +423,11 @@ class SGLangCache:
         tokens = list(tokens)
         L = len(tokens)
         req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+                  extra_key=extra_key, cache_salt=cache_salt, lora_id=lora_id)
+        # what the synthetic forward's bytes depend on besides the tokens (b"": no namespace)
+        ns = b"" if req.extra_key is None and req.cache_salt is None else \
+            repr((req.extra_key, req.cache_salt)).encode()
         req.init_next_round_input(self.cache)
         device_hit = int(req.prefix_len)
         store_hit = int(req.host_hit_length or 0)
@@ -467,10 +478,10 @@ class SGLangCache:
         mismatches: list[str] = []
         slot = -1 if self.dense else int(req.kv.mamba_pool_idx)
         if loaded and not aborted:
-            mismatches = self._check_restore(tokens, rows, device_hit, prefix_len, slot)
+            mismatches = self._check_restore(tokens, rows, device_hit, prefix_len, slot, ns)
         # write what the forward computed: new KV rows, and the state at the tree's depth
         if extend:
-            expected = self.expected_rows(tokens, prefix_len, L)
+            expected = self.expected_rows(tokens, prefix_len, L, ns)
             new_rows = rows[prefix_len:]
             mine, own = self.own_rows(new_rows)
             for li, bufs in enumerate(self.kv_buffers):
@@ -478,7 +489,7 @@ class SGLangCache:
                     view = b.view(torch.uint8).view(b.shape[0], -1)
                     view[own] = torch.from_numpy(expected[li][bi][mine.numpy()])
             if self.swa:
-                expected = self.expected_swa_rows(tokens, prefix_len, L)
+                expected = self.expected_swa_rows(tokens, prefix_len, L, ns)
                 swa_new = self.swa_rows(new_rows)
                 for li, bufs in enumerate(self.swa_buffers):
                     for bi, b in enumerate(bufs):
@@ -490,15 +501,15 @@ class SGLangCache:
             grid = math.lcm(max(int(self.server_args._mamba_cache_chunk_size), P), P)
             depth = L // grid * grid
             track = int(req.kv.mamba_ping_pong_track_buffer[0])
-            for buf, data in zip(self.state_buffers(track), self.expected_state(tokens, depth)):
+            for buf, data in zip(self.state_buffers(track), self.expected_state(tokens, depth, ns)):
                 buf.copy_(torch.from_numpy(data))
             req.kv.mamba_last_track_idx = 0
             req.kv.mamba_last_track_seqlen = depth if depth > 0 else None
             req.kv.mamba_prev_track_seqlen = None
-            for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, L)):
+            for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, L, ns)):
                 buf.copy_(torch.from_numpy(data))
         else:
-            for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, depth)):
+            for buf, data in zip(self.state_buffers(slot), self.expected_state(tokens, depth, ns)):
                 buf.copy_(torch.from_numpy(data))
         req.finished_reason = FINISH_LENGTH(length=0)
         t_offload = time.perf_counter()
@@ -511,9 +522,9 @@ class SGLangCache:
         return Served(rid, L, device_hit, store_hit, loaded, aborted, mismatches, load_s, offload_s)
 
     def _check_restore(self, tokens: list[int], rows: torch.Tensor, lo: int, hi: int,
-                       slot: int) -> list[str]:
+                       slot: int, ns: bytes = b"") -> list[str]:
         bad = []
-        expected = self.expected_rows(tokens, lo, hi)
+        expected = self.expected_rows(tokens, lo, hi, ns)
         mine, restored = self.own_rows(rows[lo:hi])
         for li, bufs in enumerate(self.kv_buffers):
             for bi, b in enumerate(bufs):
@@ -523,14 +534,14 @@ class SGLangCache:
         if self.swa:  # only the window below the boundary is restored (SGLang's SWA component)
             window = min(hi - lo, self.spec.sliding_window)
             swa_lo = hi - window
-            expected = self.expected_swa_rows(tokens, swa_lo, hi)
+            expected = self.expected_swa_rows(tokens, swa_lo, hi, ns)
             swa = self.swa_rows(rows[swa_lo:hi])
             for li, bufs in enumerate(self.swa_buffers):
                 for bi, b in enumerate(bufs):
                     got = b.view(torch.uint8).view(b.shape[0], -1)[swa].numpy()
                     if not np.array_equal(got, expected[li][bi]):
                         bad.append(f"swa layer {self.swa_layers[li]} buffer {bi}")
-        for i, (buf, want) in enumerate(zip(self.state_buffers(slot), self.expected_state(tokens, hi))):
+        for i, (buf, want) in enumerate(zip(self.state_buffers(slot), self.expected_state(tokens, hi, ns))):
             if not np.array_equal(buf.numpy(), want):
                 bad.append(f"state buffer {i}")
         return bad

@@ -178,11 +178,14 @@ class SGLangServer:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def generate(self, text: str, max_new_tokens: int = 8, timeout_s: float = 300) -> tuple[int, Any]:
-        """Greedy ``/generate`` with the output tokens' logprobs."""
+    def generate(self, text: str, max_new_tokens: int = 8, timeout_s: float = 300,
+                 **fields: Any) -> tuple[int, Any]:
+        """Greedy ``/generate`` with the output tokens' logprobs; ``fields``: more of the request's
+        fields (e.g. ``extra_key``, ``cache_salt``: the request's cache namespace)."""
         return post(f"{self.url}/generate", {
             "text": text, "return_logprob": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            **fields,
         }, timeout_s=timeout_s)
 
     def flush_cache(self) -> None:

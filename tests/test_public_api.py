@@ -27,6 +27,9 @@ EXPECTED |= {
 # agreement across tensor-parallel ranks: what a multi-rank linker is given
 EXPECTED |= {"Agreement", "AgreementError", "GlooAgreement", "RankMismatchError", "SingleRank"}
 
+# a request's multimodal input, one of its isolation keys (Linker.request(multimodal=...))
+EXPECTED |= {"MultimodalSpan"}
+
 
 def test_all_is_the_curated_list() -> None:
     assert set(hylinker.__all__) == EXPECTED

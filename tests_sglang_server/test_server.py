@@ -48,8 +48,8 @@ def start(model: Path, tmp_path: Path, name: str, extra: dict[str, Any] | None,
     return SGLangServer(cmd, tmp_path / f"{name}.log").wait_healthy()
 
 
-def generate(server: SGLangServer, text: str = PROMPT) -> tuple[Output, int]:
-    status, body = server.generate(text)
+def generate(server: SGLangServer, text: str = PROMPT, **fields: Any) -> tuple[Output, int]:
+    status, body = server.generate(text, **fields)
     assert status == 200, (status, body, server.tail())
     assert body["meta_info"]["finish_reason"]["type"] == "length", body["meta_info"]
     return output_of(body), int(body["meta_info"]["cached_tokens"])
@@ -120,50 +120,80 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
 
 
 
-def test_embedded_store_restores_after_flush_with_metrics_and_traces(
-        tiny_gpt2: Path, tmp_path: Path, reference: dict[str, Any]) -> None:
-    server = start(tiny_gpt2, tmp_path, "embedded", {"store": "embedded", "capacity_mb": 256, "trace": True},
-                   extra_args=["--enable-metrics"])
+@pytest.fixture(scope="module")
+def embedded(tiny_gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    """The README's server with the embedded store, metrics and traces, shared by the tests that
+    need nothing else; it must stop cleanly at the end."""
+    server = start(tiny_gpt2, tmp_path_factory.mktemp("embedded"), "embedded",
+                   {"store": "embedded", "capacity_mb": 256, "trace": True}, extra_args=["--enable-metrics"])
     try:
-        assert any("HylinkerLinker: store=embedded" in line for line in linker_lines(server))
-        _restore_after_flush(server, reference)
-        assert get(f"{server.url}/health")[0] == 200
-        # SGLang's own /metrics carries the plugin's families (scheduler process, multiprocess dir)
-        deadline = time.monotonic() + 30
-        while True:
-            samples = scrape(server)
-            if metric(samples, "bytes_total", direction="load") > 0 or time.monotonic() > deadline:
-                break
-            server.generate("a short request", max_new_tokens=1)  # a scheduler round publishes
-            time.sleep(1.1)
-        assert metric(samples, "lookups_total", outcome="hit") >= 1
-        assert metric(samples, "lookups_total", outcome="miss") >= 1
-        assert metric(samples, "hit_tokens_total") >= reference["cached"]
-        assert metric(samples, "loads_total", outcome="ok") == 1
-        assert metric(samples, "loads_total", outcome="failed") == 0
-        assert metric(samples, "offloads_total", outcome="ok") >= 1
-        assert metric(samples, "load_seconds_count") == 1
-        assert metric(samples, "bytes_total", pool="kv", direction="load") > 0
-        assert metric(samples, "bytes_total", pool="kv", direction="offload") > 0
-        # one restored request followed through the server log by its SGLang request id
-        server.flush_cache()
-        status, body = server.generate(PROMPT)
-        assert status == 200 and body["meta_info"]["cached_tokens"] == reference["cached"]
-        rid = body["meta_info"]["id"]
-        mine = [t for t in metrics_scrape.trace_lines(server.text())
-                if t.get("request_id") == rid or rid in t.get("request_ids", [])]
-        events = [t["event"] for t in mine]
-        for event in ("sglang.lookup", "sglang.load.queued", "sglang.load.start", "load"):
-            assert event in events, (event, events)
-        lookup = next(t for t in mine if t["event"] == "sglang.lookup")
-        assert lookup["hit_pages"] * 16 == reference["cached"]
-        data_load = next(t for t in mine if t["event"] == "load")
-        assert data_load["ok"] == data_load["objects"] > 0 and data_load["faults"] == {}
-        index = next(t for t in mine if t["event"] == "sglang.load.start")["counter_index"]
-        ends = [t for t in metrics_scrape.trace_lines(server.text()) if t["event"] == "sglang.load.end" and t["counter_index"] == index]
-        assert ends and ends[-1]["ok"] is True
+        yield server
     finally:
         assert_stops_cleanly(server)
+
+
+def test_embedded_store_restores_after_flush_with_metrics_and_traces(
+        embedded: SGLangServer, reference: dict[str, Any]) -> None:
+    """Runs first on the shared server: the load counts below are this test's alone."""
+    server = embedded
+    assert any("HylinkerLinker: store=embedded" in line for line in linker_lines(server))
+    _restore_after_flush(server, reference)
+    assert get(f"{server.url}/health")[0] == 200
+    # SGLang's own /metrics carries the plugin's families (scheduler process, multiprocess dir)
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(server)
+        if metric(samples, "bytes_total", direction="load") > 0 or time.monotonic() > deadline:
+            break
+        server.generate("a short request", max_new_tokens=1)  # a scheduler round publishes
+        time.sleep(1.1)
+    assert metric(samples, "lookups_total", outcome="hit") >= 1
+    assert metric(samples, "lookups_total", outcome="miss") >= 1
+    assert metric(samples, "hit_tokens_total") >= reference["cached"]
+    assert metric(samples, "loads_total", outcome="ok") == 1
+    assert metric(samples, "loads_total", outcome="failed") == 0
+    assert metric(samples, "offloads_total", outcome="ok") >= 1
+    assert metric(samples, "load_seconds_count") == 1
+    assert metric(samples, "bytes_total", pool="kv", direction="load") > 0
+    assert metric(samples, "bytes_total", pool="kv", direction="offload") > 0
+    # one restored request followed through the server log by its SGLang request id
+    server.flush_cache()
+    status, body = server.generate(PROMPT)
+    assert status == 200 and body["meta_info"]["cached_tokens"] == reference["cached"]
+    rid = body["meta_info"]["id"]
+    mine = [t for t in metrics_scrape.trace_lines(server.text())
+            if t.get("request_id") == rid or rid in t.get("request_ids", [])]
+    events = [t["event"] for t in mine]
+    for event in ("sglang.lookup", "sglang.load.queued", "sglang.load.start", "load"):
+        assert event in events, (event, events)
+    lookup = next(t for t in mine if t["event"] == "sglang.lookup")
+    assert lookup["hit_pages"] * 16 == reference["cached"]
+    data_load = next(t for t in mine if t["event"] == "load")
+    assert data_load["ok"] == data_load["objects"] > 0 and data_load["faults"] == {}
+    index = next(t for t in mine if t["event"] == "sglang.load.start")["counter_index"]
+    ends = [t for t in metrics_scrape.trace_lines(server.text()) if t["event"] == "sglang.load.end" and t["counter_index"] == index]
+    assert ends and ends[-1]["ok"] is True
+
+
+def test_request_namespaces_never_share_an_object(embedded: SGLangServer, reference: dict[str, Any]) -> None:
+    """``extra_key`` and ``cache_salt`` per request (SGLang's /generate fields): a request in another
+    namespace gets 0 cached tokens from the device or the store and computes what a cold run
+    does; the same namespace after a flush restores what SGLang's own device hit gives."""
+    server = embedded  # PROMPT, unnamespaced, is on its device and in its store already
+    owners: list[dict[str, str]] = [{"extra_key": "tenant-a"}, {"cache_salt": "salt-1"}]
+    for ns in owners:  # the device holds PROMPT in other namespaces, the store too
+        out, cached = generate(server, **ns)
+        assert cached == 0 and out == reference["cold"], ns
+    server.flush_cache()
+    for ns in [{"extra_key": "tenant-b"}, {"cache_salt": "salt-2"},
+               {"extra_key": "tenant-a", "cache_salt": "salt-1"}]:  # the store only
+        out, cached = generate(server, **ns)
+        assert cached == 0 and out == reference["cold"], ns
+    for ns in owners:  # positive controls
+        server.flush_cache()
+        out, cached = generate(server, **ns)
+        assert cached == reference["cached"] and out == reference["hit"], ns
+    assert not [line for line in linker_lines(server) if "load" in line and "fail" in line]
 
 
 @pytest.fixture

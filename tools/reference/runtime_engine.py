@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ...components.keys import MultimodalSpan
 from ...components.mamba import restorable_ceiling
 from ...components.pools import HybridPools
 from ...runtime.linker import Linker, Request
@@ -166,6 +167,9 @@ class LinkedEngine:
         linear_state: LinearStateMode = "load",
         corrupt: Callable[[BoundaryState], BoundaryState] | None = None,
         donate: bool = True,
+        salt: bytes | str | None = None,
+        adapter: str | None = None,
+        multimodal: Sequence[MultimodalSpan] | None = (),
     ) -> PrefillResult:
         """LOOKUP → LOAD → COMMIT → forward → INSERT → RELEASE for one prompt.
 
@@ -173,14 +177,15 @@ class LinkedEngine:
         the cached prefix is zeroed or skipped), and so is ``corrupt``: the cached prefix's
         state, as read from the pools, is replaced by ``corrupt(state)`` before the engine's
         cache is rebuilt. A negative control never donates. ``donate=False`` computes without
-        inserting anything.
+        inserting anything. ``salt``, ``adapter``, ``multimodal``: the request's isolation keys
+        (:meth:`Linker.request`); the reference model itself reads only the tokens.
         """
         toks = _tokens(tokens)
         if not toks:
             raise ValueError("a prefill needs at least one token")
         t0 = time.perf_counter()
         linker = self.linker
-        req = linker.request(request_id, toks)
+        req = linker.request(request_id, toks, salt=salt, adapter=adapter, multimodal=multimodal)
         try:
             hit = await linker.lookup(req)
             t_lookup = time.perf_counter()
