@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "study": "studies",
     "mooncake": "mooncake_cli",
+    "config-doc": "config_doc",
 }
 
 
