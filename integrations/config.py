@@ -70,11 +70,11 @@ class PluginConfig:
     capacity_mb: int = attrs.field(default=1024, validator=_positive)  # embedded store capacity
     salt: str = ""  # tenant salt: objects of different salts never match
     faults: str = ""  # a fault plan (the `stress --faults` syntax) wrapped around the store
-    fault_seed: int = 0
+    fault_seed: int = 0  # seed of the fault plan's random draws
     protocol: str = "tcp"  # Mooncake transfer protocol: "tcp" | "rdma"
-    rdma_devices: str = ""
-    metadata_server: str = "P2PHANDSHAKE"
-    local_hostname: str = "127.0.0.1"
+    rdma_devices: str = ""  # Mooncake RDMA devices (protocol="rdma"), comma-separated
+    metadata_server: str = "P2PHANDSHAKE"  # Mooncake transfer-engine metadata server ("P2PHANDSHAKE": none needed)
+    local_hostname: str = "127.0.0.1"  # the address this engine's Mooncake segment is reached at
     staging_mb: int = attrs.field(default=64, validator=_positive)  # host copies of pages waiting for the store
     lookup_timeout_s: float = attrs.field(default=1.0, validator=_positive)  # longest store probe at admission
     drain_timeout_s: float = attrs.field(default=10.0, validator=_non_negative)  # shutdown: longest wait for writes

@@ -40,13 +40,13 @@ class LinkerConfig:
     offload: bool = True
     #: skip an offload that carries a state while queued states hold >= this share of the pool
     mamba_backpressure: bool = True
-    mamba_backpressure_share: float = attrs.field(default=0.75, validator=_positive)
+    mamba_backpressure_share: float = attrs.field(default=0.75, validator=_positive)  # that share, in (0, 1]
     #: drop offloads while the store latency EMA is above ``latency_high_ms``, until below low
     latency_high_ms: float = attrs.field(default=250.0, validator=_positive)
-    latency_low_ms: float = attrs.field(default=50.0, validator=_positive)
+    latency_low_ms: float = attrs.field(default=50.0, validator=_positive)  # offloads resume below this EMA
     #: send TOUCH for a device-hit node at most once per interval
     touch: bool = True
-    touch_interval_s: float = attrs.field(default=5.0, validator=_positive)
+    touch_interval_s: float = attrs.field(default=5.0, validator=_positive)  # that interval
     #: a device fence still pending after this long fails its offload (FenceError)
     fence_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     #: objects per page/state, each holding a run of layers: a load lands (and reports) the
@@ -83,7 +83,7 @@ class LinkerConfig:
     #: the engine's prefill rate, tokens per second (None: what ``Linker.observe_prefill`` saw)
     prefill_tokens_per_s: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive))
-    restore_margin: float = attrs.field(default=1.0, validator=_positive)
+    restore_margin: float = attrs.field(default=1.0, validator=_positive)  # load time / recompute time above which a hit is declined
     #: after this many declines in a row the next store hit is taken anyway (a probe): the
     #: bandwidth is measured only by loads, so without probes an estimate made while the store was
     #: slow would decline every later hit even after the store recovered

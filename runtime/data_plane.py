@@ -110,7 +110,7 @@ class DataPlaneConfig:
     inline_copy_bytes: int = 4 << 20  # host sub-batches up to this size copy on the loop
     fence_timeout_s: float = 60.0  # an offload fence pending longer fails the offload
     latency_high_ms: float = 250.0  # store latency EMA watermarks (LatencyMonitor)
-    latency_low_ms: float = 50.0
+    latency_low_ms: float = 50.0  # the low watermark (offloads resume below it)
     layer_groups: int = 1  # objects per page/state, each a run of layers (see module doc)
     #: let a scatter-gather store read/write host pool rows in place (checksums over the rows)
     in_place: bool = True

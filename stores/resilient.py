@@ -90,8 +90,8 @@ class ResiliencePolicy:
     #: ``backoff_max_s`` (keys that failed in a call the store answered retry after
     #: ``backoff_s``); +- ``jitter`` share at random
     backoff_s: float = attrs.field(default=0.001, validator=_non_negative)
-    backoff_max_s: float = attrs.field(default=0.1, validator=_non_negative)
-    jitter: float = attrs.field(default=0.5, validator=_non_negative)
+    backoff_max_s: float = attrs.field(default=0.1, validator=_non_negative)  # the longest backoff
+    jitter: float = attrs.field(default=0.5, validator=_non_negative)  # share of a backoff drawn at random, in [0, 1]
     #: one call to the inner store may take this long; past it its keys are UNREACHABLE
     call_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     #: one transfer (a wrapper call, all its attempts and backoffs) ends by this deadline

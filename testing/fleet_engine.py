@@ -6,7 +6,7 @@ Every request is one of ``--docs`` shared documents (the same token ids on every
 tail of its own, so a document one host computed and offloaded is a store hit on the other. The
 device tree is flushed after every request: every hit is a store hit, read through Mooncake.
 Every restored page and state is compared byte for byte with its synthetic content
-(:class:`~hylinker.tools.content.Content`).
+(:class:`~hylinker.testing.content.Content`).
 
 Protocol: one JSON object per line on stdout, prefixed ``@@`` (``ready``; ``req`` per request;
 ``offloading`` before the offloads of a request are drained; ``end`` with leak checks after
@@ -39,7 +39,7 @@ from ..stores.base import GetResult, Outcome, Store
 from ..stores.mooncake import MooncakeStore
 from ..stores.mooncake_client import MooncakeConfig
 from ..stores.resilient import ResiliencePolicy
-from ..tools.content import Content, preset_layout
+from .content import Content, preset_layout
 from .fakes import GatedStore
 
 MIB = 1 << 20

@@ -33,7 +33,7 @@ from hylinker.runtime.agreement import (
 from hylinker.runtime.config import LinkerConfig
 from hylinker.runtime.linker import Linker, Request
 from hylinker.stores.mooncake import MooncakeConfig, MooncakeStore
-from hylinker.tools.content import Content, preset_layout
+from hylinker.testing.content import Content, preset_layout
 from hylinker.tools.ranks import launch
 from hylinker.tools.stress_ranks import rank_disagreements
 

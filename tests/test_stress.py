@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from hylinker.components.pools import HybridPools
+from hylinker.testing.content import Content, preset_layout
 from hylinker.tools.cli import main
-from hylinker.tools.content import Content, preset_layout
 from hylinker.tools.report import LOSS_COLUMNS, stress_row
 from hylinker.tools.traces import mooncake_trace
 

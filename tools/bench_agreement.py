@@ -26,7 +26,7 @@ from ..components.pools import HybridPools
 from ..runtime.agreement import Agreement, GlooAgreement
 from ..runtime.config import LinkerConfig
 from ..runtime.linker import Linker
-from .content import Content, preset_layout
+from ..testing.content import Content, preset_layout
 from .report import percentiles
 
 PAGE = 64

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "study": "studies",
     "mooncake": "mooncake_cli",
     "fleet": "fleet",
+    "config-doc": "config_doc",
 }
 
 

@@ -121,8 +121,8 @@ async def _runtime(cfg: MooncakeConfig, docs: int) -> dict[str, Any]:
     from ..components.pools import HybridPools
     from ..runtime.config import LinkerConfig
     from ..runtime.linker import Linker
+    from ..testing.content import Content, preset_layout
     from ..testing.fleet_engine import document
-    from .content import Content, preset_layout
 
     layout = preset_layout("kimi", 64, 64)
     P = layout.page_size

@@ -34,7 +34,7 @@ from ..runtime.linker import Linker, Request
 from ..runtime.tree_actor import PoolExhaustedError
 from ..stores.base import Store
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
-from .content import PRESETS, Content, preset_layout
+from ..testing.content import PRESETS, Content, preset_layout
 from .replay import Demand, QueueFullError, WaitingQueue, pages_for
 from .report import format_stress_summary, percentiles, progress_bar
 from .workloads import (

@@ -1,0 +1,102 @@
+"""The code map (``docs/structure.md``) is true: no module imports across the layers it forbids.
+
+Every ``.py`` file of the package is parsed (not imported), and every import of a hylinker
+module outside an ``if TYPE_CHECKING:`` block is checked against :data:`MAY_IMPORT`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("components", "stores", "runtime", "integrations", "testing", "tools")
+
+#: package -> the other packages its modules may import (docs/structure.md, last column)
+MAY_IMPORT: dict[str, set[str]] = {
+    "components": set(),
+    "stores": set(),
+    "runtime": {"components", "stores"},
+    "integrations": {"components", "stores", "runtime"},
+    "testing": {"components", "stores", "runtime", "integrations"},
+    "tools": {"components", "stores", "runtime", "integrations", "testing"},
+    "__init__": {"components", "stores", "runtime"},
+    "__main__": {"tools"},
+}
+
+
+def _modules() -> list[Path]:
+    files = [ROOT / "__init__.py", ROOT / "__main__.py"]
+    for pkg in PACKAGES:
+        files += sorted((ROOT / pkg).rglob("*.py"))
+    return files
+
+
+def _owner(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _type_only(tree: ast.Module) -> set[int]:
+    ids: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return ids
+
+
+def imported_packages(path: Path, rel: Path | None = None) -> dict[str, int]:
+    """The hylinker packages ``path`` imports at run time -> the first line that does; ``rel``:
+    where the module lives in the package (default: where ``path`` is)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_only(tree)
+    here = list((rel or path.relative_to(ROOT)).parent.parts)
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        targets: list[list[str]] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                mod = base + (node.module.split(".") if node.module else [])
+                targets = [[*mod, a.name] for a in node.names] if not mod else [mod]
+            elif node.module and node.module.split(".")[0] == "hylinker":
+                mod = node.module.split(".")[1:]
+                targets = [[*mod, a.name] for a in node.names] if not mod else [mod]
+        elif isinstance(node, ast.Import):
+            targets = [a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == "hylinker"]
+        for t in targets:
+            if t and t[0] in PACKAGES:
+                found.setdefault(t[0], getattr(node, "lineno", 0))
+    return found
+
+
+def test_every_package_is_mapped() -> None:
+    assert {_owner(p) for p in _modules()} <= set(MAY_IMPORT)
+    doc = (ROOT / "docs" / "structure.md").read_text()
+    for pkg in PACKAGES:
+        assert f"`{pkg}/`" in doc, f"docs/structure.md has no row for {pkg}/"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_stay_in_their_layer(path: Path) -> None:
+    owner = _owner(path)
+    allowed = MAY_IMPORT[owner] | {owner}
+    crossing = {pkg: line for pkg, line in imported_packages(path).items() if pkg not in allowed}
+    assert not crossing, (f"{path.relative_to(ROOT)} imports {sorted(crossing)} (lines "
+                          f"{sorted(crossing.values())}); {owner} may import only {sorted(MAY_IMPORT[owner])}")
+
+
+def test_the_checker_sees_a_crossing(tmp_path: Path) -> None:
+    """The parse finds relative, absolute and function-level imports, and skips type-only ones."""
+    fake = tmp_path / "probe.py"
+    text = ("from typing import TYPE_CHECKING\n"
+            "from ..runtime import linker\n"
+            "if TYPE_CHECKING:\n    from ..tools import cli\n"
+            "def f():\n    import hylinker.integrations.vllm\n")
+    fake.write_text(text)
+    assert imported_packages(fake, Path("stores/probe.py")) == {"runtime": 2, "integrations": 6}
+    assert imported_packages(fake, Path("stores/sub/probe.py")) == {"stores": 2, "integrations": 6}  # ..runtime is stores.runtime
