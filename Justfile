@@ -12,14 +12,20 @@ run *ARGS: setup
     mkdir -p bench-results
     {{py}} -m hylinker stress --store embedded --json bench-results/stress.json --plot bench-results/stress.png {{ARGS}}
 
-# the whole test suite, slow suites and the real Mooncake master included, then the SGLang plugin's
-# suites (SGLang's cache, SGLang's real server) and the vLLM connector's
+# the whole test suite, slow suites and the real Mooncake master included, then the fleet suite,
+# the SGLang plugin's suites (SGLang's cache, SGLang's real server) and the vLLM connector's
 test *ARGS: setup
     {{py}} -m pytest -q -ra {{ARGS}}
+    just test-fleet
     bash .ci/sglang-setup.sh
     .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang
     just test-sglang-server
     just test-vllm
+
+# the fleet suite: a Mooncake master and engine hosts in network namespaces (needs root and `ip`;
+# without them it fails saying so)
+test-fleet *ARGS: setup
+    cd tests_fleet && {{py}} -m pytest -q -ra {{ARGS}}
 
 # the SGLang plugin's suite alone, in .venv-sglang (sglang==0.5.23 on the CPU torch; .ci/sglang-setup.sh builds it)
 test-sglang *ARGS:
