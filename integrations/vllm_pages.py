@@ -57,6 +57,16 @@ from .vllm_plan import TransferPlan
 log = logging.getLogger("vllm.hylinker")
 
 
+def step_staging_bytes(pages: RawPages, *, floor_bytes: int, tokens_per_step: int, block_size: int,
+                       state_groups: int) -> int:
+    """Staging for one request's saves of one full step: the attention blocks a step of
+    ``tokens_per_step`` tokens can complete plus one state per state group, or ``floor_bytes``
+    if more. At a real geometry one object is every layer of a group (Qwen3-Next-80B: 12 layers,
+    26 MB), so a fixed small staging area would skip every save."""
+    objects = -(-tokens_per_step // max(1, block_size)) + 1 + state_groups
+    return max(floor_bytes, objects * sum(pages.page_bytes))
+
+
 def _views(raws: Sequence[torch.Tensor], with_state: bool) -> PoolSet:
     layers = [LayerParts(i, (r,)) for i, r in enumerate(raws)]
     views = [PoolView(PoolKind.FULL, 1, layers)]
@@ -287,4 +297,4 @@ class PageTransfers:
             return dict(self.counters)
 
 
-__all__ = ["PageTransfers", "RawPages"]
+__all__ = ["PageTransfers", "RawPages", "step_staging_bytes"]

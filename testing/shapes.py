@@ -13,6 +13,8 @@ Sources (read with the project's search tool, 2026-12-03): Qwen3-Next-80B-A3B's 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 
 
@@ -70,4 +72,39 @@ QWEN3_NEXT_80B = HybridGeometry(
     linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4)
 
 
-__all__ = ["QWEN3_NEXT_80B", "HybridGeometry", "gdn_state_shapes"]
+
+
+def build_qwen3_next_at(path: Path | str, geometry: HybridGeometry = QWEN3_NEXT_80B, *, seed: int = 0,
+                        hidden: int = 128) -> Path:
+    """Write a random-weight bf16 qwen3_next at ``geometry`` (its layers, pattern, KV heads,
+    head dims and linear-attention heads) with a ``hidden``-wide residual stream, 2 experts of 64,
+    query heads = KV heads and the tiny tokenizer's vocabulary; returns ``path``."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from .tiny_qwen3_next import VOCAB, build_tokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path, seed=seed)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    g = geometry
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=g.layers,
+        num_attention_heads=g.num_kv_heads, num_key_value_heads=g.num_kv_heads, head_dim=g.head_dim,
+        linear_conv_kernel_dim=g.conv_kernel, linear_key_head_dim=g.linear_key_dim,
+        linear_value_head_dim=g.linear_value_dim, linear_num_key_heads=g.linear_key_heads,
+        linear_num_value_heads=g.linear_value_heads, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1,
+        layer_types=g.layer_types(), max_position_embeddings=65536, initializer_range=0.1,
+        tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config)
+    model.to(dtype=torch.bfloat16)  # type: ignore[call-arg]
+    model.config.architectures = ["Qwen3NextForCausalLM"]
+    model.save_pretrained(str(path))
+    return path
+
+
+__all__ = ["QWEN3_NEXT_80B", "HybridGeometry", "build_qwen3_next_at", "gdn_state_shapes"]
