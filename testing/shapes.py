@@ -14,6 +14,7 @@ Sources (read with the project's search tool, 2026-12-03): Qwen3-Next-80B-A3B's 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -107,4 +108,53 @@ def build_qwen3_next_at(path: Path | str, geometry: HybridGeometry = QWEN3_NEXT_
     return path
 
 
-__all__ = ["QWEN3_NEXT_80B", "HybridGeometry", "build_qwen3_next_at", "gdn_state_shapes"]
+def sglang_cache_spec(geometry: HybridGeometry = QWEN3_NEXT_80B, *, page_size: int = 64, tree_core: str = "python",
+                      kv_pages: int = 16, mamba_slots: int = 4) -> Any:
+    """The SGLang harness's :class:`~hylinker.testing.sglang_cache.CacheSpec` at ``geometry``:
+    its layers and full-attention pattern, MHA KV heads and head dim, and the Mamba2 state shape
+    SGLang derives for Qwen3-Next (``configs/qwen3_next.py``: intermediate = value heads x value
+    dim, ``n_groups`` = key heads, state size = key dim), fp32 recurrent state. Pages above 1
+    use SGLang's ``extra_buffer`` Mamba strategy (it needs it there)."""
+    from .sglang_cache import CacheSpec
+
+    g = geometry
+    return CacheSpec(
+        page_size=page_size, kv="mha", model="hybrid", num_layers=g.layers,
+        full_layers=tuple(g.full_attention_layers), head_num=g.num_kv_heads, head_dim=g.head_dim,
+        mamba_heads=g.linear_value_heads, mamba_head_dim=g.linear_value_dim, mamba_state=g.linear_key_dim,
+        mamba_intermediate=g.linear_value_heads * g.linear_value_dim, mamba_groups=g.linear_key_heads,
+        mamba_conv_kernel=g.conv_kernel, mamba_ssm_dtype="float32", mamba_extra_buffer=page_size > 1,
+        kv_pages=kv_pages, mamba_slots=mamba_slots, max_reqs=2, max_context=kv_pages * page_size,
+        tree_core=tree_core)
+
+
+#: Kimi-Linear-48B-A3B (``moonshotai/Kimi-Linear-48B-A3B-Instruct`` config.json, read with the
+#: search tool): 27 layers, MLA at (1-based) layers 4, 8, ..., 24 and 27 (7 layers; KDA : MLA about
+#: 3 : 1), MLA latent 512 + rope 64, KDA 32 heads of 128, short conv kernel 4.
+KIMI_LINEAR_48B_FULL_LAYERS = (3, 7, 11, 15, 19, 23, 26)
+
+
+def transformers_overrides(arch: str, *, hidden: int = 128) -> dict[str, Any]:
+    """Config fields that put transformers' ``arch`` (``qwen3_next`` or ``kimi_linear``) at its
+    real checkpoint's cache geometry, on top of the reference model's tiny config (which keeps
+    the shrunk hidden size, experts and vocabulary). Query heads drop to the KV head count (MLA:
+    2 heads, its cache is the latent either way)."""
+    if arch == "qwen3_next":
+        g = QWEN3_NEXT_80B
+        return {"num_hidden_layers": g.layers, "layer_types": g.layer_types(), "hidden_size": hidden,
+                "num_attention_heads": g.num_kv_heads, "num_key_value_heads": g.num_kv_heads,
+                "head_dim": g.head_dim, "linear_num_key_heads": g.linear_key_heads,
+                "linear_num_value_heads": g.linear_value_heads, "linear_key_head_dim": g.linear_key_dim,
+                "linear_value_head_dim": g.linear_value_dim, "linear_conv_kernel_dim": g.conv_kernel}
+    if arch == "kimi_linear":
+        layers = 27
+        return {"num_hidden_layers": layers, "hidden_size": hidden,
+                "layer_types": ["full_attention" if i in KIMI_LINEAR_48B_FULL_LAYERS else "linear_attention"
+                                for i in range(layers)],
+                "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                "qk_nope_head_dim": 128, "v_head_dim": 128, "linear_num_heads": 32, "linear_head_dim": 128,
+                "linear_conv_kernel_dim": 4}
+    raise ValueError(f"no real geometry recorded for {arch!r} (qwen3_next, kimi_linear)")
+
+
+__all__ = ["KIMI_LINEAR_48B_FULL_LAYERS", "QWEN3_NEXT_80B", "HybridGeometry", "build_qwen3_next_at", "gdn_state_shapes", "sglang_cache_spec", "transformers_overrides"]
