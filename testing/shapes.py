@@ -157,4 +157,20 @@ def transformers_overrides(arch: str, *, hidden: int = 128) -> dict[str, Any]:
     raise ValueError(f"no real geometry recorded for {arch!r} (qwen3_next, kimi_linear)")
 
 
-__all__ = ["KIMI_LINEAR_48B_FULL_LAYERS", "QWEN3_NEXT_80B", "HybridGeometry", "build_qwen3_next_at", "gdn_state_shapes", "sglang_cache_spec", "transformers_overrides"]
+def kimi_linear_sglang_cache_spec(*, page_size: int = 64, tree_core: str = "python", kv_pages: int = 8,
+                                  mamba_slots: int = 4) -> Any:
+    """The SGLang harness's ``CacheSpec`` at Kimi-Linear-48B's geometry: 27 layers, MLA (latent
+    512 + rope 64) at :data:`KIMI_LINEAR_48B_FULL_LAYERS`, and KDA's state in SGLang's Mamba2
+    shape: a conv window over q, k and v (3 x 32 heads x 128 = 12,288 channels, kernel 4) and a
+    32 x 128 x 128 fp32 recurrent state per layer."""
+    from .sglang_cache import CacheSpec
+
+    return CacheSpec(
+        page_size=page_size, kv="mla", model="hybrid", num_layers=27, full_layers=KIMI_LINEAR_48B_FULL_LAYERS,
+        kv_lora_rank=512, qk_rope_head_dim=64, mamba_heads=32, mamba_head_dim=128, mamba_state=128,
+        mamba_intermediate=32 * 128, mamba_groups=32, mamba_conv_kernel=4, mamba_ssm_dtype="float32",
+        mamba_extra_buffer=page_size > 1, kv_pages=kv_pages, mamba_slots=mamba_slots, max_reqs=2,
+        max_context=kv_pages * page_size, tree_core=tree_core)
+
+
+__all__ = ["KIMI_LINEAR_48B_FULL_LAYERS", "QWEN3_NEXT_80B", "HybridGeometry", "build_qwen3_next_at", "gdn_state_shapes", "kimi_linear_sglang_cache_spec", "sglang_cache_spec", "transformers_overrides"]

@@ -13,7 +13,7 @@ import pytest
 from test_sglang_linker import CORES, assert_clean, plugin
 
 from hylinker.testing.sglang_cache import SGLangCache
-from hylinker.testing.shapes import QWEN3_NEXT_80B, sglang_cache_spec
+from hylinker.testing.shapes import QWEN3_NEXT_80B, kimi_linear_sglang_cache_spec, sglang_cache_spec
 
 
 @pytest.mark.parametrize(("core", "page"), [(core, 64) for core in CORES] + [("rust", 1)])
@@ -34,4 +34,19 @@ def test_real_geometry_restore_is_byte_exact(caches: list[SGLangCache], core: st
     assert again.loaded == (128 if page > 1 else 150), again  # page 64: the deepest tracked state, at 128
     assert again.restore_mismatches == []
     assert len(cache.full_layers) == len(g.full_attention_layers) == 12 and len(cache.mamba_layers) == 36
+    assert_clean(cache)
+
+
+def test_kimi_linear_geometry_restore_is_byte_exact(caches: list[SGLangCache]) -> None:
+    """Kimi-Linear-48B: 7 MLA layers (576 B per token each) and 20 KDA states, page 64."""
+    cache = SGLangCache(kimi_linear_sglang_cache_spec(), plugin())
+    caches.append(cache)
+    sizes = sorted(view.payload_bytes for view in cache.linker.pools.values())
+    assert sizes == sorted([7 * 64 * 576 * 2, 20 * (12288 * 3 * 2 + 32 * 128 * 128 * 4)]), sizes
+    prompt = list(range(5000, 5000 + 150))
+    cache.serve(prompt)
+    cache.flush()
+    again = cache.serve(prompt + list(range(9000, 9008)))
+    assert again.device_hit == 0 and again.loaded == 128 and not again.aborted, again
+    assert again.restore_mismatches == []
     assert_clean(cache)
