@@ -80,10 +80,9 @@ def build_qwen3_next_at(path: Path | str, geometry: HybridGeometry = QWEN3_NEXT_
     """Write a random-weight bf16 qwen3_next at ``geometry`` (its layers, pattern, KV heads,
     head dims and linear-attention heads) with a ``hidden``-wide residual stream, 2 experts of 64,
     query heads = KV heads and the tiny tokenizer's vocabulary; returns ``path``."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import AutoTokenizer, Qwen3NextConfig
 
-    from .tiny_qwen3_next import VOCAB, build_tokenizer
+    from .tiny_qwen3_next import VOCAB, build_tokenizer, save_random_qwen3_next
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -100,12 +99,7 @@ def build_qwen3_next_at(path: Path | str, geometry: HybridGeometry = QWEN3_NEXT_
         layer_types=g.layer_types(), max_position_embeddings=65536, initializer_range=0.1,
         tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
     )
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config)
-    model.to(dtype=torch.bfloat16)  # type: ignore[call-arg]
-    model.config.architectures = ["Qwen3NextForCausalLM"]
-    model.save_pretrained(str(path))
-    return path
+    return save_random_qwen3_next(config, path, seed)
 
 
 def sglang_cache_spec(geometry: HybridGeometry = QWEN3_NEXT_80B, *, page_size: int = 64, tree_core: str = "python",
@@ -173,4 +167,17 @@ def kimi_linear_sglang_cache_spec(*, page_size: int = 64, tree_core: str = "pyth
         max_context=kv_pages * page_size, tree_core=tree_core)
 
 
-__all__ = ["KIMI_LINEAR_48B_FULL_LAYERS", "QWEN3_NEXT_80B", "HybridGeometry", "build_qwen3_next_at", "gdn_state_shapes", "kimi_linear_sglang_cache_spec", "sglang_cache_spec", "transformers_overrides"]
+def poll_loads(transfers: Any, timeout_s: float) -> tuple[set[str], set[str]]:
+    """Poll a :class:`~hylinker.integrations.vllm_pages.PageTransfers` until a load ended (or
+    ``timeout_s``): its ``finished_loads()`` (landed, failed)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, bad = transfers.finished_loads()
+        if done or bad or time.monotonic() > deadline:
+            return done, bad
+        time.sleep(0.001)
+
+
+__all__ = ["KIMI_LINEAR_48B_FULL_LAYERS", "QWEN3_NEXT_80B", "HybridGeometry", "build_qwen3_next_at", "gdn_state_shapes", "kimi_linear_sglang_cache_spec", "poll_loads", "sglang_cache_spec", "transformers_overrides"]

@@ -9,8 +9,6 @@ them from vLLM's own allocation code as well.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -31,7 +29,7 @@ from hylinker.integrations.vllm_plan import (
     state_key,
 )
 from hylinker.runtime.transfer import PoolCodec
-from hylinker.testing.shapes import QWEN3_NEXT_80B
+from hylinker.testing.shapes import QWEN3_NEXT_80B, poll_loads
 
 PER_GROUP = [1, 2, 12]
 PAGES = [1, 16, 64, 384, QWEN3_NEXT_80B.vllm_block_size()]
@@ -121,12 +119,7 @@ def test_page_transfers_round_trip_many_layers_per_group(per_group: int) -> None
         pt.save([TransferPlan("a", ("k1",), (1,), ("s2",), (2,))])
         assert pt.drain(30.0) and pt.statistics()["saves_ok"] == 1
         pt.load(TransferPlan("b", ("k1",), (4,), ("s2",), (5,)))
-        done: set[str] = set()
-        bad: set[str] = set()
-        deadline = time.monotonic() + 30
-        while not (done or bad) and time.monotonic() < deadline:
-            done, bad = pt.finished_loads()
-            time.sleep(0.005)
+        done, bad = poll_loads(pt, 60.0)
         assert done == {"b"} and not bad
         for n in groups["attn"]:
             assert torch.equal(_block(kv[n], 4), want[n]), n

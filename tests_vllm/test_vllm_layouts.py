@@ -13,7 +13,6 @@ A copy of the first segment only (what the connector stored before segments) mus
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -34,7 +33,7 @@ from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig
 from hylinker.integrations.vllm_pages import PageTransfers, RawPages
 from hylinker.integrations.vllm_plan import TransferPlan
-from hylinker.testing.shapes import QWEN3_NEXT_80B, gdn_state_shapes
+from hylinker.testing.shapes import QWEN3_NEXT_80B, gdn_state_shapes, poll_loads
 
 BF16 = torch.bfloat16
 
@@ -127,6 +126,7 @@ CASES = {
     "mla": lambda k: mla_specs(k, 64),
     "sliding+full": sliding_specs,
     "qwen3_next": qwen3_next_specs,
+    "qwen3_next-tp2": lambda k: qwen3_next_specs(k, tp=2),  # one rank's shard: 1 KV head, 8 / 16 heads
 }
 
 
@@ -134,7 +134,7 @@ CASES = {
 @pytest.mark.parametrize("per_group", [1, 2, 8])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_raw_pages_address_vllms_allocation(case: str, per_group: int, layout: str) -> None:
-    if case == "qwen3_next" and per_group == 8:
+    if case.startswith("qwen3_next") and per_group == 8:
         per_group = 12  # the real model: 48 layers, 12 per group
     specs = CASES[case](per_group)
     cfg, kv = allocate(specs, layout, 4)
@@ -184,12 +184,7 @@ def test_page_transfers_round_trip_the_real_qwen3_next_layout(layout: str) -> No
         pt.save([TransferPlan("a", ("k1",), (1,), ("s2",), (2,))])
         assert pt.drain(60.0) and pt.statistics()["saves_ok"] == 1
         pt.load(TransferPlan("b", ("k1",), (3,), ("s2",), (4,)))
-        done: set[str] = set()
-        bad: set[str] = set()
-        deadline = time.monotonic() + 60
-        while not (done or bad) and time.monotonic() < deadline:
-            done, bad = pt.finished_loads()
-            time.sleep(0.01)
+        done, bad = poll_loads(pt, 60.0)
         assert done == {"b"} and not bad
         for n in attn.layer_names:
             assert torch.equal(_block_bytes(kv[n], nb, 3), want[n]), n

@@ -25,7 +25,7 @@ from ..integrations import store_host
 from ..integrations.config import PluginConfig
 from ..integrations.vllm_pages import PageTransfers, RawPages
 from ..integrations.vllm_plan import TransferPlan
-from ..testing.shapes import QWEN3_NEXT_80B
+from ..testing.shapes import QWEN3_NEXT_80B, poll_loads
 from .host_probe import describe, finish, host_record
 
 
@@ -57,11 +57,7 @@ def measure(tp: int, objects: int, repeats: int) -> dict[str, Any]:
             save_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             pt.load(TransferPlan(f"l{rep}", names, tuple(range(objects, 2 * objects))))
-            while True:
-                ok, bad = pt.finished_loads()
-                if ok or bad:
-                    break
-                time.sleep(0.0005)
+            ok, bad = poll_loads(pt, 600.0)
             load_s.append(time.perf_counter() - t0)
             assert ok == {f"l{rep}"}, bad
             for r in pages.raws:
