@@ -71,7 +71,7 @@ from .vllm_index import (
     StoreProbe,
     kv_replicas,
 )
-from .vllm_pages import PageTransfers, RawPages
+from .vllm_pages import PageTransfers, RawPages, step_staging_bytes
 from .vllm_plan import (
     BlockKeys,
     Groups,
@@ -423,7 +423,11 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         fingerprint = hashlib.sha256(self.seed + pages.geometry().encode()).digest()
         self._transfers = PageTransfers(self.host, pages, fingerprint=fingerprint,
                                         with_state=bool(self.groups.state),
-                                        staging_bytes=self.config.staging_mb * MIB, rank=self.rank,
+                                        staging_bytes=step_staging_bytes(
+                                            pages, floor_bytes=self.config.staging_mb * MIB,
+                                            tokens_per_step=self._vllm_config.scheduler_config.max_num_batched_tokens,
+                                            block_size=self.block_size, state_groups=len(self.groups.state)),
+                                        rank=self.rank,
                                         integrity=self.config.integrity_level, layout=self.layout)
         for plane in (self._transfers.engine_plane, self._transfers.staging_plane):
             self.stats.watch(plane)

@@ -6,8 +6,10 @@ ids from one pool across groups: page ``b`` of every raw tensor belongs to which
 block ``b``. So one *object* is "page ``b`` of every raw tensor": for an attention block that is
 every attention layer's K and V of those tokens, for a state block every recurrent layer's state
 of its group. :class:`RawPages` finds those raw tensors behind the per-layer tensors vLLM
-registers (checking that blocks are the outer dimension) and views each as
-``[num_blocks, page_bytes]`` bytes; the data plane's FULL and MAMBA views both lie on them.
+registers: the byte segments that hold block ``b`` (one per layer position with vLLM's
+layer-outer layout, one per buffer with its block-outer one; see
+:mod:`~hylinker.integrations.vllm_block_layout`), each viewed as ``[num_blocks, block_stride]``
+bytes; the data plane's FULL and MAMBA views both lie on them.
 
 :class:`PageTransfers` runs two data planes on the store host's loop:
 
@@ -36,71 +38,33 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import anyio.to_thread
 import attrs
 import torch
 
 from ..components.layout import PoolKind
-from ..components.pool_view import LayerParts, PoolSet, PoolView, PoolViewError
+from ..components.pool_view import LayerParts, PoolSet, PoolView
 from ..runtime.data_plane import DataPlane, DataPlaneConfig, Transfer
 from ..runtime.tickets import TransferOutcome
 from ..stores.framing import Integrity
 from .store_host import StoreHost
+from .vllm_block_layout import RawPages
 from .vllm_index import KeyLayout, name_of
 from .vllm_plan import TransferPlan
 
 log = logging.getLogger("vllm.hylinker")
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    raise PoolViewError(f"a KV cache entry must be a tensor or a list of tensors, got {type(value).__name__}")
-
-
-class RawPages:
-    """Per raw storage a ``[num_blocks, page_bytes]`` uint8 view (see the module docstring)."""
-
-    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
-        if num_blocks <= 0:
-            raise PoolViewError(f"num_blocks must be positive, got {num_blocks}")
-        by_storage: dict[int, tuple[torch.UntypedStorage, int]] = {}
-        for name, value in kv_caches.items():
-            for t in _tensors(value):
-                if t.shape[0] != num_blocks:
-                    raise PoolViewError(f"{name}: {t.shape[0]} blocks on dim 0, the cache has {num_blocks}")
-                storage = t.untyped_storage()
-                page = t.stride(0) * t.element_size()
-                offset = t.data_ptr() - storage.data_ptr()
-                span = (1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:]))) * t.element_size()
-                if page <= 0 or min(t.stride(), default=0) < 0 or offset < 0 or offset + span > page:
-                    raise PoolViewError(f"{name}: blocks are not the outer dimension of its storage "
-                                        f"(block stride {page} B, offset {offset} B)")
-                key = storage.data_ptr()
-                seen = by_storage.get(key)
-                if seen is not None and seen[1] != page:
-                    raise PoolViewError(f"{name}: page of {page} B, another layer on its storage has {seen[1]} B")
-                if storage.nbytes() < num_blocks * page:
-                    raise PoolViewError(f"{name}: storage of {storage.nbytes()} B < {num_blocks} pages of {page} B")
-                by_storage[key] = (storage, page)
-        if not by_storage:
-            raise PoolViewError("no KV cache tensors registered")
-        self.num_blocks = num_blocks
-        self.raws: list[torch.Tensor] = []
-        for key in sorted(by_storage):
-            storage, page = by_storage[key]
-            flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
-            flat.set_(storage, 0, (num_blocks * page,), (1,))
-            self.raws.append(flat.view(num_blocks, page))
-        self.page_bytes = tuple(r.shape[1] for r in self.raws)
-
-    def geometry(self) -> str:
-        return f"pages={list(self.page_bytes)}"
+def step_staging_bytes(pages: RawPages, *, floor_bytes: int, tokens_per_step: int, block_size: int,
+                       state_groups: int) -> int:
+    """Staging for one request's saves of one full step: the attention blocks a step of
+    ``tokens_per_step`` tokens can complete plus one state per state group, or ``floor_bytes``
+    if more. At a real geometry one object is every layer of a group (Qwen3-Next-80B: 12 layers,
+    26 MB), so a fixed small staging area would skip every save."""
+    objects = -(-tokens_per_step // max(1, block_size)) + 1 + state_groups
+    return max(floor_bytes, objects * sum(pages.page_bytes))
 
 
 def _views(raws: Sequence[torch.Tensor], with_state: bool) -> PoolSet:
@@ -333,4 +297,4 @@ class PageTransfers:
             return dict(self.counters)
 
 
-__all__ = ["PageTransfers", "RawPages"]
+__all__ = ["PageTransfers", "RawPages", "step_staging_bytes"]

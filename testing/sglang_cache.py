@@ -131,6 +131,8 @@ class CacheSpec:
     mamba_state: int = 8
     mamba_intermediate: int = 16
     mamba_conv_kernel: int = 4
+    mamba_groups: int = 1  # n_groups (Qwen3-Next: linear_num_key_heads)
+    mamba_ssm_dtype: str = "bfloat16"  # SGLANG_MAMBA_SSM_DTYPE (real checkpoints: float32)
     dtype: torch.dtype = torch.bfloat16
 
 
@@ -225,9 +227,9 @@ class SGLangCache:
                     layer_num=spec.num_layers, device="cpu", enable_memory_saver=False)
             components: tuple[Any, ...] = (ComponentType.FULL,)
         else:
-            with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+            with envs.SGLANG_MAMBA_SSM_DTYPE.override(spec.mamba_ssm_dtype):
                 shape = Mamba2StateShape.create(
-                    tp_world_size=1, intermediate_size=spec.mamba_intermediate, n_groups=1,
+                    tp_world_size=1, intermediate_size=spec.mamba_intermediate, n_groups=spec.mamba_groups,
                     num_heads=spec.mamba_heads, head_dim=spec.mamba_head_dim, state_size=spec.mamba_state,
                     conv_kernel=spec.mamba_conv_kernel)
                 cache_params = Mamba2CacheParams(shape=shape, layers=self.mamba_layers)

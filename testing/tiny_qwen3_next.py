@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 #: tokens per vLLM block for this model: pass it explicitly (``block_size=``), otherwise vLLM's
 #: scheduler keeps a 16-token Mamba block while the worker raises the attention block.
@@ -58,8 +59,7 @@ def build_tokenizer(path: Path, *, seed: int = 0) -> None:
 def build_tiny_qwen3_next(path: Path | str, *, seed: int = 0, layers: int = 4) -> Path:
     """Write a random-weight bf16 qwen3_next (``layers`` layers, every 4th full attention) and its
     tokenizer to ``path``; returns ``path``. Same seed, same bytes."""
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import Qwen3NextConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -78,6 +78,14 @@ def build_tiny_qwen3_next(path: Path | str, *, seed: int = 0, layers: int = 4) -
         max_position_embeddings=32768, initializer_range=0.1, tie_word_embeddings=False,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
     )
+    return save_random_qwen3_next(config, path, seed)
+
+
+def save_random_qwen3_next(config: Any, path: Path, seed: int) -> Path:
+    """Instantiate ``config`` with seeded random weights in bf16 and save it into ``path``."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
     torch.manual_seed(seed)
     model = Qwen3NextForCausalLM(config)
     model.to(dtype=torch.bfloat16)  # type: ignore[call-arg]
@@ -86,4 +94,4 @@ def build_tiny_qwen3_next(path: Path | str, *, seed: int = 0, layers: int = 4) -
     return path
 
 
-__all__ = ["BLOCK_SIZE", "CHAT_TEMPLATE", "VOCAB", "build_tiny_qwen3_next", "build_tokenizer"]
+__all__ = ["BLOCK_SIZE", "CHAT_TEMPLATE", "VOCAB", "build_tiny_qwen3_next", "build_tokenizer", "save_random_qwen3_next"]

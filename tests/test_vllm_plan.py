@@ -130,7 +130,7 @@ def test_raw_pages_find_the_shared_storage_and_reject_other_layouts() -> None:
     with pytest.raises(PoolViewError, match="blocks on dim 0"):
         RawPages(caches, 7)
     kv_first = torch.zeros(2, 6, 4, 8, dtype=torch.bfloat16).transpose(0, 1)  # [blocks, 2, ...] strided
-    with pytest.raises(PoolViewError, match="outer dimension"):
+    with pytest.raises(PoolViewError, match="not one run"):
         RawPages({"x": kv_first}, 6)
 
 

@@ -27,7 +27,8 @@ ENGINE_TIMEOUT_S = 900
 
 
 def run_engine(model: Path, extra: dict[str, Any] | None, steps: list[dict[str, Any]],
-               log: Path, *, in_process: bool = True, tp: int = 1) -> list[dict[str, Any]]:
+               log: Path, *, in_process: bool = True, tp: int = 1,
+               block_size: int | None = None) -> list[dict[str, Any]]:
     """Run one engine through ``steps``; ``extra=None``: no connector, no prefix cache.
     ``in_process``: the engine core (and at TP 1 the worker) in the runner's process, so the
     ``stats`` step reads both connector sides; otherwise vLLM's default process model, no
@@ -39,6 +40,8 @@ def run_engine(model: Path, extra: dict[str, Any] | None, steps: list[dict[str, 
            "--extra", "none" if extra is None else json.dumps(extra), "--steps", json.dumps(steps)]
     if in_process:
         cmd.append("--in-process")
+    if block_size is not None:
+        cmd += ["--block-size", str(block_size)]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, timeout=ENGINE_TIMEOUT_S, text=True)
     out = proc.stdout

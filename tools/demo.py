@@ -69,6 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"length of the system prompt that opens turn 1 (default "
                              f"{DEFAULT_SHAPE.system_tokens}, {LARGE_SHAPE.system_tokens} with "
                              "--large); e.g. --large --system-tokens 16384 for 16 K-token prompts")
+    parser.add_argument("--real-shape", action="store_true",
+                        help="the real checkpoint's cache geometry (qwen3_next: Qwen3-Next-80B-A3B's 48 "
+                             "layers; kimi_linear: Kimi-Linear-48B's 27), hidden size and experts shrunk")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the per-turn figures here")
 
@@ -89,7 +92,15 @@ def run(args: argparse.Namespace) -> int:
     import anyio
 
     try:
-        report = anyio.run(_run_with_store, args.arch, args.store, shape, args.seed, args.large)
+        overrides = None
+        if args.real_shape:
+            from ..testing.shapes import transformers_overrides
+
+            overrides = transformers_overrides(args.arch)
+        report = anyio.run(_run_with_store, args.arch, args.store, shape, args.seed, args.large, overrides)
+    except ValueError as exc:
+        print(f"hylinker demo: {exc}", file=sys.stderr)
+        return 2
     except DemoSetupError as exc:
         print(f"hylinker demo: {exc}", file=sys.stderr)
         return 2
@@ -106,7 +117,7 @@ class DemoSetupError(RuntimeError):
 
 
 async def _run_with_store(arch: str, store_kind: str, shape: ConversationShape, seed: int,
-                          large: bool) -> dict[str, Any]:
+                          large: bool, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     from ..stores.base import Store
     from .reference.models import UnsupportedModelError
 
@@ -115,7 +126,7 @@ async def _run_with_store(arch: str, store_kind: str, shape: ConversationShape, 
     if store_kind == "embedded":
         from ..stores.embedded import EmbeddedStore
 
-        store = EmbeddedStore(256 * MIB)
+        store = EmbeddedStore((2048 if overrides else 256) * MIB)  # real shapes: states of tens of MB
     else:
         try:
             from ..stores.mooncake import MooncakeConfig, MooncakeStore
@@ -129,7 +140,8 @@ async def _run_with_store(arch: str, store_kind: str, shape: ConversationShape, 
                 master.close()
             raise DemoSetupError(f"cannot start the mooncake store: {exc}") from exc
     try:
-        return await run_demo(arch, shape, store=store, store_name=store_kind, seed=seed, large=large)
+        return await run_demo(arch, shape, store=store, store_name=store_kind, seed=seed, large=large,
+                              model_overrides=overrides)
     except UnsupportedModelError as exc:
         raise DemoSetupError(str(exc)) from exc
     finally:
@@ -166,6 +178,7 @@ async def run_demo(
     out: Callable[[str], None] = print,
     config: Any = None,
     before_turn: Callable[[int, Any], Awaitable[None]] | None = None,
+    model_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the conversation on ``store``; print the table; return the JSON report.
 
@@ -176,6 +189,7 @@ async def run_demo(
     ``before_turn(k, linker)``: awaited before turn ``k``'s lookup (1-based), once the offloads
     of the turns before settled; tests use it to make the store fail or the latency watermark
     drop an offload.
+    ``model_overrides``: config fields over the tiny config (``--real-shape``: a real geometry).
     """
     import anyio
     import torch
@@ -198,7 +212,7 @@ async def run_demo(
     if engine is None:
         from .reference import cache_geometry
 
-        model = build_model(arch, seed=seed)
+        model = build_model(arch, seed=seed, **(model_overrides or {}))
         # the draft model's KV rides on the target's attention rows: none for a purely
         # recurrent model (a state-only layout), which runs without a draft
         draft = build_draft_model(seed=seed + 1) if cache_geometry(model).kv is not None else None
