@@ -31,10 +31,9 @@ LORA_RANK = 8
 def build_tiny_qwen3(path: Path | str, *, seed: int = 0) -> Path:
     """Write a random-weight bf16 ``Qwen3ForCausalLM`` (:data:`LAYERS` full-attention layers) and
     the tiny tokenizer to ``path``; returns ``path``."""
-    import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from .tiny_qwen3_next import VOCAB, build_tokenizer
+    from .tiny_qwen3_next import VOCAB, build_tokenizer, save_random_model
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -45,12 +44,7 @@ def build_tiny_qwen3(path: Path | str, *, seed: int = 0) -> Path:
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
         max_position_embeddings=32768, initializer_range=0.1, tie_word_embeddings=False,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    model.to(dtype=torch.bfloat16)  # type: ignore[call-arg]
-    model.config.architectures = ["Qwen3ForCausalLM"]
-    model.save_pretrained(str(path))
-    return path
+    return save_random_model(Qwen3ForCausalLM, config, path, seed)
 
 
 def write_random_lora(path: Path | str, *, seed: int, scale: float = 0.5) -> Path:
