@@ -83,15 +83,22 @@ def build_tiny_qwen3_next(path: Path | str, *, seed: int = 0, layers: int = 4) -
 
 def save_random_qwen3_next(config: Any, path: Path, seed: int) -> Path:
     """Instantiate ``config`` with seeded random weights in bf16 and save it into ``path``."""
-    import torch
     from transformers import Qwen3NextForCausalLM
 
+    return save_random_model(Qwen3NextForCausalLM, config, path, seed)
+
+
+def save_random_model(model_class: Any, config: Any, path: Path, seed: int) -> Path:
+    """Instantiate transformers' ``model_class`` from ``config`` with seeded random weights in
+    bf16 and save it into ``path`` (its ``architectures`` set to the class's name)."""
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config)
-    model.to(dtype=torch.bfloat16)  # type: ignore[call-arg]
-    model.config.architectures = ["Qwen3NextForCausalLM"]
+    model = model_class(config)
+    model.to(dtype=torch.bfloat16)
+    model.config.architectures = [model_class.__name__]
     model.save_pretrained(str(path))
     return path
 
 
-__all__ = ["BLOCK_SIZE", "CHAT_TEMPLATE", "VOCAB", "build_tiny_qwen3_next", "build_tokenizer", "save_random_qwen3_next"]
+__all__ = ["BLOCK_SIZE", "CHAT_TEMPLATE", "VOCAB", "build_tiny_qwen3_next", "build_tokenizer", "save_random_model", "save_random_qwen3_next"]

@@ -7,7 +7,8 @@ between steps. Steps (a JSON list, ``--steps``):
 * ``{"op": "generate", "prompt": [ids...], "max_tokens": 8}`` → tokens, top-3 logprobs per
   token, ``cached`` (prompt tokens vLLM did not compute: its prefix cache plus the connector),
   ``seconds`` and ``ttft_s`` (time to the first token, from a separate 1-token request); optional
-  ``"cache_salt": "A"`` (the prompt's per-request salt);
+  ``"cache_salt": "A"`` (the prompt's per-request salt); optional ``"lora": {"name": "a1",
+  "id": 1, "path": DIR}`` (the request's LoRA adapter; the engine needs ``--max-lora-rank``);
 * ``{"op": "decode", "prompt": [ids...], "max_tokens": 64}`` → the request streamed through the
   engine's step loop (``LLMEngine.add_request`` / ``step``, EOS ignored): ``ttft_s`` and
   ``token_s``, the time each later token arrived after the one before it (one engine step
@@ -23,6 +24,8 @@ between steps. Steps (a JSON list, ``--steps``):
 By default the engine runs as ``LLM(...)`` does for its users (its engine core and workers in
 processes of their own); ``--in-process`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core
 and, at TP 1, the worker in this process). ``--tp N``: tensor parallel size.
+
+``--max-lora-rank R``: LoRA enabled (``enable_lora``, two adapters at a time, rank up to R).
 
 ``--extra none`` runs without the connector and without vLLM's prefix cache: the reference;
 ``--extra prefix-only`` without the connector, with vLLM's prefix cache.
@@ -91,6 +94,16 @@ def _prompt(step: dict[str, Any]) -> dict[str, Any]:
     return prompt
 
 
+def _lora(step: dict[str, Any]) -> Any:
+    """A generate step's ``LoRARequest``, or None."""
+    if "lora" not in step:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    spec = step["lora"]
+    return LoRARequest(str(spec["name"]), int(spec["id"]), str(spec["path"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -99,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--max-lora-rank", type=int, default=0, help="enable LoRA with this maximum rank (0: off)")
     ap.add_argument("--in-process", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=0")
     args = ap.parse_args(argv)
     if args.in_process:
@@ -108,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {}
+    if args.max_lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=args.max_lora_rank, max_loras=2)
     if args.extra not in ("none", "prefix-only"):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HylinkerConnector", kv_connector_module_path="hylinker.integrations.vllm",
@@ -125,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt = _prompt(step)
             sp = SamplingParams(max_tokens=int(step.get("max_tokens", 8)), temperature=0.0, logprobs=3)
             t0 = time.perf_counter()
-            out = llm.generate([prompt], sp, use_tqdm=False)[0]
+            out = llm.generate([prompt], sp, use_tqdm=False, lora_request=_lora(step))[0]
             seconds = time.perf_counter() - t0
             o = out.outputs[0]
             lps = [sorted(([int(k), float(v.logprob)] for k, v in lp.items()), key=lambda kv: -kv[1])

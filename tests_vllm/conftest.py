@@ -28,11 +28,12 @@ ENGINE_TIMEOUT_S = 900
 
 def run_engine(model: Path, extra: dict[str, Any] | None, steps: list[dict[str, Any]],
                log: Path, *, in_process: bool = True, tp: int = 1,
-               block_size: int | None = None) -> list[dict[str, Any]]:
+               block_size: int | None = None, max_lora_rank: int = 0) -> list[dict[str, Any]]:
     """Run one engine through ``steps``; ``extra=None``: no connector, no prefix cache.
     ``in_process``: the engine core (and at TP 1 the worker) in the runner's process, so the
     ``stats`` step reads both connector sides; otherwise vLLM's default process model, no
-    variable set (the workers log their statistics at shutdown: :func:`worker_statistics`)."""
+    variable set (the workers log their statistics at shutdown: :func:`worker_statistics`).
+    ``max_lora_rank``: LoRA enabled (steps may carry a ``lora`` adapter)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -42,6 +43,8 @@ def run_engine(model: Path, extra: dict[str, Any] | None, steps: list[dict[str, 
         cmd.append("--in-process")
     if block_size is not None:
         cmd += ["--block-size", str(block_size)]
+    if max_lora_rank:
+        cmd += ["--max-lora-rank", str(max_lora_rank)]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, timeout=ENGINE_TIMEOUT_S, text=True)
     out = proc.stdout

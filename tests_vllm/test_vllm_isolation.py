@@ -4,10 +4,11 @@ same salt after ``reset_prefix_cache()`` is served from the store (the positive 
 identical to a recompute. Offline API over the embedded store; the OpenAI server's
 ``/v1/completions`` field over Mooncake.
 
-LoRA adapters and multimodal inputs do not run with the connector on the CPU build (LoRA on
-qwen3_next needs Triton's MoE kernels, qwen3_5 needs torchvision, an attention-only model's CPU
-page layout is not supported yet): their keys are checked with vLLM's real request objects through
-the connector's scheduler side in ``test_vllm_request_keys.py``; see ``docs/design.md`` §10.
+LoRA adapters run end to end on a dense attention model in ``test_vllm_lora.py``. Multimodal
+inputs do not run with the connector on the CPU build (qwen3_5 needs torchvision), nor LoRA on
+the hybrid models (qwen3_next needs Triton's MoE kernels): their keys are checked with vLLM's
+real request objects through the connector's scheduler side in ``test_vllm_request_keys.py``; see
+``docs/design.md`` §10.
 """
 
 from __future__ import annotations
