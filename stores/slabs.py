@@ -21,7 +21,9 @@ class SizeClass:
         self.chunks: list[np.ndarray | None] = []
         self.free: list[list[int]] = []  # per chunk: free local slot numbers
         self.live: list[int] = []  # per chunk: occupied slots
-        self.partial: list[int] = []  # heap of chunk numbers with a free slot
+        # heap of the chunk numbers with a free slot, each once: exactly ``partial_set``
+        # (a chunk leaves both when it fills or is released, enters both when a slot frees)
+        self.partial: list[int] = []
         self.partial_set: set[int] = set()
         self.released: list[int] = []  # chunk numbers whose memory was released
         self.empty: set[int] = set()  # allocated chunks with no occupied slot
@@ -31,7 +33,7 @@ class SizeClass:
         return self.slots_per_chunk * self.slot_bytes
 
     def has_free_slot(self) -> bool:
-        return any(c in self.partial_set and self.free[c] for c in self.partial)
+        return bool(self.partial)
 
     def allocate(self) -> tuple[int, int]:
         """Take a free slot (lowest chunk first, so high chunks drain).
@@ -39,19 +41,15 @@ class SizeClass:
         Returns ``(slot id, bytes of chunk memory newly allocated)``.
         """
         grown = 0
-        while self.partial:
-            c = self.partial[0]
-            if c in self.partial_set and self.free[c]:
-                break
-            heapq.heappop(self.partial)
-            self.partial_set.discard(c)
-        else:
-            c = self._new_chunk()
+        if not self.partial:
+            self._new_chunk()
             grown = self.chunk_bytes
+        c = self.partial[0]
         self.empty.discard(c)
         local = self.free[c].pop()
         self.live[c] += 1
-        if not self.free[c]:
+        if not self.free[c]:  # full: it leaves the heap (it is the top) and the set together
+            heapq.heappop(self.partial)
             self.partial_set.discard(c)
         return c * self.slots_per_chunk + local, grown
 
@@ -73,7 +71,10 @@ class SizeClass:
         self.empty.discard(c)
         self.chunks[c] = None
         self.free[c] = []
-        self.partial_set.discard(c)
+        if c in self.partial_set:  # an empty chunk has free slots: take it out of the heap too
+            self.partial_set.discard(c)
+            self.partial.remove(c)
+            heapq.heapify(self.partial)
         self.released.append(c)
         return self.chunk_bytes
 

@@ -40,6 +40,7 @@ from ..runtime.config import LinkerConfig
 from ..runtime.linker import Linker
 from ..stores.base import Store
 from ..stores.embedded import EmbeddedStore
+from .bench_store import FAULTED_IN, fault_in
 
 HELP = "benchmarks: control path, event-loop lag, data path (JSON with --json PATH)"
 
@@ -229,6 +230,7 @@ async def loop_lag(quick: bool = False) -> dict[str, Any]:
 StoreFactory = Callable[[int], Awaitable[Store]]
 
 
+
 async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
                            in_place: bool = True, in_place_min_bytes: int | None = None,
                            integrity: str = "checksum") -> dict[str, float]:
@@ -329,13 +331,13 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
                 n = max(16, total // object_bytes)
                 if name == "mooncake-remote" and object_bytes < (1 << 20):
                     n = min(n, 1024)  # big batches of small objects stall over loopback TCP
-                factory: Callable[[], Any] = functools.partial(_warm_store, make, total * 8, object_bytes, 3 * n)
+                factory: Callable[[], Any] = functools.partial(_warm_store, make, total * 8, object_bytes, n)
 
                 async def _rt(make: Callable[[int], Any] = make, object_bytes: int = object_bytes,
                               n: int = n, **options: Any) -> dict[str, float]:
                     store = await _maybe_await(make(total * 8))
                     try:
-                        await _warm(store, object_bytes, n)
+                        await fault_in(store, object_bytes, n)
                         return await runtime_transfer(store, object_bytes, n, **options)
                     finally:
                         await store.close()
@@ -380,19 +382,9 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
     return rows
 
 
-async def _warm(store: Store, object_bytes: int, n: int) -> None:
-    """Put and remove ``n`` objects once, so the timed run meets warm store memory (the raw
-    measurement's steady state) rather than first-touch page faults."""
-    buf = torch.zeros(object_bytes, dtype=torch.uint8)
-    for lo in range(0, n, 256):
-        keys = [f"warm-{i}" for i in range(lo, min(n, lo + 256))]
-        await store.put(keys, [buf] * len(keys))
-        await store.remove(keys)
-
-
 async def _warm_store(make: Callable[[int], Any], capacity: int, object_bytes: int, n: int) -> Store:
     store: Store = await _maybe_await(make(capacity))
-    await _warm(store, object_bytes, n)
+    await fault_in(store, object_bytes, n)
     return store
 
 
@@ -408,6 +400,7 @@ def _print_data_path(rows: list[dict[str, Any]], variants: dict[str, dict[str, A
 
     print(f"\n== {title} (GB/s; best of {rows[0]['rounds'] if rows else 0} interleaved rounds, "
           "ratios of the best and of the medians)")
+    print(FAULTED_IN)
     first = next(iter(variants))
     ratios = [f"{first}_vs_raw", f"{first}_vs_raw_median"] if variants is DEFAULT_VARIANTS else [
         f"{v}_vs_raw{m}" for m in ("", "_median") for v in variants]
