@@ -11,6 +11,8 @@ printed; ``--json PATH`` writes one object::
                     "runtime_vs_raw", "runtime_median_gbps", "raw_median_gbps",
                     "runtime_vs_raw_median", "rounds", "load_average"}...],
      "key_hashing": {...},
+     "python_calls": [{"shape", "object_bytes", "segments", "objects", "offload_calls_per_object",
+                       "load_calls_per_object", "verify_all_load_calls_per_object", ...}...],
      "integrity_levels": [{"store", "object_bytes", "direction", "checksum_gbps", "header_gbps",
                            "raw_gbps", "checksum_vs_raw", "header_vs_raw", ..._median...}...],
      "host": {"cores", "usable_cores", "memcpy_gbps", "load_average", "load_average_end", ...}}
@@ -48,10 +50,12 @@ HELP = "benchmarks: control path, event-loop lag, data path (JSON with --json PA
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
-    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade", "levels", "steps"],
+    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade", "levels", "steps", "calls"],
                         action="append",
                         help="run only these sections (repeatable; 'levels' is --integrity-levels alone; "
-                             "'steps': µs per object of each data-path step, not in the default set)")
+                             "'steps': µs per object of each data-path step, 'calls': Python calls per object through "
+                             "the synchronous data plane at 64 KiB, 1 MiB and a 24-segment page; "
+                             "neither in the default set)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="data path: interleaved rounds, best and median kept (default 5, 3 with --quick)")
     parser.add_argument("--mooncake", choices=["auto", "yes", "no"], default="auto",
@@ -91,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
         out["object_steps"] = [object_steps(size, n, reps, (64 if args.quick else 256) << 20)
                                for size in (64 << 10, 1 << 20)]
         print_steps(out["object_steps"])
+    if "calls" in sections:
+        from .bench_calls import all_shapes, print_calls
+
+        out["python_calls"] = all_shapes(args.quick)
+        print_calls(out["python_calls"])
     if "facade" in sections:
         out["sync_facade_us"] = sync_facade(args.quick)
         _print_section("synchronous facade: µs per call, facade vs the async call on the loop",
