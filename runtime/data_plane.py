@@ -77,7 +77,7 @@ import torch
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores import framing
-from ..stores.base import Store, StoreError
+from ..stores.base import Store, StoreError, bad_key
 from ..stores.resilient import ResilientStore
 from .device import DeviceCopies
 from .events import DeviceEvent
@@ -158,6 +158,11 @@ class Transfer:
 def group_key(key: str, group: int, groups: int) -> str:
     """The store key of layer group ``group`` of an object (the key itself when ``groups == 1``)."""
     return key if groups == 1 else f"{key}|g{group}of{groups}"
+
+
+def group_keys(keys: Sequence[str], group: int, groups: int) -> list[str]:
+    """:func:`group_key` of every key (one comprehension, no call per key)."""
+    return list(keys) if groups == 1 else [f"{key}|g{group}of{groups}" for key in keys]
 
 
 class DataPlane:
@@ -333,7 +338,7 @@ class DataPlane:
             sizes[pool] = len(keys)
             groups = len(self.codecs[pool])
             for g in range(groups):
-                names = [group_key(k, g, groups) for k in keys]
+                names = group_keys(keys, g, groups)
                 jobs.append((pool, g, TransferJob(names, index, fence=fence, request_id=request_id, group=g,
                                                   hold=hold)))
         # group-major: every pool's group 0 first, so the first layers land first
@@ -482,9 +487,9 @@ def _check_keys(keys: Sequence[str], pool: PoolKind) -> list[str]:
     if isinstance(keys, (str, bytes)):
         raise PoolViewError(f"{pool.value}: keys must be a sequence of strings, not one {type(keys).__name__}")
     out = list(keys)
-    for k in out:
-        if not isinstance(k, str) or not k:
-            raise PoolViewError(f"{pool.value}: store keys must be non-empty strings, got {k!r}")
+    bad, k = bad_key(out)
+    if bad:
+        raise PoolViewError(f"{pool.value}: store keys must be non-empty strings, got {k!r}")
     if len(set(out)) != len(out):
         raise PoolViewError(f"{pool.value}: repeated keys in one transfer")
     return out

@@ -26,6 +26,7 @@ from ..stores.base import (
     StoreError,
     supports_checksums,
     supports_device_memory,
+    supports_rows,
     supports_scatter,
 )
 from .device import DeviceCopies, copies_for
@@ -188,6 +189,7 @@ class PoolStaging:
             self._held_arena = new_arena(-(-held_bytes // stride) * stride)
             store.register(self._held_arena)
         self._arenas_np = {d: a.numpy() for d, a in self._arenas.items()}
+        self._templates: dict[int, np.ndarray] = {}  # per codec: its objects' header template
         for arena in self._arenas.values():
             store.register(arena)
         # in place: the store reads and writes host pool rows directly (checksums over the
@@ -216,6 +218,9 @@ class PoolStaging:
         #: the runtime hashes payloads itself (worth a worker thread for large batches)
         self.hashes_here = (integrity is framing.Integrity.CHECKSUM and not self.store_checksums
                             and not self.device_sums)
+        #: in-place transfers as row-described store calls (``put_rows`` / ``get_rows``): the
+        #: store copies, checksums and writes headers per sub-batch, no buffer list per object
+        self.rows = supports_rows(store) and self.copies is None and self.codec.device.type == "cpu"
         if self.scatter:
             moved = [c for c, yes in zip(self.codecs, self.in_place_groups, strict=True) if yes]
             for region in {id(t): t for c in moved for t in c.regions()}.values():
@@ -288,7 +293,7 @@ class PoolStaging:
                 self._c["offload_failures"] += 1
         trace("offload", pool=self.kind.value, request_id=job.request_id, objects=len(job.keys),
               bytes=len(job.keys) * size, us=round((time.perf_counter() - t0) * 1e6),
-              failures=sum(o not in (Outcome.OK, Outcome.EXISTS) for o in outcomes))
+              failures=len(outcomes) - outcomes.count(Outcome.OK) - outcomes.count(Outcome.EXISTS))
         return OffloadResult(outcomes)
 
     def _loaded(self, job: TransferJob, ok: list[bool], faults: dict[str, int], size: int,
