@@ -202,6 +202,16 @@ class PoolStaging:
             # device pools over a store that addresses device memory: the rows are registered
             # and moved in place whatever the size (runtime/device_transfers.py)
             self.in_place_groups = [True] * len(self.codecs)
+        #: verify-all loads keep the size rule: below it they verify in private staging and
+        #: write no row unless the whole load verified (runtime/held_load.py)
+        self.held_in_place_groups = list(self.in_place_groups)
+        #: in-place transfers as row-described store calls (``put_rows`` / ``get_rows``): the
+        #: store copies, checksums and writes headers per sub-batch, no buffer list per object,
+        #: so nothing per object is left to save by staging: offloads and loads move in place
+        #: at every size
+        self.rows = able and supports_rows(store)
+        if self.rows:
+            self.in_place_groups = [True] * len(self.codecs)
         self.scatter = any(self.in_place_groups)
         # a store that checksums while it copies (framing.copy_checksummed): headers only on
         # offload, the landed checksum on load; the bytes cross memory once less per transfer
@@ -218,9 +228,6 @@ class PoolStaging:
         #: the runtime hashes payloads itself (worth a worker thread for large batches)
         self.hashes_here = (integrity is framing.Integrity.CHECKSUM and not self.store_checksums
                             and not self.device_sums)
-        #: in-place transfers as row-described store calls (``put_rows`` / ``get_rows``): the
-        #: store copies, checksums and writes headers per sub-batch, no buffer list per object
-        self.rows = supports_rows(store) and self.copies is None and self.codec.device.type == "cpu"
         if self.scatter:
             moved = [c for c, yes in zip(self.codecs, self.in_place_groups, strict=True) if yes]
             for region in {id(t): t for c in moved for t in c.regions()}.values():

@@ -6,9 +6,10 @@ printed; ``--json PATH`` writes one object::
     {"control_path": {"lookup_us": {"16k": {"p50", "p99"}, "128k": {...}},
                       "restore_us": {"16k": {...}, "128k": {...}}},
      "loop_lag_ms": {"p50", "p99", "offloaded_bytes", "seconds"},
-     "data_path": [{"store", "object_bytes", "objects", "direction", "runtime_gbps",
+     "data_path": [{"store", "object_bytes", "segments", "objects", "direction", "runtime_gbps",
                     "in_place_gbps", "staged_gbps", "raw_gbps", "memcpy_gbps", "torch_copy_gbps",
-                    "runtime_vs_raw", "runtime_median_gbps", "raw_median_gbps",
+                    "runtime_vs_raw", "runtime_vs_memcpy", "raw_vs_memcpy", "runtime_median_gbps",
+                    "raw_median_gbps",
                     "runtime_vs_raw_median", "rounds", "load_average"}...],
      "key_hashing": {...},
      "python_calls": [{"shape", "object_bytes", "segments", "objects", "offload_calls_per_object",
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         _print_data_path(out["data_path"])
     if args.integrity_levels or "levels" in sections:
         out["integrity_levels"] = data_path(args.quick, args.mooncake, args.rounds, variants=LEVEL_VARIANTS,
-                                            stores=("embedded", "mooncake-inproc"))
+                                            stores=("embedded", "mooncake-inproc"), shapes=SHAPES[:2])
         _print_data_path(out["integrity_levels"], LEVEL_VARIANTS, "integrity levels, runtime vs raw store")
     if "steps" in sections:
         from .bench_steps import object_steps, print_steps
@@ -242,18 +243,19 @@ StoreFactory = Callable[[int], Awaitable[Store]]
 
 async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
                            in_place: bool = True, in_place_min_bytes: int | None = None,
-                           integrity: str = "checksum") -> dict[str, float]:
+                           integrity: str = "checksum", segments: int = 1) -> dict[str, float]:
     """Offload then load ``n_objects`` KV page objects through the whole runtime (GB/s);
     ``in_place=False`` forces the staged path (stage, checksum, scatter) for comparison,
     ``in_place_min_bytes=0`` the in-place path at every size; None keeps the default;
-    ``integrity``: ``LinkerConfig.integrity``."""
+    ``integrity``: ``LinkerConfig.integrity``; ``segments``: the object's payload in that many
+    layers (one segment each, equal rows)."""
     from ..stores.framing import HEADER_BYTES
 
     page = 64
     payload = object_bytes - HEADER_BYTES
-    row = payload // page
-    layout = ModelLayout.create(page_size=page, full_layers=[0], kv_row_shape=[row], kv_dtype="uint8",
-                                model_name=f"bench-{object_bytes}")
+    row = payload // page // segments
+    layout = ModelLayout.create(page_size=page, full_layers=list(range(segments)), kv_row_shape=[row],
+                                kv_dtype="uint8", model_name=f"bench-{object_bytes}-{segments}")
     pools = HybridPools(layout, kv_pages=n_objects + 1)
     tokens = np.random.default_rng(object_bytes).integers(1, 50000, n_objects * page + 1)
     cfg = LinkerConfig(touch=False, latency_high_ms=1e6, latency_low_ms=1e5,
@@ -288,6 +290,11 @@ async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
     return {"put": nbytes / t_put / 1e9, "get": nbytes / t_get / 1e9}
 
 
+#: the data path's objects: (bytes with the header, segments): 64 KiB and 1 MiB in one layer,
+#: and a Qwen3-Next-like page (768 KiB in 24 segments: 12 full-attention layers' K and V, page
+#: 64, 512-byte rows; laid out here as 24 one-part layers)
+SHAPES: tuple[tuple[int, int], ...] = ((64 << 10, 1), (1 << 20, 1), ((768 << 10) + 64, 24))
+
 #: what the data path compares with the raw store API, by name: ``runtime_transfer`` keywords
 DEFAULT_VARIANTS: dict[str, dict[str, Any]] = {
     "runtime": {},  # the default (in place from LinkerConfig.in_place_min_bytes up, staged below)
@@ -303,9 +310,11 @@ LEVEL_VARIANTS: dict[str, dict[str, Any]] = {
 
 def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
               variants: dict[str, dict[str, Any]] | None = None,
-              stores: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+              stores: tuple[str, ...] | None = None,
+              shapes: tuple[tuple[int, int], ...] = SHAPES) -> list[dict[str, Any]]:
     """Offload then load through the runtime (each of ``variants``), the store's raw batch
-    API, and memcpy. ``stores``: only these setups (None: all).
+    API, and memcpy. ``stores``: only these setups (None: all); ``shapes``: (object bytes,
+    segments) of the objects moved.
 
     ``memcpy_gbps`` is ``numpy.copyto`` per object between two preallocated buffers: the copy
     routine the embedded store runs, so raw/memcpy compares like with like;
@@ -336,18 +345,18 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
         for name, make in setups:
             if stores is not None and name not in stores:
                 continue
-            for object_bytes in (64 << 10, 1 << 20):
+            for object_bytes, segments in shapes:
                 n = max(16, total // object_bytes)
                 if name == "mooncake-remote" and object_bytes < (1 << 20):
                     n = min(n, 1024)  # big batches of small objects stall over loopback TCP
                 factory: Callable[[], Any] = functools.partial(_warm_store, make, total * 8, object_bytes, n)
 
                 async def _rt(make: Callable[[int], Any] = make, object_bytes: int = object_bytes,
-                              n: int = n, **options: Any) -> dict[str, float]:
+                              n: int = n, segments: int = segments, **options: Any) -> dict[str, float]:
                     store = await _maybe_await(make(total * 8))
                     try:
                         await fault_in(store, object_bytes, n)
-                        return await runtime_transfer(store, object_bytes, n, **options)
+                        return await runtime_transfer(store, object_bytes, n, segments=segments, **options)
                     finally:
                         await store.close()
 
@@ -374,17 +383,19 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
                 for direction in ("put", "get"):
                     best = {p: max(v[direction]) for p, v in samples.items()}
                     med = {p: float(np.median(v[direction])) for p, v in samples.items()}
-                    row: dict[str, Any] = {"store": name, "object_bytes": object_bytes, "objects": n,
-                                           "direction": direction}
+                    row: dict[str, Any] = {"store": name, "object_bytes": object_bytes, "segments": segments,
+                                           "objects": n, "direction": direction}
                     for v in variants:
                         row[f"{v}_gbps"] = round(best[v], 2)
                     for p in ("raw", "memcpy", "torch_copy"):
                         row[f"{p}_gbps"] = round(best[p], 2)
                     for v in variants:
                         row[f"{v}_vs_raw"] = round(best[v] / best["raw"], 3) if best["raw"] else None
+                        row[f"{v}_vs_memcpy"] = round(best[v] / best["memcpy"], 3) if best["memcpy"] else None
                         row[f"{v}_median_gbps"] = round(med[v], 2)
                         row[f"{v}_vs_raw_median"] = round(med[v] / med["raw"], 3) if med["raw"] else None
                     row["raw_median_gbps"] = round(med["raw"], 2)
+                    row["raw_vs_memcpy"] = round(best["raw"] / best["memcpy"], 3) if best["memcpy"] else None
                     row["rounds"] = rounds
                     row["load_average"] = [round(load_before, 2), round(load_after, 2)]
                     rows.append(row)
@@ -413,7 +424,8 @@ def _print_data_path(rows: list[dict[str, Any]], variants: dict[str, dict[str, A
     first = next(iter(variants))
     ratios = [f"{first}_vs_raw", f"{first}_vs_raw_median"] if variants is DEFAULT_VARIANTS else [
         f"{v}_vs_raw{m}" for m in ("", "_median") for v in variants]
-    print(format_table(rows, ["store", "object_bytes", "direction", *(f"{v}_gbps" for v in variants),
+    ratios += [f"{v}_vs_memcpy" for v in variants] + ["raw_vs_memcpy"]
+    print(format_table(rows, ["store", "object_bytes", "segments", "direction", *(f"{v}_gbps" for v in variants),
                               "raw_gbps", "memcpy_gbps", *ratios, "load_average"]))
 
 

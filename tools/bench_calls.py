@@ -72,9 +72,8 @@ class CallCounter:
         return self.calls, self.c_calls
 
 
-def python_calls(shape: str, n: int = 256) -> dict[str, Any]:
-    """Calls per object for an offload, a default load and a verify-all load of ``n`` objects
-    of ``shape`` (:data:`SHAPES`) through the synchronous data plane on the embedded store."""
+def _counts(shape: str, n: int) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(object bytes, {phase: (Python calls, C calls)}) of moving ``n`` objects of ``shape``."""
     layers, parts, row = SHAPES[shape]
     rows = 2 * n * PAGE + PAGE
     ks = [torch.randint(0, 256, (rows, row), dtype=torch.uint8) for _ in range(layers)]
@@ -112,12 +111,27 @@ def python_calls(shape: str, n: int = 256) -> dict[str, Any]:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
+    return object_bytes, counts
+
+
+def python_calls(shape: str, n: int = 256) -> dict[str, Any]:
+    """Calls per object for an offload, a default load and a verify-all load of ``n`` objects
+    of ``shape`` (:data:`SHAPES`) through the synchronous data plane on the embedded store;
+    also moved at ``2 n`` objects, which splits each count into what one more object costs
+    (``*_marginal_calls_per_object``: the slope, per-sub-batch work included) and what a
+    submission costs whatever its size (``*_fixed_calls``)."""
+    layers, parts, _ = SHAPES[shape]
+    object_bytes, counts = _counts(shape, n)
+    _, double = _counts(shape, 2 * n)
     out: dict[str, Any] = {"shape": shape, "object_bytes": object_bytes, "segments": layers * parts,
                            "objects": n}
     for name, (py, c) in counts.items():
         out[f"{name}_calls_per_object"] = round((py + c) / n, 1)  # the goal's figure: both kinds
         out[f"{name}_py_calls_per_object"] = round(py / n, 1)
         out[f"{name}_c_calls_per_object"] = round(c / n, 1)
+        slope = (sum(double[name]) - py - c) / n
+        out[f"{name}_marginal_calls_per_object"] = round(slope, 1)
+        out[f"{name}_fixed_calls"] = round(py + c - slope * n)
     return out
 
 
@@ -127,10 +141,13 @@ def all_shapes(quick: bool = False) -> list[dict[str, Any]]:
 
 def print_calls(rows: list[dict[str, Any]]) -> None:
     print("\n== Python calls per object (every thread; a count, not a time)")
-    print("| shape | object bytes | segments | offload | load | verify-all load | of which into C (off/load/va) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | object bytes | segments | objects | offload | load | verify-all load | "
+          "of which into C | marginal (one more object) | fixed per submission |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    phases = ("offload", "load", "verify_all_load")
     for r in rows:
-        print(f"| {r['shape']} | {r['object_bytes']} | {r['segments']} | {r['offload_calls_per_object']} | "
-              f"{r['load_calls_per_object']} | {r['verify_all_load_calls_per_object']} | "
-              f"{r['offload_c_calls_per_object']}/{r['load_c_calls_per_object']}/"
-              f"{r['verify_all_load_c_calls_per_object']} |")
+        print(f"| {r['shape']} | {r['object_bytes']} | {r['segments']} | {r['objects']} | "
+              + " | ".join(str(r[f"{p}_calls_per_object"]) for p in phases) + " | "
+              + "/".join(str(r[f"{p}_c_calls_per_object"]) for p in phases) + " | "
+              + "/".join(str(r[f"{p}_marginal_calls_per_object"]) for p in phases) + " | "
+              + "/".join(str(r[f"{p}_fixed_calls"]) for p in phases) + " |")
