@@ -147,7 +147,7 @@ def gather(batch: RowBatch, slots: Sequence[np.ndarray], hashed: bool) -> list[i
         for seg, o, w, s in zip(segs, offsets, widths, src_off):
             dst[o:o + w] = seg[s:s + w]
         if hashed:
-            sums[i] = hash_of(dst[HEADER_BYTES:end])
+            sums[i] = hash_of(dst[HEADER_BYTES:end].data)
     return sums
 
 
@@ -164,7 +164,7 @@ def scatter(batch: RowBatch, slots: Sequence[np.ndarray], hashed: bool) -> list[
         for seg, o, w, s in zip(segs, offsets, widths, dst_off):
             seg[s:s + w] = src[o:o + w]
         if hashed:
-            sums[i] = hash_of(src[HEADER_BYTES:end])
+            sums[i] = hash_of(src[HEADER_BYTES:end].data)
     return sums
 
 

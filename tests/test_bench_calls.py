@@ -29,7 +29,7 @@ def test_the_counter_sees_calls_in_threads_started_after_it_and_only_while_on() 
         work()  # off: not counted
         assert counter.calls == py
     finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
 
 
 def test_python_calls_measures_every_shape_and_restores_the_bytes() -> None:

@@ -14,7 +14,8 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.runtime.data_plane import DataPlane, DataPlaneConfig, Transfer
+from hylinker.runtime.data_plane import DataPlane, DataPlaneConfig, Transfer, TransferOutcome
+from hylinker.runtime.statistics import PoolActorStatistics
 from hylinker.stores import framing
 from hylinker.stores.base import Outcome, supports_rows
 from hylinker.stores.embedded import EmbeddedStore
@@ -174,7 +175,8 @@ def _same(src: list[torch.Tensor], dst: list[torch.Tensor]) -> bool:
     return all(torch.equal(a[: N * P], b[N * P: 2 * N * P]) for a, b in zip(src, dst))
 
 
-async def _move(src: list[torch.Tensor], dst: list[torch.Tensor], store: object, keys: list[str]) -> tuple[object, object]:
+async def _move(src: list[torch.Tensor], dst: list[torch.Tensor], store: object,
+                keys: list[str]) -> tuple[tuple[TransferOutcome, TransferOutcome], PoolActorStatistics]:
     async with _plane(src, store) as dp:
         put = await (await dp.offload([Transfer(PoolKind.FULL, keys, torch.arange(N * P))])).wait()
     async with _plane(dst, store) as dp:
@@ -192,9 +194,9 @@ async def test_a_fault_plan_reaches_the_row_path_and_the_load_recovers(layers: i
     try:
         (put, got), stats = await _move(src, dst, store, keys_(N))
         assert set(inner.called) == {"put_rows", "get_rows"}
-        assert put.ok and got.ok, got  # type: ignore[attr-defined]
+        assert put.ok and got.ok, got
         assert store.statistics().corrupted_first_reads == N
-        assert stats.rereads_recovered == N  # type: ignore[attr-defined]
+        assert stats.rereads_recovered == N
         assert _same(src, dst)
     finally:
         await store.close()
@@ -210,7 +212,7 @@ async def test_retries_by_index_reach_the_row_path() -> None:
     src, dst = _pools(3, 2), _pools(4, 2)
     try:
         (put, got), _ = await _move(src, dst, store, keys_(N))
-        assert put.ok and got.ok  # type: ignore[attr-defined]
+        assert put.ok and got.ok
         assert store.resilience().retried_keys > 0 and faulty.statistics().failed_keys > 0
         assert inner.called.count("put_rows") > 1 and inner.called.count("get_rows") > 1
         assert _same(src, dst)

@@ -110,7 +110,7 @@ def _counts(shape: str, n: int) -> tuple[int, dict[str, tuple[int, int]]]:
                                                                                       v[n * PAGE:2 * n * PAGE])
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
     return object_bytes, counts
 
 
