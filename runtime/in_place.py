@@ -103,9 +103,7 @@ class InPlaceTransfers(PoolStaging):
         """Sub-batch ``k``'s 64-byte header buffers: header slot ``k % slots`` of a direction's
         arena, each slot room for the largest sub-batch's headers."""
         hb = framing.HEADER_BYTES
-        per = max(hi - lo for lo, hi in batches)
-        n = batches[k][1] - batches[k][0]
-        base = (k % self._header_slots(batches)) * per * hb
+        n, base = self._header_place(batches, k)
         arena, arena_np = self._arenas[direction], self._arenas_np[direction]
         return ([arena[base + i * hb: base + (i + 1) * hb] for i in range(n)],
                 [arena_np[base + i * hb: base + (i + 1) * hb] for i in range(n)])
@@ -192,13 +190,7 @@ class InPlaceTransfers(PoolStaging):
                 await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
 
         await self._two_in_flight(batches, get_verify)
-        ok = [g for batch in good for g in batch]
-        if again:
-            await self._reread_in_place(job, codec, sorted(again), ok, faults)
-        if job.on_layer is not None and all(ok):
-            for layer in codec.layer_ids:
-                job.on_layer(layer)
-        return self._loaded(job, ok, faults, size, t0)
+        return await self._in_place_loaded(job, codec, good, again, faults, size, t0)
 
     # ---- row-described store calls (stores/rows.py): one description per sub-batch ------------
 
@@ -218,10 +210,14 @@ class InPlaceTransfers(PoolStaging):
     def _row_heads(self, batches: list[tuple[int, int]], k: int) -> np.ndarray:
         """Sub-batch ``k``'s headers in the load arena, as one ``[n, 64]`` array."""
         hb = framing.HEADER_BYTES
-        per = max(hi - lo for lo, hi in batches)
-        n = batches[k][1] - batches[k][0]
-        base = (k % self._header_slots(batches)) * per * hb
+        n, base = self._header_place(batches, k)
         return self._arenas_np["load"][base: base + n * hb].reshape(n, hb)
+
+    def _header_place(self, batches: list[tuple[int, int]], k: int) -> tuple[int, int]:
+        """Sub-batch ``k``'s objects and the byte offset of its headers in a direction's arena
+        (header slot ``k % slots``, each slot room for the largest sub-batch's headers)."""
+        per = max(hi - lo for lo, hi in batches)
+        return batches[k][1] - batches[k][0], (k % self._header_slots(batches)) * per * framing.HEADER_BYTES
 
     async def _rows_call(self, call: Callable[[RowBatch, bool], Awaitable[R]], batch: RowBatch,
                          unreachable: Callable[[], R]) -> R:
@@ -294,6 +290,12 @@ class InPlaceTransfers(PoolStaging):
             verify(k, batch, res)
 
         await self._two_in_flight(batches, get_verify)
+        return await self._in_place_loaded(job, codec, good, again, faults, size, t0)
+
+    async def _in_place_loaded(self, job: TransferJob, codec: PoolCodec, good: list[list[bool]], again: list[int],
+                               faults: dict[str, int], size: int, t0: float) -> LoadResult:
+        """End an in-place load: read the objects ``again`` once more, report every layer if
+        every object landed, count the outcome."""
         ok = [g for batch in good for g in batch]
         if again:
             await self._reread_in_place(job, codec, sorted(again), ok, faults)

@@ -449,17 +449,26 @@ class EmbeddedStore(RowTransfers):
 
     def _allocate(self, cls: int) -> int:
         """A free slot of ``cls``; before growing, give back other classes' empty chunks."""
+        return self._allocate_many(cls, 1)[0]
+
+    def _allocate_many(self, cls: int, k: int) -> list[int]:
+        """``k`` free slots of ``cls``, a chunk at a time (``SizeClass.take``); before growing,
+        other classes' empty chunks are given back while the memory held would exceed the
+        capacity."""
         size_class = self._classes[cls]
-        if not size_class.has_free_slot():
-            for other in self._classes:
-                while self._allocated + size_class.chunk_bytes > self._capacity:
-                    freed = other.free_empty_chunk() if other is not size_class else 0
-                    if not freed:
-                        break
-                    self._allocated -= freed
-        slot, grown = size_class.allocate()
-        self._allocated += grown
-        return slot
+        out: list[int] = []
+        while len(out) < k:
+            if not size_class.has_free_slot():
+                for other in self._classes:
+                    while self._allocated + size_class.chunk_bytes > self._capacity:
+                        freed = other.free_empty_chunk() if other is not size_class else 0
+                        if not freed:
+                            break
+                        self._allocated -= freed
+            got, grown = size_class.take(k - len(out))
+            self._allocated += grown
+            out += got
+        return out
 
     def _release(self, cls: int, slot: int) -> None:
         """Free a slot; keep its chunk if emptied, unless memory held exceeds the capacity."""

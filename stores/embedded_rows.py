@@ -51,6 +51,7 @@ class RowTransfers:
         def _class_for(self, slot_bytes: int) -> int: ...
         def _make_room(self, slot_bytes: int) -> bool: ...
         def _drop(self, loc: _Loc) -> None: ...
+        def _allocate_many(self, cls: int, k: int) -> list[int]: ...
         def _finish_get(self, plan: list[tuple[int, _Loc]], copied: bool) -> None: ...
         async def _run_copy(self, copy: Callable[[], T], nbytes: int) -> tuple[bool, T | None]: ...
         @staticmethod
@@ -178,24 +179,6 @@ class RowTransfers:
             locs = [(cls, s, size) for s in slots]
             pending.update(zip([batch.keys[i] for i in todo], locs))
         return todo, locs
-
-    def _allocate_many(self, cls: int, k: int) -> list[int]:
-        """``k`` free slots of ``cls``, a chunk at a time; before growing, other classes' empty
-        chunks are given back (the rule of ``EmbeddedStore._allocate``)."""
-        size_class = self._classes[cls]
-        out: list[int] = []
-        while len(out) < k:
-            if not size_class.has_free_slot():
-                for other in self._classes:
-                    while self._allocated + size_class.chunk_bytes > self._capacity:
-                        freed = other.free_empty_chunk() if other is not size_class else 0
-                        if not freed:
-                            break
-                        self._allocated -= freed
-            got, grown = size_class.take(k - len(out))
-            self._allocated += grown
-            out += got
-        return out
 
     def _finish_rows_put(self, keys: list[str] | Any, locs: list[_Loc], copied: bool) -> None:
         """Publish the copied batch in one step (most recently used), or free its slots."""

@@ -41,18 +41,8 @@ class SizeClass:
 
         Returns ``(slot id, bytes of chunk memory newly allocated)``.
         """
-        grown = 0
-        if not self.partial:
-            self._new_chunk()
-            grown = self.chunk_bytes
-        c = self.partial[0]
-        self.empty.discard(c)
-        local = self.free[c].pop()
-        self.live[c] += 1
-        if not self.free[c]:  # full: it leaves the heap (it is the top) and the set together
-            heapq.heappop(self.partial)
-            self.partial_set.discard(c)
-        return c * self.slots_per_chunk + local, grown
+        slots, grown = self.take(1)
+        return slots[0], grown
 
     def take(self, k: int) -> tuple[list[int], int]:
         """Up to ``k`` free slots of one chunk (the lowest with room, or a new one), ascending,
