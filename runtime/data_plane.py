@@ -36,7 +36,8 @@ Contract (what the caller keeps, what the data plane guarantees):
   load is reported landed before every object of it (every pool, every layer group) arrived
   and verified. Staged objects are read into private staging and verified there, and their
   rows are written only then (job by job in group order, each layer reported as its rows are
-  written); objects that move in place (host pools, from ``in_place_min_bytes`` up) are
+  written); objects that move in place (host pools, from ``in_place_min_bytes`` up, over any
+  store that moves them in place) are
   written into their rows by the store and verified there, and only their report waits. A
   failed load reports no layer at all; it writes no staged object's rows, while in-place
   objects may have left bytes in theirs (never reported, so never used). Its

@@ -2,7 +2,10 @@
 
 One buffer per layer part of each object plus a 64-byte header buffer in the actor's arena
 (``put_parts`` / ``get_parts``, or a checksumming store's ``put_sealed`` / ``get_checked``), so a
-transfer makes one pass over the bytes instead of three.
+transfer makes one pass over the bytes instead of three. Over a store with row-described calls
+(``put_rows`` / ``get_rows``, ``stores/rows.py``) a sub-batch is one description instead: the
+rows as NumPy offsets, the header template and the key digests; the store copies, checksums and
+writes the headers, and a load's headers are verified for the whole sub-batch at once.
 """
 
 from __future__ import annotations
