@@ -36,7 +36,8 @@ Contract (what the caller keeps, what the data plane guarantees):
   load is reported landed before every object of it (every pool, every layer group) arrived
   and verified. Staged objects are read into private staging and verified there, and their
   rows are written only then (job by job in group order, each layer reported as its rows are
-  written); objects that move in place (host pools, from ``in_place_min_bytes`` up) are
+  written); objects that move in place (host pools, from ``in_place_min_bytes`` up, over any
+  store that moves them in place) are
   written into their rows by the store and verified there, and only their report waits. A
   failed load reports no layer at all; it writes no staged object's rows, while in-place
   objects may have left bytes in theirs (never reported, so never used). Its
@@ -77,7 +78,7 @@ import torch
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores import framing
-from ..stores.base import Store, StoreError
+from ..stores.base import Store, StoreError, bad_key
 from ..stores.resilient import ResilientStore
 from .device import DeviceCopies
 from .events import DeviceEvent
@@ -158,6 +159,11 @@ class Transfer:
 def group_key(key: str, group: int, groups: int) -> str:
     """The store key of layer group ``group`` of an object (the key itself when ``groups == 1``)."""
     return key if groups == 1 else f"{key}|g{group}of{groups}"
+
+
+def group_keys(keys: Sequence[str], group: int, groups: int) -> list[str]:
+    """:func:`group_key` of every key (one comprehension, no call per key)."""
+    return list(keys) if groups == 1 else [f"{key}|g{group}of{groups}" for key in keys]
 
 
 class DataPlane:
@@ -333,7 +339,7 @@ class DataPlane:
             sizes[pool] = len(keys)
             groups = len(self.codecs[pool])
             for g in range(groups):
-                names = [group_key(k, g, groups) for k in keys]
+                names = group_keys(keys, g, groups)
                 jobs.append((pool, g, TransferJob(names, index, fence=fence, request_id=request_id, group=g,
                                                   hold=hold)))
         # group-major: every pool's group 0 first, so the first layers land first
@@ -482,9 +488,9 @@ def _check_keys(keys: Sequence[str], pool: PoolKind) -> list[str]:
     if isinstance(keys, (str, bytes)):
         raise PoolViewError(f"{pool.value}: keys must be a sequence of strings, not one {type(keys).__name__}")
     out = list(keys)
-    for k in out:
-        if not isinstance(k, str) or not k:
-            raise PoolViewError(f"{pool.value}: store keys must be non-empty strings, got {k!r}")
+    bad, k = bad_key(out)
+    if bad:
+        raise PoolViewError(f"{pool.value}: store keys must be non-empty strings, got {k!r}")
     if len(set(out)) != len(out):
         raise PoolViewError(f"{pool.value}: repeated keys in one transfer")
     return out

@@ -76,7 +76,7 @@ class HeldLoads(InPlaceTransfers):
         (:meth:`land_held`) once every job of the load verified, or drops them
         (:meth:`release_held`). Objects that move in place go straight into their rows and
         are verified there; only their report waits for the rest of the load."""
-        if self.in_place_groups[job.group] and codec.host_path(job.index):
+        if self.held_in_place_groups[job.group] and codec.host_path(job.index):
             # in place: the store writes the rows and they are verified there; nothing is
             # reported until the whole load verified (a failed load may leave partial bytes
             # in its rows, never reported landed)

@@ -2,13 +2,18 @@
 
 One buffer per layer part of each object plus a 64-byte header buffer in the actor's arena
 (``put_parts`` / ``get_parts``, or a checksumming store's ``put_sealed`` / ``get_checked``), so a
-transfer makes one pass over the bytes instead of three.
+transfer makes one pass over the bytes instead of three. Over a store with row-described calls
+(``put_rows`` / ``get_rows``, ``stores/rows.py``) a sub-batch is one description instead: the
+rows as NumPy offsets, the header template and the key digests; the store copies, checksums and
+writes the headers, and a load's headers are verified for the whole sub-batch at once.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
@@ -16,10 +21,13 @@ import numpy as np
 import torch
 
 from ..stores import framing
-from ..stores.base import GetResult, Outcome
+from ..stores.base import GetResult, Outcome, StoreError
+from ..stores.rows import CODE, OK, OUTCOMES, RowBatch, RowResults, digests_of, expected_headers
 from .pool_staging import PoolStaging, check_landed
 from .transfer import PoolCodec
 from .transfer_job import LoadResult, OffloadResult, TransferJob
+
+R = TypeVar("R")
 
 IN_PLACE_CALL_BYTES = 64 << 20
 """The most object bytes one in-place store call moves (~10 ms of copying here: a thread hop
@@ -98,9 +106,7 @@ class InPlaceTransfers(PoolStaging):
         """Sub-batch ``k``'s 64-byte header buffers: header slot ``k % slots`` of a direction's
         arena, each slot room for the largest sub-batch's headers."""
         hb = framing.HEADER_BYTES
-        per = max(hi - lo for lo, hi in batches)
-        n = batches[k][1] - batches[k][0]
-        base = (k % self._header_slots(batches)) * per * hb
+        n, base = self._header_place(batches, k)
         arena, arena_np = self._arenas[direction], self._arenas_np[direction]
         return ([arena[base + i * hb: base + (i + 1) * hb] for i in range(n)],
                 [arena_np[base + i * hb: base + (i + 1) * hb] for i in range(n)])
@@ -108,6 +114,8 @@ class InPlaceTransfers(PoolStaging):
     async def _offload_in_place(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> OffloadResult:
         """Seal headers over the pool rows (checksum in place) for sub-batch k while k-1 is
         put straight from the rows: no staging copy."""
+        if self.rows:
+            return await self._offload_rows(job, codec, size, t0)
         batches = self._in_place_batches(len(job.keys))
         results: list[list[Outcome]] = [[] for _ in batches]
         starts = job.index[:, 0].tolist()
@@ -152,6 +160,8 @@ class InPlaceTransfers(PoolStaging):
         A failed object may leave partial bytes in its rows; the load then reports it failed
         (and no layer of it landed), so the engine never uses those rows. An object that
         failed verification is read once more (:meth:`_reread_in_place`) before that."""
+        if self.rows:
+            return await self._load_rows(job, codec, size, t0)
         faults: dict[str, int] = {}
         batches = self._in_place_batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
@@ -183,6 +193,112 @@ class InPlaceTransfers(PoolStaging):
                 await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
 
         await self._two_in_flight(batches, get_verify)
+        return await self._in_place_loaded(job, codec, good, again, faults, size, t0)
+
+    # ---- row-described store calls (stores/rows.py): one description per sub-batch ------------
+
+    def _row_batch(self, job: TransferJob, codec: PoolCodec, lo: int, hi: int,
+                   heads: np.ndarray | None = None) -> RowBatch:
+        """Sub-batch ``lo:hi`` of ``job`` as rows of ``codec``'s segments (NumPy, no per-object
+        views): what ``put_rows`` / ``get_rows`` take."""
+        keys = job.keys[lo:hi]
+        template = self._templates.get(id(codec))
+        if template is None:
+            template = self._templates[id(codec)] = framing.header_template(
+                self.fingerprint, codec.payload_bytes, self.integrity)
+        assert codec.row_segments is not None
+        return RowBatch(keys, digests_of(keys), codec.row_segments, codec.row_bytes, codec.unit,
+                        job.index[lo:hi, 0].numpy().astype(np.int64), template, heads)
+
+    def _row_heads(self, batches: list[tuple[int, int]], k: int) -> np.ndarray:
+        """Sub-batch ``k``'s headers in the load arena, as one ``[n, 64]`` array."""
+        hb = framing.HEADER_BYTES
+        n, base = self._header_place(batches, k)
+        return self._arenas_np["load"][base: base + n * hb].reshape(n, hb)
+
+    def _header_place(self, batches: list[tuple[int, int]], k: int) -> tuple[int, int]:
+        """Sub-batch ``k``'s objects and the byte offset of its headers in a direction's arena
+        (header slot ``k % slots``, each slot room for the largest sub-batch's headers)."""
+        per = max(hi - lo for lo, hi in batches)
+        return batches[k][1] - batches[k][0], (k % self._header_slots(batches)) * per * framing.HEADER_BYTES
+
+    async def _rows_call(self, call: Callable[[RowBatch, bool], Awaitable[R]], batch: RowBatch,
+                         unreachable: Callable[[], R]) -> R:
+        """One row-described store call; a store that raises reads as ``unreachable()``."""
+        start = time.perf_counter()
+        try:
+            got = await call(batch, self.integrity is framing.Integrity.CHECKSUM)
+        except StoreError:
+            got = unreachable()
+        self.latency.observe(time.perf_counter() - start)
+        return got
+
+    async def _offload_rows(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> OffloadResult:
+        """Offload in place by row-described sub-batches, two store calls in flight."""
+        batches = self._in_place_batches(len(job.keys))
+        results: list[list[Outcome]] = [[] for _ in batches]
+        put_rows = self.store.put_rows  # type: ignore[attr-defined]
+
+        async def put(k: int, turns: SubBatchTurns) -> None:
+            lo, hi = batches[k]
+            batch = self._row_batch(job, codec, lo, hi)
+            turns.prepared[k].set()
+            await turns.store_turn(k)
+            codes = await self._rows_call(put_rows, batch, lambda: np.full(hi - lo, CODE[Outcome.UNREACHABLE]))
+            results[k] = ([OUTCOMES[c] for c in codes.tolist()] if len(codes) == hi - lo
+                          else [Outcome.FAILED] * (hi - lo))
+
+        await self._two_in_flight(batches, put)
+        return self._offloaded(job, [o for r in results for o in r], size, t0)
+
+    async def _load_rows(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
+        """Load in place by row-described sub-batches; headers verified for the whole
+        sub-batch at once with NumPy (every field and the checksum against the store's), and
+        only an object that fails that is looked at alone (its fault, a second read)."""
+        faults: dict[str, int] = {}
+        batches = self._in_place_batches(len(job.keys))
+        good: list[list[bool]] = [[] for _ in batches]
+        again: list[int] = []
+        get_rows = self.store.get_rows  # type: ignore[attr-defined]
+        hashed = self.integrity is framing.Integrity.CHECKSUM
+        starts = job.index[:, 0].tolist()
+
+        def verify(k: int, batch: RowBatch, res: RowResults) -> None:
+            lo = batches[k][0]
+            heads = batch.heads
+            assert heads is not None
+            fine = (res.codes == OK) & (res.nbytes == size)
+            fine &= (heads[:, :framing.CHECKSUM_OFFSET] == expected_headers(batch)).all(axis=1)
+            stored = heads[:, framing.CHECKSUM_OFFSET:framing.CHECKSUM_OFFSET + 8].copy().view("<u8")[:, 0]
+            fine &= stored == (res.checksums if hashed else 0)
+            ok = fine.tolist()
+            for i in np.flatnonzero(~fine).tolist():  # the exceptions, one at a time
+                code = int(res.codes[i])
+                r = GetResult(OUTCOMES[code], int(res.nbytes[i]), int(res.checksums[i]) if hashed else None)
+                pieces = [p.numpy() for p in codec.pieces(starts[lo + i])]
+                check = partial(framing.verify_parts, heads[i], r.nbytes, pieces, job.keys[lo + i],
+                                self.fingerprint, integrity=self.integrity)
+                ok[i] = check_landed(r, hashed, check, faults, partial(again.append, lo + i))[0]
+            good[k] = ok
+
+        async def get_verify(k: int, turns: SubBatchTurns) -> None:
+            lo, hi = batches[k]
+            batch = self._row_batch(job, codec, lo, hi, self._row_heads(batches, k))
+            turns.prepared[k].set()
+            await turns.store_turn(k)
+            res = await self._rows_call(get_rows, batch, lambda: RowResults.of(hi - lo, Outcome.UNREACHABLE))
+            if len(res.codes) != hi - lo:
+                res = RowResults.of(hi - lo, Outcome.FAILED)
+            turns.moved[k].set()
+            verify(k, batch, res)
+
+        await self._two_in_flight(batches, get_verify)
+        return await self._in_place_loaded(job, codec, good, again, faults, size, t0)
+
+    async def _in_place_loaded(self, job: TransferJob, codec: PoolCodec, good: list[list[bool]], again: list[int],
+                               faults: dict[str, int], size: int, t0: float) -> LoadResult:
+        """End an in-place load: read the objects ``again`` once more, report every layer if
+        every object landed, count the outcome."""
         ok = [g for batch in good for g in batch]
         if again:
             await self._reread_in_place(job, codec, sorted(again), ok, faults)

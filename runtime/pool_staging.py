@@ -26,6 +26,7 @@ from ..stores.base import (
     StoreError,
     supports_checksums,
     supports_device_memory,
+    supports_rows,
     supports_scatter,
 )
 from .device import DeviceCopies, copies_for
@@ -188,6 +189,7 @@ class PoolStaging:
             self._held_arena = new_arena(-(-held_bytes // stride) * stride)
             store.register(self._held_arena)
         self._arenas_np = {d: a.numpy() for d, a in self._arenas.items()}
+        self._templates: dict[int, np.ndarray] = {}  # per codec: its objects' header template
         for arena in self._arenas.values():
             store.register(arena)
         # in place: the store reads and writes host pool rows directly (checksums over the
@@ -199,6 +201,16 @@ class PoolStaging:
         if self.copies is not None and in_place and supports_device_memory(store):
             # device pools over a store that addresses device memory: the rows are registered
             # and moved in place whatever the size (runtime/device_transfers.py)
+            self.in_place_groups = [True] * len(self.codecs)
+        #: verify-all loads keep the size rule: below it they verify in private staging and
+        #: write no row unless the whole load verified (runtime/held_load.py)
+        self.held_in_place_groups = list(self.in_place_groups)
+        #: in-place transfers as row-described store calls (``put_rows`` / ``get_rows``): the
+        #: store copies, checksums and writes headers per sub-batch, no buffer list per object,
+        #: so nothing per object is left to save by staging: offloads and loads move in place
+        #: at every size
+        self.rows = able and supports_rows(store)
+        if self.rows:
             self.in_place_groups = [True] * len(self.codecs)
         self.scatter = any(self.in_place_groups)
         # a store that checksums while it copies (framing.copy_checksummed): headers only on
@@ -288,7 +300,7 @@ class PoolStaging:
                 self._c["offload_failures"] += 1
         trace("offload", pool=self.kind.value, request_id=job.request_id, objects=len(job.keys),
               bytes=len(job.keys) * size, us=round((time.perf_counter() - t0) * 1e6),
-              failures=sum(o not in (Outcome.OK, Outcome.EXISTS) for o in outcomes))
+              failures=len(outcomes) - outcomes.count(Outcome.OK) - outcomes.count(Outcome.EXISTS))
         return OffloadResult(outcomes)
 
     def _loaded(self, job: TransferJob, ok: list[bool], faults: dict[str, int], size: int,

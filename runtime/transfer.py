@@ -43,6 +43,10 @@ class PoolCodec:
         self._offsets = np.cumsum([0, *self._widths])[:-1].tolist()
         host = self.device.type == "cpu"
         self._host = [b.numpy() for _, b in self._segments] if host else None
+        #: host pools: each segment's memory as one flat byte array and its row bytes, what a
+        #: row-described store call (``stores/rows.py``) addresses objects in
+        self.row_segments = [b.reshape(-1).numpy() for _, b in self._segments] if host else None
+        self.row_bytes = [int(b.shape[1]) for _, b in self._segments]
         # stacked views: each part of every layer in one [L, capacity, row bytes] array, so a
         # host copy moves a whole object with one NumPy call per part
         self.non_blocking = False  # device copies: queued on the current (copy) stream

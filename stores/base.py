@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -74,6 +74,9 @@ class StoreCapabilities:
     #: put_parts / get_parts also take device (GPU) buffers: registered device pools move in
     #: place, no host staging (Mooncake built with GPU support)
     device_memory: bool = False
+    #: put_rows / get_rows: a sub-batch described by pool rows (``stores/rows.py``), outcomes as
+    #: arrays; the store copies, checksums and writes the headers itself
+    rows: bool = False
 
 
 @attrs.frozen
@@ -217,6 +220,43 @@ class ChecksumStore(ScatterStore, Protocol):
     async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]: ...
 
 
+@runtime_checkable
+class RowStore(Store, Protocol):
+    """A store that moves a sub-batch given as a :class:`~hylinker.stores.rows.RowBatch`
+    (host pool rows, a header template, key digests), declared by ``capabilities.rows``.
+
+    * :meth:`put_rows`: store each object as ``header ‖ rows`` (the frame ``seal_array`` makes),
+      first writer wins; ``hashed``: checksum each payload while copying it and write the
+      checksum into its header (integrity ``"checksum"``), else leave the template's (0).
+      Returns one :data:`~hylinker.stores.rows.OUTCOMES` code per object.
+    * :meth:`get_rows`: read each object's payload into its rows and its header into
+      ``batch.heads[i]``; ``hashed``: each OK result's checksum is the payload's XXH3-64,
+      hashed while copying. An object larger than the rows is ``TOO_SMALL`` and writes nothing;
+      a shorter one lands its header only (its length field tells the reader)."""
+
+    async def put_rows(self, batch: Any, hashed: bool) -> Any: ...
+
+    async def get_rows(self, batch: Any, hashed: bool) -> Any: ...
+
+
+_DATA_CALLS = ("put", "get", "put_parts", "get_parts", "put_sealed", "get_checked")
+
+
+def supports_rows(store: Store) -> bool:
+    """Whether ``store`` declares and implements :class:`RowStore`, and no subclass changed
+    another data call after the class that defines the row calls (a store subclassed to change
+    how ``get_checked`` lands, say, is moved through the calls it changed, never around them)."""
+    if not (store.capabilities.rows and isinstance(store, RowStore)):
+        return False
+    mro = type(store).__mro__
+
+    def owner(name: str) -> int:
+        return next((i for i, k in enumerate(mro) if name in vars(k)), len(mro))
+
+    rows = max(owner("put_rows"), owner("get_rows"))
+    return all(owner(name) >= rows for name in _DATA_CALLS)
+
+
 def supports_checksums(store: Store) -> bool:
     """Whether ``store`` declares and implements :class:`ChecksumStore`."""
     return bool(store.capabilities.checksums) and isinstance(store, ChecksumStore)
@@ -232,6 +272,19 @@ def supports_device_memory(store: Store) -> bool:
     """Whether ``store`` reads and writes device buffers in place (scatter-gather over device
     pool rows): the flag and scatter-gather both."""
     return bool(store.capabilities.device_memory) and supports_scatter(store)
+
+
+def bad_key(keys: Sequence[object]) -> tuple[bool, object]:
+    """``(True, key)`` for the first key that is not a non-empty string, else ``(False, None)``.
+    A handful of calls per batch, not one per key (the batch path's rule of
+    ``check_buffers``)."""
+    kinds = set(map(type, keys))
+    if kinds <= {str} and "" not in set(keys):
+        return False, None
+    for key in keys:  # something is off: find it
+        if not isinstance(key, str) or not key:
+            return True, key
+    return False, None
 
 
 def check_buffers(keys: Sequence[str], buffers: Sequence[torch.Tensor], *, devices: bool = False) -> None:

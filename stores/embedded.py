@@ -49,6 +49,7 @@ from .base import (
     check_buffers,
     new_counters,
 )
+from .embedded_rows import RowTransfers
 from .frame_copies import (
     Frame,
     check_parts,
@@ -60,6 +61,7 @@ from .frame_copies import (
     seal_all,
 )
 from .framing import HEADER_BYTES
+from .rows import RowBatch, RowResults
 from .slabs import SizeClass
 
 T = TypeVar("T")
@@ -118,7 +120,7 @@ class InflightCalls:
         return first
 
 
-class EmbeddedStore:
+class EmbeddedStore(RowTransfers):
     """In-process host-memory store with a byte capacity and LRU eviction.
 
     ``capacity_bytes``: the most object bytes held (slot-rounded, see the module docstring).
@@ -150,7 +152,7 @@ class EmbeddedStore:
         self._max_workers = max_workers
         self._limiter: anyio.CapacityLimiter | None = None
         self._capabilities = StoreCapabilities(name=name, touch=True, remove=True, zero_copy=False,
-                                               scatter=True, checksums=True)
+                                               scatter=True, checksums=True, rows=True)
 
         self._lock = threading.Lock()
         self._classes: list[SizeClass] = []
@@ -276,6 +278,15 @@ class EmbeddedStore:
 
         return await self._get_with(keys, sized, copy)
 
+    async def put_rows(self, batch: RowBatch, hashed: bool) -> np.ndarray:
+        """Store a row-described sub-batch (:class:`~hylinker.stores.base.RowStore`;
+        ``stores/embedded_rows.py``)."""
+        return await self._put_rows(batch, hashed)
+
+    async def get_rows(self, batch: RowBatch, hashed: bool) -> RowResults:
+        """Read a row-described sub-batch (:class:`~hylinker.stores.base.RowStore`)."""
+        return await self._get_rows(batch, hashed)
+
     async def _put_with(self, keys: Sequence[str], sized: Sequence[Any],
                         copy: Callable[[list[_Put]], Callable[[], object]]) -> list[Outcome]:
         """Every put: plan slots for ``sized`` (anything with ``numel()``), run ``copy(plan)()``
@@ -398,7 +409,7 @@ class EmbeddedStore:
                     continue
                 seen.add(key)
                 nbytes = buf.numel()
-                slot_bytes = max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
+                slot_bytes = self._slot_bytes_of(nbytes)
                 if slot_bytes > self._capacity or not self._make_room(slot_bytes):
                     outcomes[i] = Outcome.FULL
                     self._stats["put_failures"] += 1
@@ -424,6 +435,10 @@ class EmbeddedStore:
                     self._drop(loc)
                     self._stats["put_failures"] += 1
 
+    @staticmethod
+    def _slot_bytes_of(nbytes: int) -> int:
+        return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
+
     def _class_for(self, slot_bytes: int) -> int:
         cls = self._class_of.get(slot_bytes)
         if cls is None:
@@ -434,17 +449,26 @@ class EmbeddedStore:
 
     def _allocate(self, cls: int) -> int:
         """A free slot of ``cls``; before growing, give back other classes' empty chunks."""
+        return self._allocate_many(cls, 1)[0]
+
+    def _allocate_many(self, cls: int, k: int) -> list[int]:
+        """``k`` free slots of ``cls``, a chunk at a time (``SizeClass.take``); before growing,
+        other classes' empty chunks are given back while the memory held would exceed the
+        capacity."""
         size_class = self._classes[cls]
-        if not size_class.has_free_slot():
-            for other in self._classes:
-                while self._allocated + size_class.chunk_bytes > self._capacity:
-                    freed = other.free_empty_chunk() if other is not size_class else 0
-                    if not freed:
-                        break
-                    self._allocated -= freed
-        slot, grown = size_class.allocate()
-        self._allocated += grown
-        return slot
+        out: list[int] = []
+        while len(out) < k:
+            if not size_class.has_free_slot():
+                for other in self._classes:
+                    while self._allocated + size_class.chunk_bytes > self._capacity:
+                        freed = other.free_empty_chunk() if other is not size_class else 0
+                        if not freed:
+                            break
+                        self._allocated -= freed
+            got, grown = size_class.take(k - len(out))
+            self._allocated += grown
+            out += got
+        return out
 
     def _release(self, cls: int, slot: int) -> None:
         """Free a slot; keep its chunk if emptied, unless memory held exceeds the capacity."""

@@ -39,11 +39,13 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import attrs
+import numpy as np
 import torch
+import xxhash
 
 from .base import (
     GetResult,
@@ -54,182 +56,20 @@ from .base import (
     StoreStatistics,
     StoreUnavailableError,
     check_buffers,
+    supports_checksums,
+    supports_rows,
+    supports_scatter,
 )
 from .embedded import InflightCalls, check_keys
+from .fault_plan import _FAULT_COUNTERS, FaultPlan, FaultStatistics
+from .frame_copies import check_parts, check_sealed
 from .framing import HEADER_BYTES
+from .rows import CODE, OUTCOMES, RowBatch, RowResults, check_batch, headers, source_offsets
 
 T = TypeVar("T")
 
-_SCHEDULED = ("failed", "unavailable", "timeout")
 # Header bytes framing.verify checks: magic, version, flags, layout, key, length, checksum (0..48).
 _VERIFIED_HEADER = tuple(range(0, 48))
-
-
-def _probability(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"fault plan {attribute.name}={value!r}: a probability lies in [0, 1]")
-
-
-def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
-    if value is None:
-        return
-    if value < 0:
-        raise ValueError(f"fault plan {attribute.name}={value!r} must be >= 0")
-
-
-def _check_ranges(
-    _: object, attribute: attrs.Attribute[Any], value: tuple[tuple[int, int], ...]
-) -> None:
-    for item in value:
-        if (
-            not isinstance(item, tuple)
-            or len(item) != 2
-            or not all(isinstance(x, int) for x in item)
-            or not 1 <= item[0] <= item[1]
-        ):
-            raise ValueError(
-                f"fault plan {attribute.name}: each range is (first, last) call numbers with "
-                f"1 <= first <= last, got {item!r}"
-            )
-
-
-def _to_ranges(value: object) -> tuple[tuple[int, int], ...]:
-    if not isinstance(value, (tuple, list)):
-        raise ValueError(f"fault plan fail_calls must be a sequence of ranges, got {value!r}")
-    return tuple(tuple(r) if isinstance(r, (tuple, list)) else r for r in value)
-
-
-@attrs.frozen
-class FaultPlan:
-    """What to inject, and how often. Probabilities are per key unless said per call."""
-
-    fail: float = attrs.field(default=0.0, converter=float, validator=_probability)
-    unavailable: float = attrs.field(default=0.0, converter=float, validator=_probability)
-    timeout: float = attrs.field(default=0.0, converter=float, validator=_probability)
-    torn: float = attrs.field(default=0.0, converter=float, validator=_probability)
-    corrupt: float = attrs.field(default=0.0, converter=float, validator=_probability)
-    vanish: float = attrs.field(default=0.0, converter=float, validator=_probability)
-    corrupt_first_read: float = attrs.field(default=0.0, converter=float, validator=_probability)
-    latency_ms: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
-    jitter_ms: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
-    deadline_ms: float | None = attrs.field(
-        default=None,
-        converter=attrs.converters.optional(float),
-        validator=_non_negative,
-    )
-    fail_calls: tuple[tuple[int, int], ...] = attrs.field(
-        default=(), converter=_to_ranges, validator=_check_ranges
-    )
-    fail_every: int = attrs.field(default=0, converter=int, validator=_non_negative)
-    scheduled: str = attrs.field(default="failed", validator=attrs.validators.in_(_SCHEDULED))
-
-    RATE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "fail", "unavailable", "timeout", "torn", "corrupt", "vanish",
-    )
-
-    @classmethod
-    def uniform(cls, rate: float, **overrides: object) -> FaultPlan:
-        """One rate for every fault kind (fail, unavailable, timeout, torn, corrupt, vanish)."""
-        fields: dict[str, object] = dict.fromkeys(cls.RATE_FIELDS, rate)
-        fields.update(overrides)
-        return cls(**fields)  # type: ignore[arg-type]
-
-    @classmethod
-    def parse(cls, text: str) -> FaultPlan:
-        """Parse ``"fail=0.05,latency_ms=2,fail_calls=3-5+9-9,uniform=0.01,..."``.
-
-        ``uniform=R`` sets every rate first; the other fields override it. ``fail_calls``
-        takes ``first-last`` ranges joined by ``+``. An empty string is the empty plan.
-        """
-        fields: dict[str, object] = {}
-        uniform: float | None = None
-        names = {f.name for f in attrs.fields(cls)}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            name, sep, raw = item.partition("=")
-            name, raw = name.strip(), raw.strip()
-            if not sep or not raw:
-                raise ValueError(f"fault plan item {item!r} is not name=value")
-            if name == "uniform":
-                uniform = _parse_float(name, raw)
-            elif name not in names:
-                raise ValueError(
-                    f"unknown fault plan field {name!r}; known: uniform, {', '.join(sorted(names))}"
-                )
-            elif name == "fail_calls":
-                fields[name] = _parse_ranges(raw)
-            elif name == "scheduled":
-                fields[name] = raw
-            elif name == "fail_every":
-                try:
-                    fields[name] = int(raw)
-                except ValueError:
-                    raise ValueError(f"fault plan fail_every={raw!r} is not an integer") from None
-            else:
-                fields[name] = _parse_float(name, raw)
-        if uniform is not None:
-            return cls.uniform(uniform, **fields)
-        return cls(**fields)  # type: ignore[arg-type]
-
-    def describe(self) -> str:
-        """The plan as a :meth:`parse` string (fields that differ from the default)."""
-        parts: list[str] = []
-        for field in attrs.fields(type(self)):
-            value = getattr(self, field.name)
-            if value == field.default:
-                continue
-            if field.name == "fail_calls":
-                parts.append("fail_calls=" + "+".join(f"{a}-{b}" for a, b in value))
-            else:
-                parts.append(f"{field.name}={value}")
-        return ",".join(parts)
-
-    @property
-    def is_empty(self) -> bool:
-        """True when the plan injects nothing."""
-        return self == FaultPlan()
-
-
-def _parse_float(name: str, raw: str) -> float:
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"fault plan {name}={raw!r} is not a number") from None
-
-
-def _parse_ranges(raw: str) -> tuple[tuple[int, int], ...]:
-    ranges: list[tuple[int, int]] = []
-    for part in raw.split("+"):
-        first, sep, last = part.partition("-")
-        try:
-            ranges.append((int(first), int(last) if sep else int(first)))
-        except ValueError:
-            raise ValueError(
-                f"fault plan fail_calls={raw!r}: use first-last ranges joined by '+', e.g. 3-5+9-9"
-            ) from None
-    return tuple(ranges)
-
-
-@attrs.frozen
-class FaultStatistics(StoreStatistics):
-    """The inner store's counters plus every fault injected."""
-
-    calls: int = 0
-    failed_keys: int = 0
-    unavailable_calls: int = 0
-    scheduled_failures: int = 0
-    timeouts: int = 0
-    delayed_calls: int = 0
-    torn_writes: int = 0
-    corrupted_writes: int = 0
-    corrupted_reads: int = 0
-    corrupted_first_reads: int = 0
-    vanished: int = 0
-
-
-_FAULT_COUNTERS = tuple(
-    f.name for f in attrs.fields(FaultStatistics) if f.name not in
-    {g.name for g in attrs.fields(StoreStatistics)}
-)
 
 
 class FaultyStore:
@@ -250,7 +90,10 @@ class FaultyStore:
         self._read: set[str] = set()  # keys read since their last put (corrupt_first_read)
         self._faults: dict[str, int] = dict.fromkeys(_FAULT_COUNTERS, 0)
         inner_caps = inner.capabilities
-        self._capabilities = attrs.evolve(inner_caps, name=f"faulty({inner_caps.name})")
+        # scatter-gather and checksumming calls only where the inner store has them
+        self._capabilities = attrs.evolve(inner_caps, name=f"faulty({inner_caps.name})",
+                                          scatter=supports_scatter(inner), checksums=supports_checksums(inner),
+                                          rows=supports_rows(inner))
         self._calls = InflightCalls(self._capabilities.name)
 
     @property
@@ -311,37 +154,130 @@ class FaultyStore:
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
         check_buffers(keys, buffers)
+        return await self._put_objects(keys, [[b] for b in buffers], False,
+                                       lambda ks, objs: self._inner.put(ks, [o[0] for o in objs]))
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        check_buffers(keys, buffers)
+        return await self._get_objects(keys, [[b] for b in buffers],
+                                       lambda ks, objs: self._inner.get(ks, [o[0] for o in objs]))
+
+    # scatter-gather and checksumming calls: the same faults, on objects made of several
+    # buffers (declared only where the inner store has them, see ``_parts_call``)
+
+    async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        check_parts(keys, parts)
+        return await self._put_objects(keys, parts, False, self._parts_call("put_parts"))
+
+    async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        check_parts(keys, parts)
+        return await self._get_objects(keys, parts, self._parts_call("get_parts"))
+
+    async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        """A corrupted sealed put flips a header byte (never the checksum field, which the
+        inner store writes): a payload byte flipped before the store checksums what landed
+        would be sealed as good, which no transfer fault does."""
+        check_sealed(keys, parts)
+        return await self._put_objects(keys, parts, True, self._parts_call("put_sealed"))
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        """A corrupted read flips a landed byte and reports the checksum of the bytes as they
+        now are: the damage happened in transfer, before the store hashed what landed (as a
+        real one would), so the caller's comparison with the header catches it."""
+        check_sealed(keys, parts)
+        return await self._get_objects(keys, parts, self._parts_call("get_checked"), rehash=True)
+
+    async def put_rows(self, batch: RowBatch, hashed: bool) -> np.ndarray:
+        """The faults of :meth:`put_parts` on a row-described sub-batch. A plan that tears or
+        corrupts puts moves every object through the inner store's parts calls (a row
+        description cannot carry a torn or flipped object); otherwise one ``put_rows`` of the
+        objects that were not failed."""
+        check_batch(batch)
+        damaging = bool(self._plan.torn or self._plan.corrupt)
+        objects = _row_objects(batch, checksum_unset=True)
+        where = {id(o): i for i, o in enumerate(objects)}
+        inner_rows = self._parts_call("put_rows")
+
+        async def send(keys: list[str], objs: list[Sequence[torch.Tensor]]) -> list[Outcome]:
+            if damaging:
+                return list(await self._parts_call("put_sealed" if hashed else "put_parts")(keys, objs))
+            idx = [where[id(o)] for o in objs]
+            codes = await inner_rows(batch.select(idx), hashed)
+            return [OUTCOMES[c] for c in codes.tolist()]
+
+        outcomes = await self._put_objects(batch.keys, objects, hashed, send)
+        return np.asarray([CODE[o] for o in outcomes], dtype=np.int8)
+
+    async def get_rows(self, batch: RowBatch, hashed: bool) -> RowResults:
+        """The faults of :meth:`get_checked` on a row-described sub-batch: one ``get_rows`` of
+        the objects not failed or vanished; a damaged object's checksum is of its damaged rows."""
+        check_batch(batch, get=True)
+        objects = _row_objects(batch, checksum_unset=False)
+        where = {id(o): i for i, o in enumerate(objects)}
+        inner_rows = self._parts_call("get_rows")
+
+        async def send(keys: list[str], objs: list[Sequence[torch.Tensor]]) -> list[GetResult]:
+            idx = [where[id(o)] for o in objs]
+            sub = batch.select(idx)  # its heads are a copy: the landed headers are copied back
+            got = await inner_rows(sub, hashed)
+            assert batch.heads is not None and sub.heads is not None
+            batch.heads[idx] = sub.heads
+            return [GetResult(OUTCOMES[c], int(b), int(x) if hashed else None)
+                    for c, b, x in zip(got.codes.tolist(), got.nbytes.tolist(), got.checksums.tolist())]
+
+        results = await self._get_objects(batch.keys, objects, send, rehash=hashed)
+        out = RowResults.of(len(results), Outcome.FAILED)
+        out.codes[:] = [CODE[r.outcome] for r in results]
+        out.nbytes[:] = [r.nbytes for r in results]
+        out.checksums[:] = [r.checksum or 0 for r in results]
+        return out
+
+    def _parts_call(self, name: str) -> Any:
+        """The inner store's method ``name`` (the wrapper declares it only where it exists)."""
+        method = getattr(self._inner, name, None)
+        if method is None:
+            raise TypeError(f"{self._inner.capabilities.name} has no {name}")
+        return method
+
+    async def _put_objects(self, keys: Sequence[str], objects: Sequence[Sequence[torch.Tensor]], sealed: bool,
+                           send_to: Callable[[list[str], list[Sequence[torch.Tensor]]], Awaitable[list[Outcome]]],
+                           ) -> list[Outcome]:
+        """Every put: object ``i`` is the concatenation of ``objects[i]``; ``sealed``: its
+        first part is a header whose checksum field the inner store fills."""
         self._calls.enter()
         try:
             scheduled = self._begin_call()
             if scheduled == "failed":
                 return [Outcome.FAILED] * len(keys)
             if scheduled == "timeout":
-                await self._inner.put(keys, buffers)  # it lands; the caller never hears
+                await send_to(list(keys), list(objects))  # it lands; the caller never hears
                 await self._overrun()
                 return [Outcome.UNREACHABLE] * len(keys)
             plan = self._plan
             outcomes = [Outcome.FAILED] * len(keys)
             failed = self._draw_keys(len(keys), plan.fail, "failed_keys")
             send = [i for i in range(len(keys)) if not failed[i]]
-            sent: list[torch.Tensor] = []
+            sent: list[Sequence[torch.Tensor]] = []
             flips: list[tuple[torch.Tensor, int, int]] = []  # (buffer, position, old byte)
             for i in send:
-                buf = buffers[i]
-                if plan.torn and buf.numel() > 0 and self._rng.random() < plan.torn:
-                    buf = buf[: self._rng.randrange(0, buf.numel())]
+                obj = objects[i]
+                n = sum(p.numel() for p in obj)
+                if plan.torn and n > 0 and self._rng.random() < plan.torn:
+                    # a sealed object keeps its whole header (the store needs one to seal)
+                    n = self._rng.randrange(HEADER_BYTES, n) if sealed and n > HEADER_BYTES else self._rng.randrange(0, n)
+                    obj = _prefix(obj, n)
                     self._faults["torn_writes"] += 1
-                if plan.corrupt and buf.numel() > 0 and self._rng.random() < plan.corrupt:
-                    pos = self._corrupt_position(buf.numel())
-                    flips.append((buf, pos, int(buf[pos])))
+                if plan.corrupt and n > 0 and self._rng.random() < plan.corrupt:
+                    pos = (self._rng.choice([p for p in _VERIFIED_HEADER if p < min(n, 40)] or [0]) if sealed
+                           else self._corrupt_position(n))
+                    buf, local = _locate(obj, pos)
+                    flips.append((buf, local, int(buf[local])))
                     self._faults["corrupted_writes"] += 1
-                sent.append(buf)
+                sent.append(obj)
             for buf, pos, old in flips:
                 buf[pos] = old ^ self._flip_mask()
             try:
-                answer = await self._within_deadline(
-                    lambda: self._inner.put([keys[i] for i in send], sent)
-                )
+                answer = await self._within_deadline(lambda: send_to([keys[i] for i in send], sent))
             finally:
                 for buf, pos, old in reversed(flips):
                     buf[pos] = old
@@ -361,8 +297,12 @@ class FaultyStore:
         finally:
             self._calls.exit()
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
-        check_buffers(keys, buffers)
+    async def _get_objects(self, keys: Sequence[str], objects: Sequence[Sequence[torch.Tensor]],
+                           send_to: Callable[[list[str], list[Sequence[torch.Tensor]]], Awaitable[list[GetResult]]],
+                           rehash: bool = False) -> list[GetResult]:
+        """Every get: object ``i`` is read into the concatenation of ``objects[i]``;
+        ``rehash``: a damaged object's result carries the checksum of its damaged payload
+        (``objects[i][1:]``), as a checksumming store's would."""
         self._calls.enter()
         try:
             scheduled = self._begin_call()
@@ -383,7 +323,7 @@ class FaultyStore:
                     continue
                 send.append(i)
             answer = await self._within_deadline(
-                lambda: self._inner.get([keys[i] for i in send], [buffers[i] for i in send])
+                lambda: send_to([keys[i] for i in send], [objects[i] for i in send])
             )
             for j, i in enumerate(send):
                 if answer is None:
@@ -397,11 +337,18 @@ class FaultyStore:
                     and plan.corrupt
                     and self._rng.random() < plan.corrupt
                 ):
-                    self._flip(buffers[i], result.nbytes, "corrupted_reads")
+                    self._flip(objects[i], result.nbytes, "corrupted_reads")
+                    damaged = True
                 elif result.outcome is Outcome.OK and result.nbytes > 0 and keys[i] not in self._read:
                     self._read.add(keys[i])
-                    if plan.corrupt_first_read and self._rng.random() < plan.corrupt_first_read:
-                        self._flip(buffers[i], result.nbytes, "corrupted_first_reads")
+                    damaged = bool(plan.corrupt_first_read and self._rng.random() < plan.corrupt_first_read)
+                    if damaged:
+                        self._flip(objects[i], result.nbytes, "corrupted_first_reads")
+                else:
+                    damaged = False
+                if damaged and rehash and result.checksum is not None:
+                    results[i] = attrs.evolve(result, checksum=_landed_checksum(objects[i][1:],
+                                                                                result.nbytes - HEADER_BYTES))
             return results
         finally:
             self._calls.exit()
@@ -524,9 +471,9 @@ class FaultyStore:
             with contextlib.suppress(StoreError):  # the mask hides them anyway
                 await self._inner.remove(keys)
 
-    def _flip(self, buf: torch.Tensor, nbytes: int, counter: str) -> None:
-        """Flip bits of one verified byte among the first ``nbytes`` of a get's buffer."""
-        pos = self._corrupt_position(nbytes)
+    def _flip(self, obj: Sequence[torch.Tensor], nbytes: int, counter: str) -> None:
+        """Flip bits of one verified byte among the first ``nbytes`` a get wrote into ``obj``."""
+        buf, pos = _locate(obj, self._corrupt_position(nbytes))
         buf[pos] = int(buf[pos]) ^ self._flip_mask()
         self._faults[counter] += 1
 
@@ -539,3 +486,46 @@ class FaultyStore:
 
     def _flip_mask(self) -> int:
         return self._rng.randrange(1, 256)
+
+
+def _prefix(obj: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The first ``n`` bytes of the object ``obj`` (views of its buffers; a torn write)."""
+    out: list[torch.Tensor] = []
+    for p in obj:
+        if n <= 0:
+            break
+        out.append(p[:n])
+        n -= p.numel()
+    return out or [obj[0][:0]]
+
+
+def _locate(obj: Sequence[torch.Tensor], pos: int) -> tuple[torch.Tensor, int]:
+    """The buffer of ``obj`` holding byte ``pos`` of the object, and the byte's place in it."""
+    for p in obj:
+        if pos < p.numel():
+            return p, pos
+        pos -= p.numel()
+    raise IndexError("position past the object's end")
+
+
+def _landed_checksum(payload: Sequence[torch.Tensor], nbytes: int) -> int:
+    """XXH3-64 of the first ``nbytes`` of the payload buffers, as they are now."""
+    h = xxhash.xxh3_64()
+    for p in payload:
+        if nbytes <= 0:
+            break
+        h.update(p[:nbytes].numpy().data)
+        nbytes -= p.numel()
+    return h.intdigest()
+
+
+def _row_objects(batch: RowBatch, checksum_unset: bool) -> list[Sequence[torch.Tensor]]:
+    """Each object of a row-described batch as buffers: its header (the batch's landing row for
+    a get, a fresh one for a put) and a view of each segment's rows."""
+    heads = batch.heads if batch.heads is not None and not checksum_unset else headers(batch, [0] * len(batch.keys))
+    widths = [batch.unit * rb for rb in batch.row_bytes]
+    out: list[Sequence[torch.Tensor]] = []
+    for i, offs in enumerate(source_offsets(batch)):
+        pieces = [torch.from_numpy(seg[o:o + w]) for seg, o, w in zip(batch.segments, offs, widths)]
+        out.append([torch.from_numpy(heads[i]), *pieces])
+    return out

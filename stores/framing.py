@@ -54,6 +54,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -75,6 +76,7 @@ _HEADER = struct.Struct("<4sHH8s16sQQ16s")
 assert _HEADER.size == HEADER_BYTES
 _CHECKSUM = struct.Struct("<Q")
 CHECKSUM_OFFSET = 40  # magic 4 + version 2 + flags 2 + layout 8 + key 16 + length 8
+DIGEST_OFFSET = 16  # magic 4 + version 2 + flags 2 + layout 8
 CHECKSUM_CHUNK_BYTES = 256 << 10
 """Piece size of :func:`copy_checksummed`: a piece and its source fit in a core's L2 cache
 (2 MiB here) together, and the Python work per piece (~3 µs) stays small next to its copy."""
@@ -144,6 +146,11 @@ class FrameError(ValueError):
 
 def key_digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def key_digests(keys: Sequence[str]) -> bytes:
+    """:func:`key_digest` of every key, concatenated (16 bytes each)."""
+    return b"".join([hashlib.blake2b(k.encode(), digest_size=16).digest() for k in keys])
 
 
 def payload_checksum(payload: torch.Tensor) -> int:
@@ -280,6 +287,16 @@ def seal_device(header: np.ndarray, key: str, layout_fingerprint: bytes, length:
     device checksum (:func:`~hylinker.stores.device_checksum.device_checksums`, computed where
     the payload lives) is ``checksum``."""
     header[:HEADER_BYTES] = _pack(key, layout_fingerprint, length, Checksum.DEVICE, checksum)
+
+
+def header_template(layout_fingerprint: bytes, length: int, integrity: Integrity = Integrity.CHECKSUM) -> np.ndarray:
+    """The header every object of one shape shares at ``integrity``: every field but the key
+    digest (bytes :data:`DIGEST_OFFSET` to +16) and the checksum, both zero. A store that moves a
+    batch described by rows (:mod:`hylinker.stores.rows`) writes it with each object's digest
+    and checksum filled in: the frame :func:`seal_array` makes, byte for byte."""
+    t = _pack("", layout_fingerprint, length, Checksum.of_level(integrity), 0).copy()
+    t[DIGEST_OFFSET:DIGEST_OFFSET + 16] = 0
+    return t
 
 
 def set_checksum(header: np.ndarray, checksum: int) -> None:

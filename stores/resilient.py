@@ -42,6 +42,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import anyio
 import attrs
+import numpy as np
 import torch
 
 from .base import (
@@ -54,8 +55,10 @@ from .base import (
     StoreStatistics,
     StoreUnavailableError,
     supports_checksums,
+    supports_rows,
     supports_scatter,
 )
+from .rows import CODE, OUTCOMES, RowBatch, RowResults, check_batch
 
 T = TypeVar("T")
 
@@ -209,7 +212,8 @@ class ResilientStore:
         # scatter-gather only when the inner store really has it (a wrapper may forward the flag)
         self._capabilities = attrs.evolve(caps, name=f"resilient({caps.name})",
                                           scatter=supports_scatter(inner),
-                                          checksums=supports_checksums(inner))
+                                          checksums=supports_checksums(inner),
+                                          rows=supports_rows(inner))
         self._c = dict.fromkeys(("calls", "attempts", "retries", "retried_keys", "recovered_keys",
                                  "exhausted_keys", "timeouts", "unavailable",
                                  "cancelled_on_shutdown"), 0)
@@ -297,6 +301,46 @@ class ResilientStore:
 
     async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
         return await self._get_in_parts("get_checked", keys, parts)
+
+    async def put_rows(self, batch: RowBatch, hashed: bool) -> np.ndarray:
+        """A row-described put with the same retries and breaker: the objects that failed
+        transiently are retried by index (a sub-batch of the description)."""
+        self._check_open()
+        check_batch(batch)
+
+        async def one(idx: list[int]) -> list[Outcome]:
+            sub = batch if len(idx) == len(batch.keys) else batch.select(idx)
+            codes = await self._inner.put_rows(sub, hashed)  # type: ignore[attr-defined]
+            if len(codes) != len(idx):
+                raise StoreError(f"put_rows answered {len(codes)} of {len(idx)} objects")
+            return [OUTCOMES[c] for c in codes.tolist()]
+
+        outcomes = await self._transfer(len(batch.keys), Outcome.UNREACHABLE, one)
+        return np.asarray([CODE[o] for o in outcomes], dtype=np.int8)
+
+    async def get_rows(self, batch: RowBatch, hashed: bool) -> RowResults:
+        """A row-described get with the same retries and breaker, retried by index."""
+        self._check_open()
+        check_batch(batch, get=True)
+        assert batch.heads is not None
+        out = RowResults.of(len(batch.keys), Outcome.UNREACHABLE)
+
+        async def one(idx: list[int]) -> list[Outcome]:
+            whole = len(idx) == len(batch.keys)
+            sub = batch if whole else batch.select(idx)
+            got = await self._inner.get_rows(sub, hashed)  # type: ignore[attr-defined]
+            if len(got.codes) != len(idx):
+                raise StoreError(f"get_rows answered {len(got.codes)} of {len(idx)} objects")
+            if not whole:  # the sub-batch's headers landed in a copy
+                assert batch.heads is not None and sub.heads is not None
+                batch.heads[idx] = sub.heads
+            out.nbytes[idx] = got.nbytes
+            out.checksums[idx] = got.checksums
+            return [OUTCOMES[c] for c in got.codes.tolist()]
+
+        outcomes = await self._transfer(len(batch.keys), Outcome.UNREACHABLE, one)
+        out.codes[:] = [CODE[o] for o in outcomes]
+        return out
 
     def _parts_call(self, method: str, keys: Sequence[str],
                     parts: Sequence[Sequence[torch.Tensor]]) -> tuple[list[str], list[Sequence[torch.Tensor]], Any]:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import anyio
+import attrs
+import numpy as np
 import torch
 
 from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
@@ -28,7 +30,19 @@ from ..components.pools import HybridPools
 from ..runtime.events import DeviceEvent
 from ..runtime.linker import Linker, Request
 from ..runtime.pool_staging import LatencyMonitor
-from ..stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
+from ..stores.base import (
+    GetResult,
+    Outcome,
+    Store,
+    StoreCapabilities,
+    StoreStatistics,
+    supports_checksums,
+    supports_rows,
+    supports_scatter,
+)
+from ..stores.faulty import FaultyStore
+from ..stores.resilient import ResilientStore
+from ..stores.rows import CODE, RowBatch, RowResults
 
 # ---- device fences ---------------------------------------------------------------------------
 
@@ -263,7 +277,14 @@ class GatedStore:
     # ---- the store protocol ---------------------------------------------------------------
     @property
     def capabilities(self) -> StoreCapabilities:
-        return self.inner.capabilities
+        """In front of a backend, the plain protocol only (it stands for a store that has no
+        scatter-gather, checksumming or row calls: the staged path); in front of a wrapper
+        (a ``FaultyStore`` or ``ResilientStore``), the calls that wrapper offers, so the gate
+        replaces it call for call (the SGLang suite's ``swap_inner``)."""
+        inner = self.inner
+        mirror = isinstance(inner, (FaultyStore, ResilientStore))
+        return attrs.evolve(inner.capabilities, scatter=mirror and supports_scatter(inner),
+                            checksums=mirror and supports_checksums(inner), rows=mirror and supports_rows(inner))
 
     def register(self, region: torch.Tensor) -> None:
         self.inner.register(region)
@@ -295,6 +316,72 @@ class GatedStore:
         failed = self._failing(keys, self.fail_gets)
         send = [i for i in range(len(keys)) if i not in failed]
         got = await self.inner.get([keys[i] for i in send], [buffers[i] for i in send]) if send else []
+        out = [GetResult(Outcome.FAILED)] * len(keys)
+        for i, r in zip(send, got):
+            out[i] = r
+        self.completed["get"] += 1
+        return out
+
+    # scatter-gather, checksumming and row calls: offered where the inner store offers them
+    # (so a gated store replaces the store it wraps call for call), gated, failed and recorded
+    # as the put or get they are
+    async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        return await self._put_objects("put_parts", keys, parts)
+
+    async def put_sealed(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        return await self._put_objects("put_sealed", keys, parts)
+
+    async def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        return await self._get_objects("get_parts", keys, parts)
+
+    async def get_checked(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        return await self._get_objects("get_checked", keys, parts)
+
+    async def put_rows(self, batch: RowBatch, hashed: bool) -> np.ndarray:
+        self._record("put", batch.keys)
+        await self._gate(self.hold_puts)
+        failed = self._failing(batch.keys, self.fail_puts)
+        send = [i for i in range(len(batch.keys)) if i not in failed]
+        out = np.full(len(batch.keys), CODE[Outcome.FAILED], dtype=np.int8)
+        if send:
+            out[send] = await self.inner.put_rows(batch.select(send), hashed)  # type: ignore[attr-defined]
+        self.completed["put"] += 1
+        return out
+
+    async def get_rows(self, batch: RowBatch, hashed: bool) -> RowResults:
+        self._record("get", batch.keys)
+        await self._gate(self.hold_gets)
+        failed = self._failing(batch.keys, self.fail_gets)
+        send = [i for i in range(len(batch.keys)) if i not in failed]
+        out = RowResults.of(len(batch.keys), Outcome.FAILED)
+        if send:
+            sub = batch.select(send)
+            got = await self.inner.get_rows(sub, hashed)  # type: ignore[attr-defined]
+            assert batch.heads is not None and sub.heads is not None
+            batch.heads[send] = sub.heads
+            out.codes[send], out.nbytes[send], out.checksums[send] = got.codes, got.nbytes, got.checksums
+        self.completed["get"] += 1
+        return out
+
+    async def _put_objects(self, method: str, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
+        self._record("put", keys)
+        await self._gate(self.hold_puts)
+        failed = self._failing(keys, self.fail_puts)
+        send = [i for i in range(len(keys)) if i not in failed]
+        got = await getattr(self.inner, method)([keys[i] for i in send], [parts[i] for i in send]) if send else []
+        out = [Outcome.FAILED] * len(keys)
+        for i, o in zip(send, got):
+            out[i] = o
+        self.completed["put"] += 1
+        return out
+
+    async def _get_objects(self, method: str, keys: Sequence[str],
+                           parts: Sequence[Sequence[torch.Tensor]]) -> list[GetResult]:
+        self._record("get", keys)
+        await self._gate(self.hold_gets)
+        failed = self._failing(keys, self.fail_gets)
+        send = [i for i in range(len(keys)) if i not in failed]
+        got = await getattr(self.inner, method)([keys[i] for i in send], [parts[i] for i in send]) if send else []
         out = [GetResult(Outcome.FAILED)] * len(keys)
         for i, r in zip(send, got):
             out[i] = r

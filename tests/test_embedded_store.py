@@ -238,3 +238,44 @@ async def test_statistics_count_what_happened() -> None:
     assert (stats.exists_calls, stats.removes, stats.objects) == (1, 1, 1)
     await store.close()
     assert store.statistics().objects == 0
+
+
+def _check_free_lists(store: EmbeddedStore) -> None:
+    """Every size class's heap of chunks with a free slot holds each such chunk exactly once."""
+    for sc in store._classes:
+        assert len(sc.partial) == len(set(sc.partial)), f"duplicate heap entries: {sorted(sc.partial)}"
+        assert set(sc.partial) == sc.partial_set
+        with_room = {c for c, ch in enumerate(sc.chunks) if ch is not None and sc.free[c]}
+        assert sc.partial_set == with_room
+        assert sc.has_free_slot() == bool(with_room)
+
+
+async def test_eviction_churn_keeps_the_free_lists_bounded() -> None:
+    """Eviction refills slots as fast as puts take them (a chunk fills, frees a slot, fills
+    again): the free-chunk heap stays one entry per chunk with room, round after round. Before
+    the fix it gained an entry each time a full chunk got a slot back (1 -> 769 entries over 8
+    rounds of 4,096 puts)."""
+    size, per_chunk, held = OBJ, 16, 128
+    store = EmbeddedStore(held * size, chunk_bytes=per_chunk * size)
+    other = 3 * OBJ  # a second size class: its chunks are given back and taken again
+    peak = 0
+    last: list[str] = []
+    for rnd in range(8):
+        for start in range(0, 1024, 64):
+            odd = rnd % 3 == 2 and start % 256 == 0
+            n, nbytes = (16, other) if odd else (64, size)
+            last = keys_(n)
+            assert await store.put(last, [obj(i, nbytes) for i in range(n)]) == [Outcome.OK] * n
+            _check_free_lists(store)
+            peak = max(peak, max(len(sc.partial) for sc in store._classes))
+        await store.remove(last[:7])  # frees slots in full chunks, without eviction
+        _check_free_lists(store)
+    assert store.statistics().evictions > 6 * 1024  # it churned
+    assert peak <= held // per_chunk + 1
+    # positive control: what the churn left is readable, byte for byte
+    outs = [torch.empty(OBJ, dtype=torch.uint8) for _ in range(64 - 7)]
+    kept = last[7:]
+    results = await store.get(kept, outs)
+    assert all(r.outcome is Outcome.OK for r in results)
+    assert all(torch.equal(o, obj(i + 7)) for i, o in enumerate(outs))
+    await store.close()

@@ -6,11 +6,14 @@ printed; ``--json PATH`` writes one object::
     {"control_path": {"lookup_us": {"16k": {"p50", "p99"}, "128k": {...}},
                       "restore_us": {"16k": {...}, "128k": {...}}},
      "loop_lag_ms": {"p50", "p99", "offloaded_bytes", "seconds"},
-     "data_path": [{"store", "object_bytes", "objects", "direction", "runtime_gbps",
+     "data_path": [{"store", "object_bytes", "segments", "objects", "direction", "runtime_gbps",
                     "in_place_gbps", "staged_gbps", "raw_gbps", "memcpy_gbps", "torch_copy_gbps",
-                    "runtime_vs_raw", "runtime_median_gbps", "raw_median_gbps",
+                    "runtime_vs_raw", "runtime_vs_memcpy", "raw_vs_memcpy", "runtime_median_gbps",
+                    "raw_median_gbps",
                     "runtime_vs_raw_median", "rounds", "load_average"}...],
      "key_hashing": {...},
+     "python_calls": [{"shape", "object_bytes", "segments", "objects", "offload_calls_per_object",
+                       "load_calls_per_object", "verify_all_load_calls_per_object", ...}...],
      "integrity_levels": [{"store", "object_bytes", "direction", "checksum_gbps", "header_gbps",
                            "raw_gbps", "checksum_vs_raw", "header_vs_raw", ..._median...}...],
      "host": {"cores", "usable_cores", "memcpy_gbps", "load_average", "load_average_end", ...}}
@@ -40,6 +43,7 @@ from ..runtime.config import LinkerConfig
 from ..runtime.linker import Linker
 from ..stores.base import Store
 from ..stores.embedded import EmbeddedStore
+from .bench_store import FAULTED_IN, fault_in
 
 HELP = "benchmarks: control path, event-loop lag, data path (JSON with --json PATH)"
 
@@ -47,10 +51,12 @@ HELP = "benchmarks: control path, event-loop lag, data path (JSON with --json PA
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
-    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade", "levels", "steps"],
+    parser.add_argument("--only", choices=["control", "lag", "data", "keys", "facade", "levels", "steps", "calls"],
                         action="append",
                         help="run only these sections (repeatable; 'levels' is --integrity-levels alone; "
-                             "'steps': µs per object of each data-path step, not in the default set)")
+                             "'steps': µs per object of each data-path step, 'calls': Python calls per object through "
+                             "the synchronous data plane at 64 KiB, 1 MiB and a 24-segment page; "
+                             "neither in the default set)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="data path: interleaved rounds, best and median kept (default 5, 3 with --quick)")
     parser.add_argument("--mooncake", choices=["auto", "yes", "no"], default="auto",
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         _print_data_path(out["data_path"])
     if args.integrity_levels or "levels" in sections:
         out["integrity_levels"] = data_path(args.quick, args.mooncake, args.rounds, variants=LEVEL_VARIANTS,
-                                            stores=("embedded", "mooncake-inproc"))
+                                            stores=("embedded", "mooncake-inproc"), shapes=SHAPES[:2])
         _print_data_path(out["integrity_levels"], LEVEL_VARIANTS, "integrity levels, runtime vs raw store")
     if "steps" in sections:
         from .bench_steps import object_steps, print_steps
@@ -90,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         out["object_steps"] = [object_steps(size, n, reps, (64 if args.quick else 256) << 20)
                                for size in (64 << 10, 1 << 20)]
         print_steps(out["object_steps"])
+    if "calls" in sections:
+        from .bench_calls import all_shapes, print_calls
+
+        out["python_calls"] = all_shapes(args.quick)
+        print_calls(out["python_calls"])
     if "facade" in sections:
         out["sync_facade_us"] = sync_facade(args.quick)
         _print_section("synchronous facade: µs per call, facade vs the async call on the loop",
@@ -229,20 +240,22 @@ async def loop_lag(quick: bool = False) -> dict[str, Any]:
 StoreFactory = Callable[[int], Awaitable[Store]]
 
 
+
 async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
                            in_place: bool = True, in_place_min_bytes: int | None = None,
-                           integrity: str = "checksum") -> dict[str, float]:
+                           integrity: str = "checksum", segments: int = 1) -> dict[str, float]:
     """Offload then load ``n_objects`` KV page objects through the whole runtime (GB/s);
     ``in_place=False`` forces the staged path (stage, checksum, scatter) for comparison,
     ``in_place_min_bytes=0`` the in-place path at every size; None keeps the default;
-    ``integrity``: ``LinkerConfig.integrity``."""
+    ``integrity``: ``LinkerConfig.integrity``; ``segments``: the object's payload in that many
+    layers (one segment each, equal rows)."""
     from ..stores.framing import HEADER_BYTES
 
     page = 64
     payload = object_bytes - HEADER_BYTES
-    row = payload // page
-    layout = ModelLayout.create(page_size=page, full_layers=[0], kv_row_shape=[row], kv_dtype="uint8",
-                                model_name=f"bench-{object_bytes}")
+    row = payload // page // segments
+    layout = ModelLayout.create(page_size=page, full_layers=list(range(segments)), kv_row_shape=[row],
+                                kv_dtype="uint8", model_name=f"bench-{object_bytes}-{segments}")
     pools = HybridPools(layout, kv_pages=n_objects + 1)
     tokens = np.random.default_rng(object_bytes).integers(1, 50000, n_objects * page + 1)
     cfg = LinkerConfig(touch=False, latency_high_ms=1e6, latency_low_ms=1e5,
@@ -277,6 +290,11 @@ async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
     return {"put": nbytes / t_put / 1e9, "get": nbytes / t_get / 1e9}
 
 
+#: the data path's objects: (bytes with the header, segments): 64 KiB and 1 MiB in one layer,
+#: and a Qwen3-Next-like page (768 KiB in 24 segments: 12 full-attention layers' K and V, page
+#: 64, 512-byte rows; laid out here as 24 one-part layers)
+SHAPES: tuple[tuple[int, int], ...] = ((64 << 10, 1), (1 << 20, 1), ((768 << 10) + 64, 24))
+
 #: what the data path compares with the raw store API, by name: ``runtime_transfer`` keywords
 DEFAULT_VARIANTS: dict[str, dict[str, Any]] = {
     "runtime": {},  # the default (in place from LinkerConfig.in_place_min_bytes up, staged below)
@@ -292,9 +310,11 @@ LEVEL_VARIANTS: dict[str, dict[str, Any]] = {
 
 def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
               variants: dict[str, dict[str, Any]] | None = None,
-              stores: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+              stores: tuple[str, ...] | None = None,
+              shapes: tuple[tuple[int, int], ...] = SHAPES) -> list[dict[str, Any]]:
     """Offload then load through the runtime (each of ``variants``), the store's raw batch
-    API, and memcpy. ``stores``: only these setups (None: all).
+    API, and memcpy. ``stores``: only these setups (None: all); ``shapes``: (object bytes,
+    segments) of the objects moved.
 
     ``memcpy_gbps`` is ``numpy.copyto`` per object between two preallocated buffers: the copy
     routine the embedded store runs, so raw/memcpy compares like with like;
@@ -325,18 +345,18 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
         for name, make in setups:
             if stores is not None and name not in stores:
                 continue
-            for object_bytes in (64 << 10, 1 << 20):
+            for object_bytes, segments in shapes:
                 n = max(16, total // object_bytes)
                 if name == "mooncake-remote" and object_bytes < (1 << 20):
                     n = min(n, 1024)  # big batches of small objects stall over loopback TCP
-                factory: Callable[[], Any] = functools.partial(_warm_store, make, total * 8, object_bytes, 3 * n)
+                factory: Callable[[], Any] = functools.partial(_warm_store, make, total * 8, object_bytes, n)
 
                 async def _rt(make: Callable[[int], Any] = make, object_bytes: int = object_bytes,
-                              n: int = n, **options: Any) -> dict[str, float]:
+                              n: int = n, segments: int = segments, **options: Any) -> dict[str, float]:
                     store = await _maybe_await(make(total * 8))
                     try:
-                        await _warm(store, object_bytes, n)
-                        return await runtime_transfer(store, object_bytes, n, **options)
+                        await fault_in(store, object_bytes, n)
+                        return await runtime_transfer(store, object_bytes, n, segments=segments, **options)
                     finally:
                         await store.close()
 
@@ -363,36 +383,28 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
                 for direction in ("put", "get"):
                     best = {p: max(v[direction]) for p, v in samples.items()}
                     med = {p: float(np.median(v[direction])) for p, v in samples.items()}
-                    row: dict[str, Any] = {"store": name, "object_bytes": object_bytes, "objects": n,
-                                           "direction": direction}
+                    row: dict[str, Any] = {"store": name, "object_bytes": object_bytes, "segments": segments,
+                                           "objects": n, "direction": direction}
                     for v in variants:
                         row[f"{v}_gbps"] = round(best[v], 2)
                     for p in ("raw", "memcpy", "torch_copy"):
                         row[f"{p}_gbps"] = round(best[p], 2)
                     for v in variants:
                         row[f"{v}_vs_raw"] = round(best[v] / best["raw"], 3) if best["raw"] else None
+                        row[f"{v}_vs_memcpy"] = round(best[v] / best["memcpy"], 3) if best["memcpy"] else None
                         row[f"{v}_median_gbps"] = round(med[v], 2)
                         row[f"{v}_vs_raw_median"] = round(med[v] / med["raw"], 3) if med["raw"] else None
                     row["raw_median_gbps"] = round(med["raw"], 2)
+                    row["raw_vs_memcpy"] = round(best["raw"] / best["memcpy"], 3) if best["memcpy"] else None
                     row["rounds"] = rounds
                     row["load_average"] = [round(load_before, 2), round(load_after, 2)]
                     rows.append(row)
     return rows
 
 
-async def _warm(store: Store, object_bytes: int, n: int) -> None:
-    """Put and remove ``n`` objects once, so the timed run meets warm store memory (the raw
-    measurement's steady state) rather than first-touch page faults."""
-    buf = torch.zeros(object_bytes, dtype=torch.uint8)
-    for lo in range(0, n, 256):
-        keys = [f"warm-{i}" for i in range(lo, min(n, lo + 256))]
-        await store.put(keys, [buf] * len(keys))
-        await store.remove(keys)
-
-
 async def _warm_store(make: Callable[[int], Any], capacity: int, object_bytes: int, n: int) -> Store:
     store: Store = await _maybe_await(make(capacity))
-    await _warm(store, object_bytes, n)
+    await fault_in(store, object_bytes, n)
     return store
 
 
@@ -408,10 +420,12 @@ def _print_data_path(rows: list[dict[str, Any]], variants: dict[str, dict[str, A
 
     print(f"\n== {title} (GB/s; best of {rows[0]['rounds'] if rows else 0} interleaved rounds, "
           "ratios of the best and of the medians)")
+    print(FAULTED_IN)
     first = next(iter(variants))
     ratios = [f"{first}_vs_raw", f"{first}_vs_raw_median"] if variants is DEFAULT_VARIANTS else [
         f"{v}_vs_raw{m}" for m in ("", "_median") for v in variants]
-    print(format_table(rows, ["store", "object_bytes", "direction", *(f"{v}_gbps" for v in variants),
+    ratios += [f"{v}_vs_memcpy" for v in variants] + ["raw_vs_memcpy"]
+    print(format_table(rows, ["store", "object_bytes", "segments", "direction", *(f"{v}_gbps" for v in variants),
                               "raw_gbps", "memcpy_gbps", *ratios, "load_average"]))
 
 

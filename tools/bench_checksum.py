@@ -30,6 +30,7 @@ import torch
 
 from ..stores import framing
 from ..stores.embedded import EmbeddedStore
+from .bench_store import FAULTED_IN, fault_in
 from .host_probe import describe, finish, host_record
 
 _LAYOUT = b"bench-checksum-layout-fingerprint"
@@ -52,6 +53,7 @@ async def measure(object_bytes: int, total_bytes: int, rounds: int) -> dict[str,
         framing.seal(o, f"raw-{i}", _LAYOUT)
     samples: dict[str, list[float]] = {f"{w}_{d}": [] for w in WAYS for d in ("put", "get")}
     try:
+        await fault_in(store, object_bytes, n)
         for r in range(rounds):
             for way in WAYS[r % 3:] + WAYS[:r % 3]:
                 keys = [f"{way}-{r}-{i}" for i in range(n)]
@@ -107,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [anyio.run(measure, ob, args.total_mib << 20, args.rounds)
             for ob in (args.object_bytes or [64 << 10, 1 << 20])]
     host = finish(host)
+    print(FAULTED_IN)
     for row in rows:
         for d in ("put", "get"):
             print(f"{row['object_bytes']:>9,} B {d}: " + "  ".join(

@@ -24,6 +24,7 @@ import xxhash
 from ..stores import framing
 from ..stores.base import check_buffers
 from ..stores.embedded import EmbeddedStore
+from .bench_store import FAULTED_IN, fault_in
 
 
 def _per_object(fn: Callable[[], Any], n: int, reps: int) -> float:
@@ -112,6 +113,7 @@ def object_steps(object_bytes: int, n: int = 256, reps: int = 15, runtime_bytes:
             return best_put / n * 1e6, best_get / n * 1e6
 
         try:
+            await fault_in(store, stride, n)
             seal_frames()
             raw_put, raw_get = await timed("raw", lambda ks: store.put(ks, frames), lambda ks: store.get(ks, frames))
             sealed_put, checked_get = await timed("sealed", lambda ks: store.put_sealed(ks, parts),
@@ -162,6 +164,7 @@ STEP_NOTES = {
 def print_steps(rows: list[dict[str, Any]]) -> None:
     sizes = [r["object_bytes"] for r in rows]
     print("\nwhere one object's time goes (µs per object, min over repetitions)")
+    print(FAULTED_IN)
     print("| step | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " | what |")
     print("|---|" + "---|" * len(sizes) + "---|")
     for step, note in STEP_NOTES.items():
