@@ -104,6 +104,11 @@ PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("hylinker.stores.embedded", "EmbeddedStore", "get", "W   store get"),
     ("hylinker.stores.embedded", "EmbeddedStore", "get_parts", "W   store get"),
     ("hylinker.stores.embedded", "EmbeddedStore", "get_checked", "W   store get"),
+    # the row-described path (host pools over the embedded store): one store call per sub-batch
+    # that copies each object from its slot into the pages itself, so "copy into pages" is
+    # counted inside "store get" there
+    ("hylinker.stores.embedded", "EmbeddedStore", "get_rows", "W   store get"),
+    ("hylinker.stores.embedded_rows", "", "scatter", "W   copy into pages"),
     ("hylinker.stores.framing", "", "verify_array", "W   verify"),
     ("hylinker.stores.framing", "", "verify_parts", "W   verify"),
     ("hylinker.runtime.transfer", "PoolCodec", "scatter", "W   copy into pages"),
