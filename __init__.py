@@ -27,28 +27,30 @@ from .components.pool_view import (
 )
 from .components.pools import HybridPools, PoolError, dcp_fold
 from .components.radix import RadixTree
-from .runtime.agreement import (
+from .dataplane.events import DeviceEvent, FenceError, wait_fence
+from .dataplane.plane import (
+    DataPlane,
+    DataPlaneClosedError,
+    DataPlaneConfig,
+    Transfer,
+)
+from .dataplane.statistics import PoolActorStatistics, QueueStatistics
+from .dataplane.sync_plane import SyncDataPlane, SyncLoad
+from .dataplane.tickets import LoadTicket, OffloadTicket, TransferOutcome
+from .dataplane.tracing import disable_trace_logging, enable_trace_logging
+from .linker.agreement import (
     Agreement,
     AgreementError,
     GlooAgreement,
     RankMismatchError,
     SingleRank,
 )
-from .runtime.config import LinkerConfig
-from .runtime.data_plane import (
-    DataPlane,
-    DataPlaneClosedError,
-    DataPlaneConfig,
-    SyncDataPlane,
-    SyncLoad,
-    Transfer,
-)
-from .runtime.events import DeviceEvent, FenceError, wait_fence
-from .runtime.linker import Linker, LoadHandle, LookupResult, PhaseError, Request
-from .runtime.statistics import LinkerStatistics, PoolActorStatistics, QueueStatistics
-from .runtime.tickets import LoadTicket, OffloadTicket, TransferOutcome
-from .runtime.tracing import disable_trace_logging, enable_trace_logging
-from .runtime.tree_actor import PoolExhaustedError
+from .linker.config import LinkerConfig
+from .linker.facade import Linker
+from .linker.request import LookupResult, PhaseError, Request
+from .linker.restore_room import LoadHandle
+from .linker.statistics import LinkerStatistics
+from .linker.tree_writer import PoolExhaustedError
 from .stores.base import (
     GetResult,
     Outcome,

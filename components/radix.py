@@ -23,7 +23,7 @@ Rules the tree enforces (each has a test):
   when it is a leaf.
 * A device match on a hybrid layout stops at the deepest node whose state exists.
 
-The tree is synchronous and not thread-safe: in the runtime only the tree actor calls it.
+The tree is synchronous and not thread-safe: in the runtime only the tree writer calls it.
 """
 
 from __future__ import annotations

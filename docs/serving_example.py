@@ -33,7 +33,7 @@ import anyio
 import torch
 
 from hylinker.components.pools import HybridPools
-from hylinker.runtime.linker import Linker
+from hylinker.linker.facade import Linker
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.tools.reference import (

@@ -56,7 +56,7 @@ _positive, _non_negative = range_validators(PluginConfigError)
 @attrs.frozen
 class PluginConfig:
     """A plugin's settings; build with :meth:`from_extra_config`. An engine plugin that needs
-    more keys subclasses it (``integrations/sglang_config.py``)."""
+    more keys subclasses it (``integrations/sglang/config.py``)."""
 
     #: the stores this plugin may name in ``store``
     stores: ClassVar[tuple[str, ...]] = STORES

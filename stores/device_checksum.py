@@ -3,7 +3,7 @@ CUDA) and gives the same value on both.
 
 XXH3 (the checksum of host pools' frames, ``stores/framing.py``) runs on the host only. This
 checksum is built for device pools: it is the checksum of version-3 frames (``stores/framing.py``), computed on the
-copy stream over the rows (``runtime/device_transfers.py``), so a store that reads and writes
+copy stream over the rows (``dataplane/device_transfers.py``), so a store that reads and writes
 device memory directly never brings the bytes to the host, and a staged device pool needs no
 host hash pass (docs/design.md §4, §5).
 

@@ -176,7 +176,7 @@ class EmbeddedStore(RowTransfers):
     def on_evict(self, listener: Callable[[list[str]], None] | None) -> None:
         """Call ``listener`` with the keys of every eviction batch (under the store's lock, from
         the thread that put: it must only record them). A connector whose lookups run in another
-        process reports them there (``integrations/vllm_index.py``)."""
+        process reports them there (``integrations/vllm/index.py``)."""
         self._on_evict = listener
 
     def register(self, region: torch.Tensor) -> None:

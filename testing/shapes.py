@@ -168,7 +168,7 @@ def kimi_linear_sglang_cache_spec(*, page_size: int = 64, tree_core: str = "pyth
 
 
 def poll_loads(transfers: Any, timeout_s: float) -> tuple[set[str], set[str]]:
-    """Poll a :class:`~hylinker.integrations.vllm_pages.PageTransfers` until a load ended (or
+    """Poll a :class:`~hylinker.integrations.vllm.pages.PageTransfers` until a load ended (or
     ``timeout_s``): its ``finished_loads()`` (landed, failed)."""
     import time
 

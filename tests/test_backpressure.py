@@ -18,10 +18,10 @@ import attrs
 import numpy as np
 
 from hylinker.components.pools import HybridPools
-from hylinker.runtime.config import LinkerConfig
-from hylinker.runtime.linker import Linker
-from hylinker.runtime.statistics import LinkerStatistics
-from hylinker.runtime.tree_actor import PoolExhaustedError
+from hylinker.linker.config import LinkerConfig
+from hylinker.linker.facade import Linker
+from hylinker.linker.statistics import LinkerStatistics
+from hylinker.linker.tree_writer import PoolExhaustedError
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.testing.fakes import (

@@ -31,8 +31,8 @@ from hylinker.components.layout import LayoutError, MambaLayerSpec, ModelLayout,
 from hylinker.components.pool_rules import FoldedPages, pool_rules
 from hylinker.components.pool_view import PoolSet, PoolViewError, stacked_kv_view
 from hylinker.components.pools import HybridPools
-from hylinker.runtime.config import LinkerConfig
-from hylinker.runtime.linker import Linker, Request
+from hylinker.linker.config import LinkerConfig
+from hylinker.linker.facade import Linker, Request
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.dcp import (

@@ -11,9 +11,9 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.runtime.config import LinkerConfig
-from hylinker.runtime.events import DeviceEvent, FenceError, record_fence, wait_fence
-from hylinker.runtime.linker import Linker
+from hylinker.dataplane.events import DeviceEvent, FenceError, record_fence, wait_fence
+from hylinker.linker.config import LinkerConfig
+from hylinker.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import (
     FakeDeviceEvent,

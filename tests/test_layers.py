@@ -12,17 +12,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("components", "stores", "runtime", "integrations", "testing", "tools")
+PACKAGES = ("components", "stores", "dataplane", "linker", "integrations", "testing", "tools")
 
 #: package -> the other packages its modules may import (docs/structure.md, last column)
 MAY_IMPORT: dict[str, set[str]] = {
     "components": set(),
     "stores": set(),
-    "runtime": {"components", "stores"},
-    "integrations": {"components", "stores", "runtime"},
-    "testing": {"components", "stores", "runtime", "integrations"},
-    "tools": {"components", "stores", "runtime", "integrations", "testing"},
-    "__init__": {"components", "stores", "runtime"},
+    "dataplane": {"components", "stores"},
+    "linker": {"components", "stores", "dataplane"},
+    "integrations": {"components", "stores", "dataplane"},
+    "testing": {"components", "stores", "dataplane", "linker", "integrations"},
+    "tools": {"components", "stores", "dataplane", "linker", "integrations", "testing"},
+    "__init__": {"components", "stores", "dataplane", "linker"},
     "__main__": {"tools"},
 }
 
@@ -94,9 +95,9 @@ def test_the_checker_sees_a_crossing(tmp_path: Path) -> None:
     """The parse finds relative, absolute and function-level imports, and skips type-only ones."""
     fake = tmp_path / "probe.py"
     text = ("from typing import TYPE_CHECKING\n"
-            "from ..runtime import linker\n"
+            "from ..linker import facade\n"
             "if TYPE_CHECKING:\n    from ..tools import cli\n"
-            "def f():\n    import hylinker.integrations.vllm\n")
+            "def f():\n    import hylinker.integrations.vllm.connector\n")
     fake.write_text(text)
-    assert imported_packages(fake, Path("stores/probe.py")) == {"runtime": 2, "integrations": 6}
-    assert imported_packages(fake, Path("stores/sub/probe.py")) == {"stores": 2, "integrations": 6}  # ..runtime is stores.runtime
+    assert imported_packages(fake, Path("stores/probe.py")) == {"linker": 2, "integrations": 6}
+    assert imported_packages(fake, Path("stores/sub/probe.py")) == {"stores": 2, "integrations": 6}  # ..linker is stores.linker

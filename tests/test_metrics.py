@@ -1,4 +1,4 @@
-"""The Linker's and the data plane's Prometheus metrics (``runtime/metrics.py``) through a real
+"""The Linker's and the data plane's Prometheus metrics (``dataplane/metrics.py``) through a real
 restore on the embedded store: counters move by exactly what the restore did, the exposition
 parses, a registry given twice degrades to no metrics, and restores that do not pay are
 declined and counted."""
@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.runtime.config import LinkerConfig
-from hylinker.runtime.linker import Linker
-from hylinker.runtime.metrics import FAMILIES, LIBRARY, Exporter, Increments
+from hylinker.dataplane.metrics import FAMILIES, LIBRARY, Exporter, Increments
+from hylinker.linker.config import LinkerConfig
+from hylinker.linker.facade import Linker
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
@@ -203,7 +203,8 @@ async def test_after_decline_probe_every_declines_in_a_row_a_hit_is_taken_to_mea
 def test_a_sync_data_plane_exports_the_data_path() -> None:
     import torch
 
-    from hylinker.runtime.data_plane import SyncDataPlane, Transfer
+    from hylinker.dataplane.plane import Transfer
+    from hylinker.dataplane.sync_plane import SyncDataPlane
 
     registry = CollectorRegistry()
     views = HybridPools(LAYOUT, kv_pages=16, mamba_slots=4).views()

@@ -26,8 +26,8 @@ from hylinker.components.keys import as_tokens, namespace_seed, page_keys
 from hylinker.components.layout import MambaLayerSpec, ModelLayout
 from hylinker.components.pools import HybridPools
 from hylinker.components.radix import RadixTree
-from hylinker.runtime.config import LinkerConfig
-from hylinker.runtime.linker import Linker
+from hylinker.linker.config import LinkerConfig
+from hylinker.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from hylinker.components.pool_view import PoolViewError, kv_view
+from hylinker.dataplane.transfer_codec import PoolCodec
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig
-from hylinker.integrations.vllm_block_layout import find_segments
-from hylinker.integrations.vllm_pages import PageTransfers, RawPages, step_staging_bytes
-from hylinker.integrations.vllm_plan import (
+from hylinker.integrations.vllm.block_layout import find_segments
+from hylinker.integrations.vllm.pages import PageTransfers, RawPages, step_staging_bytes
+from hylinker.integrations.vllm.plan import (
     BlockKeys,
     Groups,
     LoadSpec,
@@ -28,7 +29,6 @@ from hylinker.integrations.vllm_plan import (
     restorable_blocks,
     state_key,
 )
-from hylinker.runtime.transfer import PoolCodec
 from hylinker.testing.shapes import QWEN3_NEXT_80B, poll_loads
 
 PER_GROUP = [1, 2, 12]

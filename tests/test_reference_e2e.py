@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 from hylinker.components.layout import ModelLayout
 from hylinker.components.mamba import restorable_ceiling
 from hylinker.components.pools import HybridPools
-from hylinker.runtime.linker import Linker, Request
+from hylinker.linker.facade import Linker, Request
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.tools.reference import (

@@ -20,8 +20,8 @@ import pytest
 from hylinker.components.keys import object_key, page_keys
 from hylinker.components.layout import ModelLayout, PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.runtime.config import LinkerConfig
-from hylinker.runtime.linker import Linker, LookupResult, PhaseError, Request
+from hylinker.linker.config import LinkerConfig
+from hylinker.linker.facade import Linker, LookupResult, PhaseError, Request
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore

@@ -12,10 +12,11 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet
+from hylinker.dataplane.plane import Transfer
+from hylinker.dataplane.sync_plane import SyncDataPlane
 from hylinker.integrations.config import PluginConfig
-from hylinker.integrations.sglang_config import LinkerConfigError, SGLangLinkerConfig
-from hylinker.integrations.sglang_pools import PoolLayoutError, draft_pool, full_pool, mamba_pool
-from hylinker.runtime.data_plane import SyncDataPlane, Transfer
+from hylinker.integrations.sglang.config import LinkerConfigError, SGLangLinkerConfig
+from hylinker.integrations.sglang.pools import PoolLayoutError, draft_pool, full_pool, mamba_pool
 from hylinker.stores.embedded import EmbeddedStore
 
 
@@ -133,7 +134,7 @@ def test_fingerprint_names_the_geometry() -> None:
 def test_trace_key_and_environment_variable(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
     """Both plugins' configs: the ``trace`` key and ``HYLINKER_TRACE`` (the shared ``PluginConfig``)."""
     from hylinker.integrations.config import PluginConfig
-    from hylinker.integrations.sglang_config import TRACE_ENV
+    from hylinker.integrations.sglang.config import TRACE_ENV
 
     cls = SGLangLinkerConfig if config == "sglang" else PluginConfig
     monkeypatch.delenv(TRACE_ENV, raising=False)
@@ -148,7 +149,7 @@ def test_trace_key_and_environment_variable(monkeypatch: pytest.MonkeyPatch, con
 
 
 def test_non_row_major_layouts_and_swa_without_its_pool_are_refused() -> None:
-    from hylinker.integrations.sglang_pools import swa_pool
+    from hylinker.integrations.sglang.pools import swa_pool
 
     hnd = _hybrid(False)
     hnd.full_kv_pool.kv_cache_layout = "hnd"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hylinker.components.pools import HybridPools
-from hylinker.runtime.config import LinkerConfig
-from hylinker.runtime.linker import Linker
-from hylinker.runtime.tracing import disable_trace_logging, enable_trace_logging, trace_enabled
+from hylinker.dataplane.tracing import disable_trace_logging, enable_trace_logging, trace_enabled
+from hylinker.linker.config import LinkerConfig
+from hylinker.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout, synthetic_prefill
 
@@ -110,9 +110,9 @@ async def test_a_failing_trace_stream_turns_tracing_off_and_never_fails_a_reques
     line says so."""
     stream = _FailingStream(good=3)
     enable_trace_logging(stream)
-    with caplog.at_level(logging.WARNING, logger="hylinker.runtime.tracing"):
+    with caplog.at_level(logging.WARNING, logger="hylinker.dataplane.tracing"):
         await every_phase()
     assert stream.failures == 1 and not trace_enabled()
     assert len(stream.getvalue().splitlines()) == 3
-    lines = [r for r in caplog.records if r.name == "hylinker.runtime.tracing"]
+    lines = [r for r in caplog.records if r.name == "hylinker.dataplane.tracing"]
     assert len(lines) == 1 and "trace stream failed" in lines[0].getMessage()

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from hylinker.integrations.vllm_plan import (
+from hylinker.integrations.vllm.plan import (
     BlockKeys,
     UnkeyableRequest,
     encode_extra_keys,

@@ -1,4 +1,4 @@
-"""The vLLM connector's view of what every rank's store holds (``integrations/vllm_index.py``)
+"""The vLLM connector's view of what every rank's store holds (``integrations/vllm/index.py``)
 and the worker reports that feed it (``vllm_pages.PageTransfers.take_report``): engine-free."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfigError
-from hylinker.integrations.vllm_config import VllmConnectorConfig
-from hylinker.integrations.vllm_index import (
+from hylinker.integrations.vllm.config import VllmConnectorConfig
+from hylinker.integrations.vllm.index import (
     CopyRanks,
     KeyLayout,
     RankReport,
@@ -24,8 +24,8 @@ from hylinker.integrations.vllm_index import (
     name_of,
     rank_key,
 )
-from hylinker.integrations.vllm_pages import PageTransfers, RawPages
-from hylinker.integrations.vllm_plan import TransferPlan
+from hylinker.integrations.vllm.pages import PageTransfers, RawPages
+from hylinker.integrations.vllm.plan import TransferPlan
 
 
 def test_rank_keys_round_trip_and_carry_the_rank() -> None:

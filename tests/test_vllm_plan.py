@@ -11,9 +11,9 @@ import torch
 from hylinker.components.pool_view import PoolViewError
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig, PluginConfigError
-from hylinker.integrations.vllm_index import rank_key
-from hylinker.integrations.vllm_pages import PageTransfers, RawPages
-from hylinker.integrations.vllm_plan import (
+from hylinker.integrations.vllm.index import rank_key
+from hylinker.integrations.vllm.pages import PageTransfers, RawPages
+from hylinker.integrations.vllm.plan import (
     BlockKeys,
     Groups,
     LoadSpec,

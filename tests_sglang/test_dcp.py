@@ -29,7 +29,7 @@ C = list(range(3000, 3010))
 def dcp_ranks(caches: list[SGLangCache], monkeypatch: pytest.MonkeyPatch, dcp: int, group: str,
               core: str = "python", **extra: Any) -> list[SGLangCache]:
     """One SGLang cache per DCP rank; TP rank r is DCP rank r (tp = dcp, SGLang's placement)."""
-    import hylinker.integrations.sglang as plugin_module
+    import hylinker.integrations.sglang.linker as plugin_module
 
     ranks = []
     for rank in range(dcp):
@@ -154,7 +154,7 @@ def test_misaligned_dcp_locs_refuse_the_load(caches: list[SGLangCache], monkeypa
 def test_draft_kv_with_dcp_is_refused_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
     # SGLang keeps a draft's KV unsharded under DCP (the draft reads every token); the plugin does
     # not serve that pairing and stops at construction, naming it
-    from hylinker.integrations.sglang_pools import PoolLayoutError
+    from hylinker.integrations.sglang.pools import PoolLayoutError
 
     spec = CacheSpec(page_size=2, dcp_size=2, dcp_rank=0, num_layers=2, kv_pages=64, model="dense", kv="mha",
                      draft_layers=1)
@@ -167,7 +167,7 @@ def test_swa_with_dcp_is_refused_at_startup(caches: list[SGLangCache]) -> None:
     # built unwidened under DCP (kv_cache_configurator: "SWA allocators never widen under DCP"),
     # so the tree page is the pool's page and every rank's locs name every token; its DCP
     # attention backends refuse sliding-window layers. The plugin stops at construction, naming it
-    from hylinker.integrations.sglang_pools import PoolLayoutError
+    from hylinker.integrations.sglang.pools import PoolLayoutError
 
     spec = CacheSpec(model="swa_mamba", kv="mha", page_size=1, dcp_size=2, dcp_rank=1, kv_pages=64)
     bare = SGLangCache(spec, None)  # SGLang's own cache under DCP 2, no linker: it builds
@@ -219,8 +219,8 @@ def test_sglangs_unified_mamba_allocator_under_dcp_is_refused(published_dcp: Cal
     from sglang.srt.mem_cache.unified_memory_pool import init_unified_mamba_pools
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    from hylinker.integrations.sglang import HylinkerLinker
-    from hylinker.integrations.sglang_pools import DcpShare, PoolLayoutError
+    from hylinker.integrations.sglang.linker import HylinkerLinker
+    from hylinker.integrations.sglang.pools import DcpShare, PoolLayoutError
 
     server_args = ServerArgs(model_path="dummy", page_size=2)
     set_global_server_args_for_scheduler(server_args)

@@ -183,7 +183,7 @@ def test_unified_memory_pool_is_refused_by_name(caches: list[SGLangCache]) -> No
 
     from sglang.kernels.ops.memory.virtual_slot import translate_token_ids
 
-    from hylinker.integrations.sglang_pools import PoolLayoutError, full_pool
+    from hylinker.integrations.sglang.pools import PoolLayoutError, full_pool
 
     cache = SGLangCache(CacheSpec(model="dense", kv="mha", page_size=4, num_layers=2), None)
     caches.append(cache)

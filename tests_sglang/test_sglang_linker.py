@@ -96,8 +96,8 @@ def restored_ok(served: Served, tokens: int) -> None:
 
 # ---- loading and the bit-exact restore -------------------------------------------------------
 def test_factory_loads_the_plugin_and_rejects_unknown_keys(caches: list[SGLangCache]) -> None:
-    from hylinker.integrations.sglang import HylinkerLinker
-    from hylinker.integrations.sglang_config import LinkerConfigError
+    from hylinker.integrations.sglang.config import LinkerConfigError
+    from hylinker.integrations.sglang.linker import HylinkerLinker
 
     cache = build(caches)
     assert type(cache.linker) is HylinkerLinker
@@ -396,7 +396,7 @@ def test_dead_mooncake_master_no_hang_no_leak(caches: list[SGLangCache], mooncak
 @pytest.mark.slow
 def test_two_ranks_agree(caches: list[SGLangCache], mooncake_master: Any,
                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import hylinker.integrations.sglang as plugin_module
+    import hylinker.integrations.sglang.linker as plugin_module
 
     ranks = []
     for rank in (0, 1):

@@ -1,7 +1,7 @@
 """HylinkerConnector in vLLM's default process model: ``LLM(...)`` with no environment variable
 set, so the scheduler-side connector (engine core) and the worker-side connector run in different
 processes. The embedded store lives in the worker; the scheduler learns what it holds from the
-worker's reports (``integrations/vllm_index.py``)."""
+worker's reports (``integrations/vllm/index.py``)."""
 
 from __future__ import annotations
 

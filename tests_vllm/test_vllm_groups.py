@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hylinker.integrations.config import PluginConfigError
-from hylinker.integrations.vllm import HylinkerConnector, _groups
+from hylinker.integrations.vllm.connector import HylinkerConnector, _groups
 
 BS = 384
 SPEC = {"block_size": BS, "num_kv_heads": 1, "head_size": 64, "dtype": torch.bfloat16}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
-from hylinker.integrations.vllm_metrics import (
+from hylinker.integrations.vllm.metrics import (
     VLLM_KEYS,
     HylinkerPromMetrics,
     HylinkerStats,

@@ -26,16 +26,16 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from hylinker.integrations import vllm_request_keys
-from hylinker.integrations.vllm import (
+from hylinker.integrations.vllm import request_keys as vllm_request_keys
+from hylinker.integrations.vllm.connector import (
     HylinkerConnector,
     HylinkerConnectorMetadata,
     HylinkerWorkerMetadata,
 )
-from hylinker.integrations.vllm_index import RankReport
-from hylinker.integrations.vllm_metrics import HylinkerStats
-from hylinker.integrations.vllm_plan import namespace_seed
-from hylinker.integrations.vllm_request_keys import request_block_keys
+from hylinker.integrations.vllm.index import RankReport
+from hylinker.integrations.vllm.metrics import HylinkerStats
+from hylinker.integrations.vllm.plan import namespace_seed
+from hylinker.integrations.vllm.request_keys import request_block_keys
 
 BS = 16
 N_TOKENS = 8 * BS + 5  # 8 whole blocks; a hit can cover all 8

@@ -39,8 +39,8 @@ import torch
 
 from ..components.layout import ModelLayout
 from ..components.pools import HybridPools
-from ..runtime.config import LinkerConfig
-from ..runtime.linker import Linker
+from ..linker.config import LinkerConfig
+from ..linker.facade import Linker
 from ..stores.base import Store
 from ..stores.embedded import EmbeddedStore
 from .bench_store import FAULTED_IN, fault_in
@@ -437,7 +437,8 @@ def sync_facade(quick: bool = False) -> dict[str, Any]:
     wait on the future) against the same async call made on the loop itself."""
     from ..components.layout import PoolKind
     from ..components.pool_view import PoolSet, kv_view
-    from ..runtime.data_plane import DataPlane, SyncDataPlane, Transfer
+    from ..dataplane.plane import DataPlane, Transfer
+    from ..dataplane.sync_plane import SyncDataPlane
 
     n = 200 if quick else 1000
     page = 16

@@ -2,8 +2,8 @@
 
 ``python -m hylinker.tools.bench_agreement --ranks 2 --json PATH`` starts N rank processes
 (gloo on loopback, a shared loopback Mooncake master). Each rank builds two linkers over the same
-layout and store: one with a :class:`~hylinker.runtime.agreement.GlooAgreement`, one without
-(:class:`~hylinker.runtime.agreement.SingleRank`). The agreed linker stores a set of prompts
+layout and store: one with a :class:`~hylinker.linker.agreement.GlooAgreement`, one without
+(:class:`~hylinker.linker.agreement.SingleRank`). The agreed linker stores a set of prompts
 (their offloads agreed); then both linkers look the prompts up again with empty device trees (the
 full path: device match, store probe, and for the agreed one the round), interleaved, so both
 see the same machine load. The JSON gives per rank: lookup µs p50/p99 of each linker, the
@@ -23,9 +23,9 @@ import numpy as np
 
 from ..components.keys import page_keys
 from ..components.pools import HybridPools
-from ..runtime.agreement import Agreement, GlooAgreement
-from ..runtime.config import LinkerConfig
-from ..runtime.linker import Linker
+from ..linker.agreement import Agreement, GlooAgreement
+from ..linker.config import LinkerConfig
+from ..linker.facade import Linker
 from ..testing.content import Content, preset_layout
 from .report import percentiles
 

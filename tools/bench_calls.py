@@ -1,6 +1,6 @@
 """Python calls per object on the data path: a count, so the host's load does not move it.
 
-:func:`python_calls` builds a :class:`~hylinker.runtime.sync_data_plane.SyncDataPlane` over host
+:func:`python_calls` builds a :class:`~hylinker.dataplane.sync_plane.SyncDataPlane` over host
 KV pools and the embedded store, then counts the Python function calls (profile ``"call"``
 events: a function entered or a coroutine resumed) plus the calls into C (``"c_call"``: a
 builtin or extension function, e.g. one ``numpy.copyto``) made in
@@ -29,8 +29,8 @@ import torch
 
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, kv_view
-from ..runtime.data_plane import Transfer
-from ..runtime.sync_data_plane import SyncDataPlane
+from ..dataplane.plane import Transfer
+from ..dataplane.sync_plane import SyncDataPlane
 from ..stores.embedded import EmbeddedStore
 
 #: name -> (layers, parts per layer (1: K, 2: K and V), bytes per row); page 64 rows

@@ -47,7 +47,7 @@ FINGERPRINT = b"overlap-bench-layout"
 
 def _sub_batches(n: int) -> list[tuple[int, int]]:
     """1/6, 1/3 and 1/2 of the objects: for 48 objects 8 / 16 / 24, the ramp the runtime's
-    in-place offload of 48 x 1 MiB objects makes (``runtime/in_place.py``), kept at that shape
+    in-place offload of 48 x 1 MiB objects makes (``dataplane/in_place.py``), kept at that shape
     for every size so the first put waits for a small sub-batch's hash."""
     a, b = max(1, n // 6), max(2, n // 2)
     cuts = sorted({0, min(a, n), min(b, n), n})

@@ -163,7 +163,7 @@ class _Phases:
         self._undo.append((lambda: delattr(owner, attr)) if instance else (lambda: setattr(owner, attr, fn)))
 
     def install(self, cache: Any) -> None:
-        from ..runtime.transfer import PoolCodec
+        from ..dataplane.transfer_codec import PoolCodec
         from ..stores import framing
 
         for name in self.FRAMING:

@@ -2,7 +2,7 @@
 
 Qwen3-Next-80B-A3B in vLLM (layer-outer layout, 12 layers per KV cache group, block 1,056):
 one object is 12 segments of one page each (2.16 MB at TP 1, 1.08 MB at TP 2). This builds
-that cache (:class:`~hylinker.integrations.vllm_pages.RawPages` over a buffer laid out as vLLM
+that cache (:class:`~hylinker.integrations.vllm.pages.RawPages` over a buffer laid out as vLLM
 0.32 places it), saves ``--objects`` blocks through :class:`PageTransfers` into an embedded store
 and loads them into other blocks, timing each direction end to end (staging copy, framing,
 checksum, store), and copies the same bytes row by row with ``torch`` as the baseline. Prints
@@ -23,8 +23,8 @@ import torch
 
 from ..integrations import store_host
 from ..integrations.config import PluginConfig
-from ..integrations.vllm_pages import PageTransfers, RawPages
-from ..integrations.vllm_plan import TransferPlan
+from ..integrations.vllm.pages import PageTransfers, RawPages
+from ..integrations.vllm.plan import TransferPlan
 from ..testing.shapes import QWEN3_NEXT_80B, poll_loads
 from .host_probe import describe, finish, host_record
 

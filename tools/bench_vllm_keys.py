@@ -5,10 +5,10 @@
 Per prompt length and block size, milliseconds (best of ``repeats``) to compute every block key
 of one request, once per request in the connector (keys are kept and extended as it grows):
 
-* ``plain_chain_ms``: the token chain alone (:class:`~hylinker.integrations.vllm_plan.BlockKeys`
+* ``plain_chain_ms``: the token chain alone (:class:`~hylinker.integrations.vllm.plan.BlockKeys`
   without extra keys: what the connector did before it keyed on vLLM's extra keys);
 * ``plain_request_ms``: a plain vLLM ``Request`` through
-  :func:`~hylinker.integrations.vllm_request_keys.request_block_keys` (vLLM's extra-key function
+  :func:`~hylinker.integrations.vllm.request_keys.request_block_keys` (vLLM's extra-key function
   asked for every block, none found);
 * ``salt_and_image_ms``: a request with a ``cache_salt`` and one image over 4,000 tokens.
 
@@ -43,8 +43,8 @@ def measure(tokens: list[int], blocks: list[int], repeats: int) -> dict[str, dic
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import Request
 
-    from ..integrations.vllm_plan import BlockKeys, namespace_seed
-    from ..integrations.vllm_request_keys import request_block_keys
+    from ..integrations.vllm.plan import BlockKeys, namespace_seed
+    from ..integrations.vllm.request_keys import request_block_keys
 
     seed = namespace_seed("model", "geometry", "")
     out: dict[str, dict[str, float]] = {}

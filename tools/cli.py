@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.trace_log:
-        from ..runtime.tracing import enable_trace_logging
+        from ..dataplane.tracing import enable_trace_logging
 
         enable_trace_logging()
     return int(args._run(args) or 0)

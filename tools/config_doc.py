@@ -28,13 +28,13 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 #: (heading, where a user gives it, dotted class path)
 SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("vLLM connector", "`kv_connector_extra_config` in `--kv-transfer-config` (JSON)",
-     "hylinker.integrations.vllm_config.VllmConnectorConfig"),
+     "hylinker.integrations.vllm.config.VllmConnectorConfig"),
     ("SGLang plugin", "`linker_extra_config` in `--unified-cache-external-linker-config` (JSON)",
-     "hylinker.integrations.sglang_config.SGLangLinkerConfig"),
+     "hylinker.integrations.sglang.config.SGLangLinkerConfig"),
     ("Linker", "`hl.Linker(layout, pools, store, config=hl.LinkerConfig(...))`",
-     "hylinker.runtime.config.LinkerConfig"),
+     "hylinker.linker.config.LinkerConfig"),
     ("Data plane", "`hl.DataPlane(views, store, config=hl.DataPlaneConfig(...))` (also `SyncDataPlane`)",
-     "hylinker.runtime.data_plane.DataPlaneConfig"),
+     "hylinker.dataplane.plane.DataPlaneConfig"),
     ("Store retries and breaker", "`LinkerConfig(resilience=hl.ResiliencePolicy(...))`",
      "hylinker.stores.resilient.ResiliencePolicy"),
 )

@@ -196,7 +196,7 @@ async def run_demo(
 
     from ..components.mamba import restorable_ceiling
     from ..components.pools import HybridPools
-    from ..runtime.linker import Linker
+    from ..linker.facade import Linker
     from .demo_controls import CONTROLS, MARGIN, ControlResult, measure, other_prefix
     from .reference import (
         ReferenceEngine,

@@ -119,8 +119,8 @@ async def _runtime(cfg: MooncakeConfig, docs: int) -> dict[str, Any]:
     restored at once and checked byte for byte."""
     from ..components.keys import page_keys
     from ..components.pools import HybridPools
-    from ..runtime.config import LinkerConfig
-    from ..runtime.linker import Linker
+    from ..linker.config import LinkerConfig
+    from ..linker.facade import Linker
     from ..testing.content import Content, preset_layout
     from ..testing.fleet_engine import document
 

@@ -93,8 +93,8 @@ class Timings:
 PARTS: tuple[tuple[str, str, str, str], ...] = (
     # (module, class or "", attribute, name)
     ("hylinker.integrations.vllm", "HylinkerConnector", "get_num_new_matched_tokens", "S lookup"),
-    ("hylinker.integrations.vllm_plan", "BlockKeys", "extend", "S   chained block keys"),
-    ("hylinker.integrations.vllm_index", "StoreIndex", "exists", "S   index"),
+    ("hylinker.integrations.vllm.plan", "BlockKeys", "extend", "S   chained block keys"),
+    ("hylinker.integrations.vllm.index", "StoreIndex", "exists", "S   index"),
     ("hylinker.integrations.vllm", "HylinkerConnector", "update_state_after_alloc", "S load plan"),
     ("hylinker.integrations.vllm", "HylinkerConnector", "build_connector_meta", "S step metadata (save plans)"),
     ("hylinker.integrations.vllm", "HylinkerConnector", "update_connector_output", "S worker reports"),
@@ -111,8 +111,8 @@ PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("hylinker.stores.embedded_rows", "", "scatter", "W   copy into pages"),
     ("hylinker.stores.framing", "", "verify_array", "W   verify"),
     ("hylinker.stores.framing", "", "verify_parts", "W   verify"),
-    ("hylinker.runtime.transfer", "PoolCodec", "scatter", "W   copy into pages"),
-    ("hylinker.runtime.transfer", "PoolCodec", "scatter_one", "W   copy into pages"),
+    ("hylinker.dataplane.transfer_codec", "PoolCodec", "scatter", "W   copy into pages"),
+    ("hylinker.dataplane.transfer_codec", "PoolCodec", "scatter_one", "W   copy into pages"),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "V schedule"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", "V forward (execute_model)"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", "V sample"),
@@ -126,7 +126,7 @@ def _install(timings: Timings) -> None:
     for module, cls, attr, name in PARTS:
         mod = importlib.import_module(module)
         timings.wrap(getattr(mod, cls) if cls else mod, attr, name)
-    from hylinker.integrations.vllm_pages import PageTransfers
+    from hylinker.integrations.vllm.pages import PageTransfers
 
     load = PageTransfers.load
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from ..runtime.agreement import Agreement
+from ..linker.agreement import Agreement
 from ..stores.base import Store
 from .report import percentiles
 from .workloads import Request as WorkloadRequest

@@ -1,4 +1,4 @@
-"""The reference engine served through a :class:`~hylinker.runtime.linker.Linker`.
+"""The reference engine served through a :class:`~hylinker.linker.facade.Linker`.
 
 :class:`LinkedEngine` is what a serving engine's scheduler does with hylinker, on the tiny
 reference model: every prefill goes through the runtime's phases (docs/design.md §2)::
@@ -37,7 +37,7 @@ import torch
 from ...components.keys import MultimodalSpan
 from ...components.mamba import restorable_ceiling
 from ...components.pools import HybridPools
-from ...runtime.linker import Linker, Request
+from ...linker.facade import Linker, Request
 from .engine import (
     BoundaryState,
     ExtendResult,

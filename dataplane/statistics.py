@@ -1,0 +1,37 @@
+"""Frozen statistics objects: every queue, actor and the linker exposes one."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class QueueStatistics:
+    """A bounded job queue of one pool actor."""
+
+    depth: int  # jobs queued or in progress
+    max_depth: int  # bound on queued jobs
+    waiting_senders: int  # submitters blocked on a full queue
+    completed: int
+    failed: int
+
+
+@attrs.frozen
+class PoolActorStatistics:
+    pool: str
+    offload_queue: QueueStatistics
+    load_queue: QueueStatistics
+    objects_offloaded: int
+    objects_already_stored: int
+    bytes_offloaded: int
+    offload_failures: int
+    objects_loaded: int
+    bytes_loaded: int
+    load_misses: int
+    load_failures: int
+    verify_failures: int
+    pending_states: int  # MAMBA states held by queued or in-flight offloads
+    rereads_recovered: int = 0  # objects that failed verification, then verified when read again
+    rereads_failed: int = 0  # ...and failed again: the stored object is bad (counted in verify_failures)
+    held_arena_bytes: int = 0  # registered frames for verify-all loads (0 until the first one)
+    held_arena_growths: int = 0  # times a larger verify-all load grew it

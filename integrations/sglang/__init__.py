@@ -1,0 +1,25 @@
+"""hylinker inside SGLang 0.5.23: ``HylinkerLinker``, an external cache linker for SGLang's
+dynamic linker factory (``"linker_module_path": "hylinker.integrations.sglang"``).
+
+* :mod:`.linker`: ``HylinkerLinker`` (imports SGLang), its data path the project's one
+  (:class:`~hylinker.dataplane.sync_plane.SyncDataPlane` over a ``ResilientStore``);
+* :mod:`.config`: its ``linker_extra_config`` keys (no SGLang import);
+* :mod:`.pools`: SGLang's device pools as the data plane's pool views;
+* :mod:`.loads`: a load batch's device events;
+* :mod:`.metrics`: its Prometheus families under SGLang's ``sglang:`` prefix.
+
+``HylinkerLinker`` is resolved on first access, so the SGLang-free modules import without SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["HylinkerLinker"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HylinkerLinker":
+        return importlib.import_module(".linker", __name__).HylinkerLinker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,59 @@
+"""``linker_extra_config`` of :class:`hylinker.integrations.sglang.HylinkerLinker`.
+
+The keys every engine plugin takes (:class:`~hylinker.integrations.config.PluginConfig`: store,
+master, segment_mb, capacity_mb, salt, faults, ...) plus what SGLang's life cycle needs: how
+hard a load retries a store that fails transiently (a failed load aborts the request in
+SGLang) and how long one store transfer may take. ``store`` may also be ``"umbp"`` (AMD mori).
+Every key is checked at startup by the one shared parser: an unknown key, a wrong type or an
+impossible value is a :class:`LinkerConfigError` naming the key, raised from the linker's
+constructor.
+
+This module imports neither SGLang nor a store client, so it can be checked anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import attrs
+
+from ...stores.resilient import ResiliencePolicy
+from ..config import TRACE_ENV, PluginConfig, PluginConfigError, range_validators
+
+#: the error the SGLang plugin's config raises (the shared parser's)
+LinkerConfigError = PluginConfigError
+
+_positive, _non_negative = range_validators(PluginConfigError)
+
+
+@attrs.frozen
+class SGLangLinkerConfig(PluginConfig):
+    """The SGLang plugin's settings; build with :meth:`from_extra_config`."""
+
+    stores: ClassVar[tuple[str, ...]] = ("embedded", "mooncake", "umbp")
+    mooncake_detect_exists: ClassVar[bool] = False  # one master round trip less per put
+
+    load_retries: int = attrs.field(default=3, validator=_non_negative)  # retries of a transient store error
+    retry_backoff_ms: float = attrs.field(default=20.0, validator=_non_negative)  # first backoff, doubles
+    store_timeout_s: float = attrs.field(default=5.0, validator=_positive)  # longest one store transfer
+    touch: bool = True  # refresh store recency of prefixes that hit
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *,
+                          where: str = "linker_extra_config") -> SGLangLinkerConfig:
+        config = super().from_extra_config(extra, where=where)
+        assert isinstance(config, SGLangLinkerConfig)
+        return config
+
+    def resilience(self) -> ResiliencePolicy:
+        """The store's one retry rule (``stores/resilient.py``) from these keys: every store
+        call of a load or offload is retried per key on transient outcomes, ``load_retries``
+        times, and ends within ``store_timeout_s``."""
+        backoff = self.retry_backoff_ms / 1e3
+        return ResiliencePolicy(attempts=self.load_retries + 1, backoff_s=backoff,
+                                backoff_max_s=max(backoff * 8, 0.1), call_timeout_s=self.store_timeout_s,
+                                deadline_s=self.store_timeout_s)
+
+
+__all__ = ["TRACE_ENV", "LinkerConfigError", "SGLangLinkerConfig"]

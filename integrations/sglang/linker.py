@@ -1,0 +1,591 @@
+"""hylinker as SGLang's external cache linker: ``HylinkerLinker``.
+
+Targets ``sglang==0.5.23`` exactly (the linker API moves between SGLang revisions; any other
+version is refused at construction). Launch::
+
+    python -m sglang.launch_server ... --enable-unified-cache-external-linker \\
+      --unified-cache-external-linker-backend dynamic \\
+      --unified-cache-external-linker-config '{"linker": "HylinkerLinker",
+        "linker_module_path": "hylinker.integrations.sglang",
+        "linker_extra_config": {"store": "mooncake", "master": "127.0.0.1:50051"}}'
+
+SGLang owns the prefix tree, the allocators, the locks and COMMIT; this linker says what the
+store can restore and moves pages and states between SGLang's device pools and the store over
+the project's one data path: a :class:`~hylinker.dataplane.sync_plane.SyncDataPlane` over
+pool views of SGLang's tensors (``sglang_pools.py``), its store wrapped in a
+:class:`~hylinker.stores.resilient.ResilientStore`. What it adds over SGLang's own linker:
+
+* **integrity**: every object is framed (layout fingerprint, key, XXH3 checksum). Loads are
+  *verify all, then land*: every object of a request's load is read and verified before any
+  row is written, so a corrupt, torn, mis-keyed or other-model object fails its load with the
+  request's rows untouched and no layer reported; it is removed from the store before the
+  failure is reported, so the next lookup recomputes instead of failing again;
+* **transient store errors are retried** per key (``load_retries``, backoff) before a load
+  fails — in SGLang a failed load aborts the request (503);
+* **bounded waits**: a lookup waits at most ``lookup_timeout_s``; a store transfer ends within
+  ``store_timeout_s``; after repeated silence the store's circuit breaker answers at once
+  (offloads report False, nodes unlock) until the store answers a probe again;
+* **no re-offload of restored pages**: what a load just restored is not written back when the
+  request's insert offloads it;
+* MHA full-attention pools (SGLang's linker takes MLA only), dense models (component FULL
+  alone: SGLang's linker refuses them), decode-context parallelism and packed MTP/DSPARK draft
+  KV (SGLang's linker refuses both for FULL + MAMBA), and a draft sidecar pool.
+
+Without ``--unified-cache-external-linker-backend dynamic`` (its default is ``mooncake``) SGLang
+hands the JSON to its own Mooncake linker and never imports this module.
+
+Threads: SGLang calls every method on its scheduler thread; the data plane's loop thread runs
+the transfers. Offload results are reported one per accepted offload, in submission order.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import hashlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from ...components.layout import PoolKind
+from ...components.pool_view import PoolSet, PoolViewError
+from ...dataplane.events import record_fence
+from ...dataplane.metrics import Figures, plane_figures, store_figures
+from ...dataplane.plane import DataPlaneConfig, Transfer
+from ...dataplane.sync_plane import SyncDataPlane, SyncLoad
+from ...dataplane.tickets import TransferOutcome
+from ...dataplane.tracing import enable_trace_logging, trace
+from ...stores.base import Store, StoreError
+from ...stores.resilient import ResilientStore
+from .config import SGLangLinkerConfig
+from .loads import AllEvents, LoadBatch
+from .metrics import create_metrics
+from .pools import (
+    DcpShare,
+    PoolLayoutError,
+    SGLangPool,
+    draft_pool,
+    full_pool,
+    mamba_pool,
+    swa_pool,
+)
+
+try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
+    import sglang
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+        LayerWiseLoadCounter,
+        UnifiedCacheLinker,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "hylinker.integrations.sglang needs sglang==0.5.23 installed (see README, 'SGLang')") from exc
+
+log = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+_RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
+_KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, swa, mamba, draft
+#: the linker's counters that are also Prometheus metrics: counter -> (family, labels)
+_METRIC_OF: dict[str, tuple[str, ...]] = {
+    "lookup_hits": ("lookups", "hit"),
+    "lookup_misses": ("lookups", "miss"),
+    "lookup_errors": ("lookups", "error"),
+    "hit_tokens": ("hit_tokens", "store"),
+    "loads_ok": ("loads", "ok"),
+    "loads_failed": ("loads", "failed"),
+    "loads_cancelled": ("loads", "cancelled"),
+    "loads_refused": ("loads", "refused"),
+    "offloads_ok": ("offloads", "ok"),
+    "offloads_failed": ("offloads", "failed"),
+    "objects_skipped_restored": ("objects_skipped", "restored"),
+    "bad_objects_removed": ("bad_objects_removed",),
+}
+#: the order a load's objects (and their keys) are listed in: pages, then the state
+_ORDER = (PoolKind.FULL, PoolKind.DRAFT, PoolKind.SWA, PoolKind.MAMBA)
+
+
+class LoadFailedError(RuntimeError):
+    """A load could not restore its objects; SGLang aborts the request (503)."""
+
+
+class HylinkerLinker(UnifiedCacheLinker):
+    """SGLang 0.5.23 ``UnifiedCacheLinker`` over hylinker's data plane; see the module docstring."""
+
+    def __init__(self, server_args: Any, params: Any, *, components: Any,
+                 extra_config: dict[str, Any] | None = None, forward_stream: Any = None) -> None:
+        if sglang.__version__ != SGLANG_VERSION:
+            raise RuntimeError(
+                f"HylinkerLinker targets sglang=={SGLANG_VERSION}; this is sglang {sglang.__version__}")
+        self.config = SGLangLinkerConfig.from_extra_config(extra_config)
+        if self.config.tracing:  # one JSON line per phase event on stderr (SGLang's server log)
+            enable_trace_logging(sys.stderr)
+        self.forward_stream = forward_stream
+        self.page_size = int(params.page_size)
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        names = {getattr(c, "name", str(c)) for c in components}
+        unsupported = names - {"FULL", "SWA", "MAMBA"}
+        if unsupported or "FULL" not in names:
+            raise PoolLayoutError(
+                f"HylinkerLinker serves FULL with SWA and/or MAMBA components, not {sorted(names)}")
+        packed = tuple(getattr(params, "mtp_draft_device_pools", None) or ())
+        sidecar = tuple(getattr(params, "sidecar_draft_device_pools", None) or ())
+        if packed and sidecar:
+            raise PoolLayoutError("both packed MTP and sidecar draft KV pools: SGLang builds one or the other")
+        if getattr(params, "mtp_draft_mamba_pools", None):
+            raise PoolLayoutError("packed MTP draft Mamba states (a state pool per draft layer) are not supported yet")
+        pools: dict[PoolKind, SGLangPool] = {PoolKind.FULL: full_pool(kvcache)}
+        if "SWA" in names:
+            pools[PoolKind.SWA] = swa_pool(kvcache)
+        if "MAMBA" in names:
+            pools[PoolKind.MAMBA] = mamba_pool(params.req_to_token_pool,
+                                               int(getattr(kvcache, "start_layer", 0) or 0))
+        self.dcp_size, self.dcp_rank = _dcp_placement()
+        if self.dcp_size > 1 and (packed or sidecar):  # SGLang keeps a draft's KV unsharded under DCP
+            raise PoolLayoutError(f"draft KV with DCP {self.dcp_size} is not supported yet")
+        draft = draft_pool(packed or sidecar, self.page_size)
+        if draft is not None:
+            pools[PoolKind.DRAFT] = draft
+        if self.dcp_size > 1:
+            pools[PoolKind.FULL] = _dcp_full(pools, self.page_size, self.dcp_size, self.dcp_rank)
+        views = PoolSet([p.view for p in pools.values()])
+        self._kinds = set(pools)
+        self.pools: dict[Any, Any] = {PoolName(kind.value): pool.view for kind, pool in pools.items()}
+        self.num_layers = max(max(p.view.layer_ids) for p in pools.values()) + 1
+        self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        if PoolKind.MAMBA in pools:
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
+
+        tp_rank = _tp_rank(params)
+        cp_rank, pp_rank = int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "pp_rank", 0) or 0)
+        model = str(getattr(server_args, "model_path", "") or "")
+        dcp = f"|dcp={self.dcp_size}" if self.dcp_size > 1 else ""
+        self.fingerprint = views.fingerprint(
+            f"sglang|model={model}|page={self.page_size}{dcp}|salt={self.config.salt}")
+        ns = hashlib.blake2b(self.fingerprint, digest_size=8).hexdigest()
+        self._suffix = {
+            kind: f":{ns}:{kind.value}:{'rep' if p.replicated else f'tp{tp_rank}'}"
+                  f"{f'dcp{self.dcp_rank}' if p.dcp is not None else ''}cp{cp_rank}pp{pp_rank}"
+            for kind, p in pools.items()}
+        # a replicated pool: TP rank 0 writes; under DCP (the latent sharded by token) the first
+        # DCP group, one writer per DCP rank (SGLang's HiCache rule: tp_rank == dcp_rank)
+        writers = self.dcp_size if self.dcp_size > 1 else 1
+        self._writes = {kind: not p.replicated or tp_rank < (writers if p.dcp is not None else 1)
+                        for kind, p in pools.items()}
+        self._pools = pools
+        self.tp_rank = tp_rank
+        # SGLang's own switch: with --enable-metrics these appear on the server's /metrics
+        self.metrics = create_metrics(bool(getattr(server_args, "enable_metrics", False)), tp_rank,
+                                      self._metric_totals)
+
+        self._lock = threading.Lock()  # counters and the restored set: scheduler and loop threads
+        self._c: collections.Counter[str] = collections.Counter()
+        self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
+        self._results: collections.deque[concurrent.futures.Future[bool]] = collections.deque()
+        self._closed = False
+        self._device = views.device
+        self._on_device = views.device.type != "cpu"
+        # staging_mb per pool, for each direction and for the frames a whole load is verified
+        # in (registered once, up front). Its size also sets how many objects one store call
+        # moves (half of it, at most 32 MiB): fewer, larger calls cost fewer master round trips
+        biggest = max(v.payload_bytes for v in views.values())
+        staging = max(self.config.staging_mb << 20, 4 * biggest)
+        plane_config = DataPlaneConfig(staging_bytes_per_pool=staging, verify_all_staging_bytes=staging,
+                                       integrity=self.config.integrity_level)
+        self.data = SyncDataPlane(views, self._open_store, plane_config, fingerprint=self.fingerprint)
+        store = self.data.store
+        assert isinstance(store, ResilientStore)
+        self.store: ResilientStore = store
+        log.info("HylinkerLinker: store=%s pools=%s tp_rank=%d layers=%d", self.config.store,
+                 {k.value: v.payload_bytes for k, v in views.items()}, tp_rank, self.num_layers)
+
+    async def _open_store(self) -> Store:
+        """The configured store (fault plan wrapped around it) under the one retry rule."""
+        return ResilientStore(await self.config.open_store(), self.config.resilience())
+
+    # ---- keys -------------------------------------------------------------------------
+    def object_keys(self, pool: str, page_keys: Sequence[str]) -> list[str]:
+        """Store keys of ``pool``'s objects for SGLang's page keys (on this rank)."""
+        suffix = self._suffix[_KINDS[pool]]
+        return [k + suffix for k in page_keys]
+
+    def rows(self, pool: str, indices: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``pool`` for SGLang's transfer indices: the indices themselves, or
+        under DCP the rows this DCP rank holds of the widened KV locs (``sglang_pools.DcpShare``)."""
+        return self._pools[_KINDS[pool]].rows(indices)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
+        metric = _METRIC_OF.get(name)
+        if metric is not None and self.metrics is not None:
+            self.metrics.count(metric[0], n, *metric[1:])
+
+    def _metric_totals(self) -> Figures:
+        """The data plane's and the store's cumulative figures, as metrics keys (see
+        ``dataplane/metrics.py``); the plugin counts loads and offloads itself."""
+        return {**plane_figures(self.data.pool_statistics()), **store_figures(self.store.resilience())}
+
+    def _publish_metrics(self, force: bool = False) -> None:
+        if self.metrics is not None and not self._closed:
+            self.metrics.publish(force=force)
+
+    # ---- lookup -----------------------------------------------------------------------
+    def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        by_name = {str(getattr(t.name, "value", t.name)): t for t in transfers}
+        kv = by_name.get("kv")
+        if kv is None or not kv.keys or self._closed:
+            return []
+        pages = list(kv.keys)
+        probe = {PoolKind.FULL: self.object_keys("kv", pages)}
+        with_state = "mamba" in by_name and PoolKind.MAMBA in self._kinds
+        swa = by_name.get("swa") if PoolKind.SWA in self._kinds else None
+        if swa is not None:  # every tail page: a window may end at any of them
+            probe[PoolKind.SWA] = self.object_keys("swa", pages)
+        if PoolKind.DRAFT in self._kinds:
+            probe[PoolKind.DRAFT] = self.object_keys("draft", pages)
+        if with_state:
+            probe[PoolKind.MAMBA] = self.object_keys("mamba", pages)
+        self._count("lookups")
+        future = self.data.exists(probe)
+        try:
+            present = future.result(timeout=self.config.lookup_timeout_s)
+        except Exception as exc:  # a store that fails or hangs: a miss (every rank's MIN agrees)
+            future.cancel()
+            self._count("lookup_errors")
+            log.warning("HylinkerLinker lookup failed (a miss): %r", exc)
+            trace("sglang.lookup.error", request_id=rid, error=repr(exc))
+            return []
+        kv_ok = present[PoolKind.FULL]
+        if PoolKind.DRAFT in present:
+            kv_ok = [a and b for a, b in zip(kv_ok, present[PoolKind.DRAFT])]
+        prefix = kv_ok.index(False) if False in kv_ok else len(kv_ok)  # KV pages [0, prefix) present
+        if with_state:
+            state = present[PoolKind.MAMBA]
+            counts = [n for n in range(1, prefix + 1) if state[n - 1]]
+        else:
+            counts = list(range(1, prefix + 1))
+        trailing = 0
+        if swa is not None:
+            # SGLang's rule for a TRAILING_PAGES pool: a stop n needs the window's pages below it,
+            # as many as the lookup's SWA transfer names (the window, or the tail if shorter)
+            trailing = max(1, len(swa.keys or ()))
+            window_ok = present[PoolKind.SWA]
+            counts = [n for n in counts if all(window_ok[max(0, n - trailing):n])]
+        trace("sglang.lookup", request_id=rid, pages=len(pages), hit_pages=counts[-1] if counts else 0,
+              stops=len(counts), state=with_state, swa_window=trailing)
+        if counts:
+            self._count("lookup_hits")
+            self._count("hit_tokens", counts[-1] * self.page_size)
+            self._touch(pages[:counts[-1]], with_state, trailing)
+        else:
+            self._count("lookup_misses")
+        return counts
+
+    def _touch(self, pages: list[str], with_state: bool, swa_pages: int = 0) -> None:
+        if not self.config.touch or not self.store.capabilities.touch:
+            return
+        keys = self.object_keys("kv", pages)
+        if PoolKind.DRAFT in self._kinds:
+            keys += self.object_keys("draft", pages)
+        if swa_pages:
+            keys += self.object_keys("swa", pages[-swa_pages:])
+        if with_state:
+            keys += self.object_keys("mamba", pages[-1:])
+        future = self.data.call_store(self.store.touch, keys)  # fire and forget: recency only
+        future.add_done_callback(_retrieve)
+        self._count("touches")
+
+    # ---- load -------------------------------------------------------------------------
+    def _transfers(self, transfers: Sequence[PoolTransfer], *, offload: bool
+                   ) -> tuple[list[Transfer], list[str]]:
+        """SGLang's transfers as the data plane's (DRAFT derived from the KV rows), and every
+        object key they name. Raises :class:`PoolViewError` for malformed transfers."""
+        by_name = {str(getattr(t.name, "value", t.name)): t for t in transfers}
+        unknown = set(by_name) - {k.value for k in self._kinds}
+        if unknown:
+            raise PoolLayoutError(f"transfers for pools this linker does not hold: {sorted(unknown)}")
+        named: list[tuple[PoolKind, list[str], Any]] = []
+        kv = by_name.get("kv")
+        if kv is not None and kv.keys:  # a load may lack it: the pages are on the device already
+            if kv.device_indices is None:
+                raise PoolLayoutError("a KV transfer without rows")
+            pages = list(kv.keys)
+            named.append((PoolKind.FULL, self.object_keys("kv", pages), kv.device_indices))
+            if PoolKind.DRAFT in self._kinds:
+                named.append((PoolKind.DRAFT, self.object_keys("draft", pages), kv.device_indices))
+        for kind in (PoolKind.SWA, PoolKind.MAMBA):  # SWA pages on their own rows; the state's slot
+            side = by_name.get(kind.value)
+            if side is not None and side.keys:
+                if side.device_indices is None:
+                    raise PoolLayoutError(f"a {kind.value} transfer without rows")
+                named.append((kind, self.object_keys(kind.value, list(side.keys)), side.device_indices))
+        out: list[Transfer] = []
+        every: list[str] = []
+        for kind, keys, indices in named:
+            index = self.data.plane.pools[kind].objects(self.rows(kind.value, indices))
+            every += keys
+            if offload:  # a rank-replicated pool is written by rank 0; restored objects not again
+                if not self._writes[kind]:
+                    continue
+                with self._lock:
+                    keep = [i for i, k in enumerate(keys) if k not in self._restored]
+                self._count("objects_skipped_restored", len(keys) - len(keep))
+                if len(keep) < len(keys):
+                    keys, index = [keys[i] for i in keep], index[keep]
+            if keys:
+                out.append(Transfer(kind, keys, index))
+        return out, every
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        if self._closed:
+            return False
+        if rid in self._pending:
+            raise RuntimeError(f"HylinkerLinker: a load for rid={rid} is already queued")
+        try:
+            trs, keys = self._transfers(transfers, offload=False)
+            if not trs:
+                self._count("loads_refused")
+                trace("sglang.load.refused", request_id=rid, reason="no objects")
+                return False
+            # held until start_layer_wise_loading; verified whole before a row is written
+            self._pending[rid] = (self.data.load(trs, request_id=rid, start=False, verify_all=True), keys)
+        except PoolViewError as exc:  # malformed transfers: the same on every rank
+            log.error("HylinkerLinker refuses load rid=%s: %s", rid, exc)
+            self._count("loads_refused")
+            trace("sglang.load.refused", request_id=rid, reason=str(exc))
+            return False
+        trace("sglang.load.queued", request_id=rid, objects=len(keys))
+        return True
+
+    def start_layer_wise_loading(self) -> int:
+        if not self._pending:
+            return -1
+        rids, loads = list(self._pending), list(self._pending.values())
+        self._pending = {}
+        index: int = self.layer_done_counter.update_producer()
+        self._count("load_batches")
+        trace("sglang.load.start", counter_index=index, request_ids=rids)
+        LoadBatch(self, index, loads)
+        # on a device: no row is written before the forward stream is past the rows' last use
+        fence = record_fence(self._device) if self._on_device else None
+        self.data.start(*(load for load, _ in loads), fence=fence)
+        return index
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        landed: bool = self.layer_done_counter.finish(counter_index)
+        return landed
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        held = self._pending.pop(rid, None)
+        if held is None:
+            return False
+        self.data.cancel(held[0])  # held, never started: it ends here, untouched
+        self._count("loads_cancelled")
+        return True
+
+    def _remember(self, keys: list[str]) -> None:
+        """Objects a load restored: the request's insert does not write them again."""
+        with self._lock:
+            for k in keys:
+                self._restored[k] = None
+                self._restored.move_to_end(k)
+            while len(self._restored) > _RESTORED_MEMORY:
+                self._restored.popitem(last=False)
+
+    def _complete(self, index: int, layer: int) -> None:
+        # reset may have dropped the index, or the load already failed it
+        with contextlib.suppress(KeyError, concurrent.futures.InvalidStateError):
+            self.layer_done_counter.complete(index, layer)
+
+    def _load_ended(self, index: int, outcome: TransferOutcome | None, keys: list[str]) -> None:
+        """On the data plane's loop: remember what landed, or remove what did not and fail."""
+        trace("sglang.load.end", counter_index=index, ok=bool(outcome is not None and outcome.ok),
+              objects=len(keys), faults=outcome.faults if outcome is not None else "error")
+        if outcome is not None and outcome.ok:
+            self._count("loads_ok")
+            return
+        self._count("loads_failed")
+        error = LoadFailedError(f"load failed: {outcome.faults if outcome is not None else 'error'}")
+        log.error("HylinkerLinker load batch %d: %s", index, error)
+        bad: list[str] = []
+        if outcome is not None and not outcome.cancelled:
+            verified = [ok for kind in _ORDER for ok in outcome.objects.get(kind, [])]
+            bad = [k for k, ok in zip(keys, verified) if not ok]
+        if not bad or not self.store.capabilities.remove:
+            self._fail(index, error)
+            return
+        # gone before the failure reports: the next lookup misses it (a recompute, not a second 503)
+        self._count("bad_objects_removed", len(bad))
+        self.data.call_store(self._remove_then_fail, bad, index, error).add_done_callback(_retrieve)
+
+    async def _remove_then_fail(self, keys: list[str], index: int, error: BaseException) -> None:
+        try:
+            with anyio.move_on_after(self.config.store_timeout_s):
+                await self.store.remove(keys)
+        except StoreError as exc:
+            log.warning("HylinkerLinker could not remove %d damaged objects: %s", len(keys), exc)
+        finally:
+            self._fail(index, error)
+
+    def _fail(self, index: int, error: BaseException) -> None:
+        self.layer_done_counter.fail(index, error)
+
+    # ---- offload ----------------------------------------------------------------------
+    def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
+        result: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._results.append(result)
+        if self._closed:
+            result.set_result(False)
+            return True
+        try:
+            trs, keys = self._transfers(transfers, offload=True)
+        except PoolViewError as exc:
+            log.error("HylinkerLinker offload with malformed transfers: %s", exc)
+            trs, keys = [], []
+        if not keys:
+            self._offloaded(result, False)
+            return True
+        fence = AllEvents(self.record_offload_ready()) if self._on_device and trs else None
+        t0 = time.perf_counter()
+        trace("sglang.offload", session_id=session_id or "", objects=sum(len(t.keys) for t in trs),
+              skipped=len(keys) - sum(len(t.keys) for t in trs))
+        done = self.data.offload(trs, fence=fence, request_id=session_id or "")
+        done.add_done_callback(lambda f: self._offloaded(result, _ok(f), t0))
+        return True
+
+    def _offloaded(self, result: concurrent.futures.Future[bool], ok: bool, t0: float | None = None) -> None:
+        self._count("offloads_ok" if ok else "offloads_failed")
+        if t0 is not None and self.metrics is not None:
+            self.metrics.observe("offload_seconds", time.perf_counter() - t0)
+        result.set_result(ok)
+
+    def num_completed_offloads(self) -> int:
+        self.data.pop_completed_offloads()  # ours are the futures in self._results
+        self._publish_metrics()  # called every scheduler round; publishes at most once a second
+        n = 0
+        for f in self._results:
+            if not f.done():
+                break
+            n += 1
+        return n
+
+    def pop_completed_offload(self) -> bool:
+        return self._results.popleft().result()
+
+    # ---- life cycle -------------------------------------------------------------------
+    def reset(self) -> None:
+        """Quiesce: drop queued loads, wait for started transfers, forget their results."""
+        for held, _ in self._pending.values():
+            self.data.cancel(held)
+        self._pending.clear()
+        if not self._closed:
+            self.data.reset()
+        concurrent.futures.wait(list(self._results), timeout=self.config.store_timeout_s * 2)
+        self._results.clear()
+        self.layer_done_counter.reset()
+        with self._lock:
+            self._restored.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        pending = [f for f in self._results if not f.done()]
+        if pending:  # writes in flight get drain_timeout_s, then the store fails fast
+            concurrent.futures.wait(pending, timeout=self.config.drain_timeout_s)
+        with contextlib.suppress(Exception):  # the last figures; a dead store must not stop close
+            self._publish_metrics(force=True)
+        try:
+            self.data.call_store(self.store.shutdown).result(timeout=self.store.policy.close_grace_s + 5)
+        except Exception as exc:
+            log.warning("HylinkerLinker: store shutdown: %r", exc)
+        self.reset()
+        self._closed = True
+        # the store client's own close may wait on a dead master (Mooncake's segment unmount
+        # RPC): the scheduler thread waits at most store_timeout_s + 5, the rest finishes in
+        # the background
+        closer = threading.Thread(target=self.data.close, name="hylinker-close", daemon=True)
+        closer.start()
+        closer.join(timeout=self.config.store_timeout_s + 5)
+        if closer.is_alive():
+            log.warning("HylinkerLinker: the store is still closing after %.1f s; not waiting",
+                        self.config.store_timeout_s + 5)
+        log.info("HylinkerLinker closed: %s", self._c)
+
+    def statistics(self) -> dict[str, int]:
+        """Counters: the linker's (lookups, hits, loads, offloads, skipped objects), the data
+        plane's per-pool transfers summed, and the store's retry rule (retries, exhausted keys,
+        timeouts, breaker trips)."""
+        with self._lock:
+            out = dict(self._c)
+        for stats in self.data.pool_statistics().values():
+            for name in ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
+                         "bytes_loaded", "load_misses", "verify_failures", "offload_failures",
+                         "rereads_recovered", "rereads_failed"):
+                out[name] = out.get(name, 0) + int(getattr(stats, name))
+        res = self.store.resilience()
+        for name in ("retries", "retried_keys", "recovered_keys", "exhausted_keys", "timeouts",
+                     "breaker_trips", "rejected_calls"):
+            out[f"store_{name}"] = int(getattr(res, name))
+        return out
+
+
+def _ok(future: concurrent.futures.Future[TransferOutcome]) -> bool:
+    try:
+        return bool(future.result().ok)
+    except Exception:
+        return False
+
+
+def _retrieve(future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: never logged as unhandled
+
+
+def _dcp_placement() -> tuple[int, int]:
+    """SGLang's attention DCP size and this process's DCP rank (``get_parallel()``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        size = int(parallel.attn_dcp_size)
+    except (RuntimeError, ValueError):  # nothing published (a bare cache): no DCP
+        return 1, 0
+    return size, (int(parallel.attn_dcp_rank) if size > 1 else 0)
+
+
+def _dcp_full(pools: dict[PoolKind, SGLangPool], tree_page: int, size: int, rank: int) -> SGLangPool:
+    """FULL under DCP: SGLang's widened locs collapse to this rank's rows (its own
+    ``maybe_dcp_kernel_indices``). What the plugin does not serve with DCP is refused by name."""
+    from sglang.srt.layers.dcp.layout import maybe_dcp_kernel_indices
+
+    if PoolKind.SWA in pools:
+        # SGLang 0.5.23 builds a sliding-window model's allocator unwidened under DCP (its locs
+        # are not sharded by token, the tree page is not page x dcp) and its DCP attention
+        # backends refuse sliding-window layers: there is no sharded layout to serve
+        raise PoolLayoutError(f"FULL + SWA with DCP {size} is not supported: SGLang does not shard a "
+                              "sliding-window model's KV locs by DCP rank (its SWA allocator is not widened)")
+    full = pools[PoolKind.FULL]
+    page = full.view.unit
+    if tree_page != page * size:
+        raise PoolLayoutError(
+            f"DCP {size}: the tree page is {tree_page} tokens, not the KV pool's page {page} x {size}")
+    return SGLangPool(full.view, full.replicated, DcpShare(size, rank, page, maybe_dcp_kernel_indices))
+
+
+def _tp_rank(params: Any) -> int:
+    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank(group=group))
+    return 0
+
+
+__all__ = ["SGLANG_VERSION", "HylinkerLinker", "LoadFailedError"]

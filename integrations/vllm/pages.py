@@ -1,0 +1,300 @@
+"""The vLLM connector's worker side: vLLM's KV cache as raw pages, moved by the data plane.
+
+vLLM allocates its KV cache as a few raw tensors, each shared by one layer of every KV cache
+group (a hybrid model's Mamba pages are padded to the attention page size), and hands out block
+ids from one pool across groups: page ``b`` of every raw tensor belongs to whichever group owns
+block ``b``. So one *object* is "page ``b`` of every raw tensor": for an attention block that is
+every attention layer's K and V of those tokens, for a state block every recurrent layer's state
+of its group. :class:`RawPages` finds those raw tensors behind the per-layer tensors vLLM
+registers: the byte segments that hold block ``b`` (one per layer position with vLLM's
+layer-outer layout, one per buffer with its block-outer one; see
+:mod:`~hylinker.integrations.vllm.block_layout`), each viewed as ``[num_blocks, block_stride]``
+bytes; the data plane's FULL and MAMBA views both lie on them.
+
+:class:`PageTransfers` runs two data planes on the store host's loop:
+
+* loads go straight into the engine's blocks (vLLM keeps them reserved until the connector
+  reports the load finished); a missing or damaged object fails the whole load, which is
+  reported so vLLM recomputes the request, and the objects that did not land are removed from
+  the store so the next lookup misses instead of failing again;
+* saves copy the offered pages into a private staging area before the step returns (vLLM may
+  reuse a block in the next step) and then write them to the store from there, off the
+  forward's path. Without a free staging slot a save is skipped and counted, never blocks.
+
+Objects are planned by rank-free names; this rank's store keys carry its rank
+(:func:`~hylinker.integrations.vllm.index.rank_key`), or, for attention pages vLLM replicates
+over ranks in a shared store, the rank of the one copy (:class:`~hylinker.integrations.vllm.index.KeyLayout`:
+only that rank writes it). For a scheduler that cannot ask the store
+itself, :meth:`PageTransfers.take_report` lists the names stored and gone since the last call,
+and a load of an object whose save is still in flight waits for that save first.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import anyio.to_thread
+import attrs
+import torch
+
+from ...components.layout import PoolKind
+from ...components.pool_view import LayerParts, PoolSet, PoolView
+from ...dataplane.plane import DataPlane, DataPlaneConfig, Transfer
+from ...dataplane.tickets import TransferOutcome
+from ...stores.framing import Integrity
+from ..store_host import StoreHost
+from .block_layout import RawPages
+from .index import KeyLayout, name_of
+from .plan import TransferPlan
+
+log = logging.getLogger("vllm.hylinker")
+
+
+def step_staging_bytes(pages: RawPages, *, floor_bytes: int, tokens_per_step: int, block_size: int,
+                       state_groups: int) -> int:
+    """Staging for one request's saves of one full step: the attention blocks a step of
+    ``tokens_per_step`` tokens can complete plus one state per state group, or ``floor_bytes``
+    if more. At a real geometry one object is every layer of a group (Qwen3-Next-80B: 12 layers,
+    26 MB), so a fixed small staging area would skip every save."""
+    objects = -(-tokens_per_step // max(1, block_size)) + 1 + state_groups
+    return max(floor_bytes, objects * sum(pages.page_bytes))
+
+
+def _views(raws: Sequence[torch.Tensor], with_state: bool) -> PoolSet:
+    layers = [LayerParts(i, (r,)) for i, r in enumerate(raws)]
+    views = [PoolView(PoolKind.FULL, 1, layers)]
+    if with_state:
+        views.append(PoolView(PoolKind.MAMBA, 1, layers))
+    return PoolSet(views)
+
+
+def _transfers(plan: TransferPlan, kv_index: Sequence[int], state_index: Sequence[int], rank: int,
+               layout: KeyLayout) -> list[Transfer]:
+    out = []
+    if plan.kv_keys:
+        out.append(Transfer(PoolKind.FULL, [layout.key(n, rank) for n in plan.kv_keys], list(kv_index)))
+    if plan.state_keys:
+        out.append(Transfer(PoolKind.MAMBA, [layout.key(n, rank) for n in plan.state_keys], list(state_index)))
+    return out
+
+
+class PageTransfers:
+    """Loads into and saves from vLLM's pages; see the module docstring. Thread-safe."""
+
+    def __init__(self, host: StoreHost, pages: RawPages, *, fingerprint: bytes, with_state: bool,
+                 staging_bytes: int, rank: int = 0, save_wait_s: float = 10.0,
+                 integrity: Integrity = Integrity.CHECKSUM, layout: KeyLayout | None = None) -> None:
+        self.host = host
+        self.pages = pages
+        self.rank = rank
+        self.layout = layout if layout is not None else KeyLayout.per_rank(rank + 1)
+        self.save_wait_s = save_wait_s  # longest wait of a load for a save of its objects in flight
+        per_object = sum(pages.page_bytes)
+        slots = max(1, staging_bytes // per_object)
+        self.staging = [torch.empty((slots, p), dtype=torch.uint8) for p in pages.page_bytes]
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._loads: dict[str, tuple[TransferPlan, concurrent.futures.Future[TransferOutcome]]] = {}
+        self._saves: set[concurrent.futures.Future[TransferOutcome]] = set()
+        self._failed_now: set[str] = set()
+        self._saving: dict[str, concurrent.futures.Future[TransferOutcome]] = {}  # name -> save in flight
+        self._stored: list[str] = []  # names stored since the last report
+        self._dropped: list[str] = []  # names gone since the last report
+        self._evicted: collections.deque[str] = collections.deque()  # appended without our lock
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("loads", "loads_ok", "loads_failed", "saves", "saves_ok", "saves_failed", "saves_skipped",
+             "objects_saved", "objects_loaded", "objects_removed"), 0)
+        cfg = DataPlaneConfig(staging_bytes_per_pool=max(16 << 20, 4 * per_object), integrity=integrity)
+        self._stack = contextlib.ExitStack()
+        try:
+            self.engine_plane = DataPlane(_views(pages.raws, with_state), host.store, cfg, fingerprint=fingerprint)
+            self._stack.enter_context(host.portal.wrap_async_context_manager(self.engine_plane))
+            self.staging_plane = DataPlane(_views(self.staging, with_state), host.store, cfg, fingerprint=fingerprint)
+            self._stack.enter_context(host.portal.wrap_async_context_manager(self.staging_plane))
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # ---- loads ------------------------------------------------------------------------------------
+    def load(self, plan: TransferPlan) -> None:
+        """Start restoring ``plan`` into the engine's blocks (asynchronously)."""
+        transfers = _transfers(plan, plan.kv_blocks, plan.state_blocks, self.rank, self.layout)
+        with self._lock:
+            saving = [f for f in {self._saving.get(n) for n in plan.kv_keys + plan.state_keys} if f is not None]
+
+        async def run() -> TransferOutcome:
+            if saving:  # an object is still being written by this rank: read it once it landed
+                await anyio.to_thread.run_sync(functools.partial(
+                    concurrent.futures.wait, saving, timeout=self.save_wait_s))
+            ticket = await self.engine_plane.load(transfers, request_id=plan.request_id)
+            return await ticket.wait()
+
+        future = self.host.portal.start_task_soon(run)
+        with self._lock:
+            self.counters["loads"] += 1
+            self._loads[plan.request_id] = (plan, future)
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose loads ended since the last call: (landed and verified, failed). A failed
+        load's blocks may hold partial bytes: vLLM must recompute its request."""
+        ok_ids: set[str] = set()
+        failed_ids: set[str] = set()
+        with self._lock:
+            failed_ids.update(self._failed_now)
+            self._failed_now.clear()
+            for rid, (plan, future) in list(self._loads.items()):
+                if not future.done():
+                    continue
+                del self._loads[rid]
+                try:
+                    outcome: TransferOutcome | None = future.result()
+                except Exception as exc:
+                    log.warning("hylinker: load of %s raised %r", rid, exc)
+                    outcome = None
+                if outcome is not None and outcome.ok:
+                    ok_ids.add(rid)
+                    self.counters["loads_ok"] += 1
+                    self.counters["objects_loaded"] += len(plan.kv_keys) + len(plan.state_keys)
+                else:
+                    failed_ids.add(rid)
+                    self.counters["loads_failed"] += 1
+                    log.warning("hylinker: load of %s failed (%s); it recomputes", rid,
+                                outcome.faults if outcome is not None else "error")
+                    if outcome is not None:
+                        self._remove_failed(plan, outcome)
+        return ok_ids, failed_ids
+
+    def _remove_failed(self, plan: TransferPlan, outcome: TransferOutcome) -> None:
+        """Remove the objects that did not land from the store (missing or damaged), so the next
+        lookup misses instead of failing another load on them. Fire and forget: a store that
+        cannot answer now keeps them, and a later load fails (and recomputes) again."""
+        bad = [k for pool, keys in ((PoolKind.FULL, plan.kv_keys), (PoolKind.MAMBA, plan.state_keys))
+               for k, ok in zip(keys, outcome.objects.get(pool, [False] * len(keys))) if not ok]
+        if bad:
+            self.counters["objects_removed"] += len(bad)
+            self._dropped.extend(bad)
+            future = self.host.portal.start_task_soon(self.host.store.remove,
+                                                      [self.layout.key(n, self.rank) for n in bad])
+            future.add_done_callback(lambda f: f.exception())  # retrieve it: never logged as unhandled
+
+    def fail_now(self, request_ids: Iterable[str]) -> None:
+        """Report loads the scheduler promised but could not plan as failed at the next poll."""
+        with self._lock:
+            for rid in request_ids:
+                self._failed_now.add(rid)
+                self.counters["loads_failed"] += 1
+
+    def loads_in_flight(self) -> int:
+        with self._lock:
+            return len(self._loads)
+
+    # ---- saves ------------------------------------------------------------------------------------
+    def save(self, plans: Iterable[TransferPlan]) -> None:
+        """Copy every plan's pages into staging now, then write them to the store off the
+        step. A plan without enough free staging slots is skipped (counted). Attention pages
+        another rank writes for this one (replicated, see :class:`KeyLayout`) are left out."""
+        writes_blocks = self.layout.blocks.writes(self.rank)
+        for plan in plans:
+            if not writes_blocks:
+                plan = attrs.evolve(plan, kv_keys=(), kv_blocks=())
+            n = len(plan.kv_blocks) + len(plan.state_blocks)
+            if n == 0:
+                continue
+            with self._lock:
+                if len(self._free) < n:
+                    self.counters["saves_skipped"] += 1
+                    self._dropped.extend(plan.kv_keys + plan.state_keys)
+                    continue
+                slots = [self._free.pop() for _ in range(n)]
+            # one row copy per page (a memcpy each): an index_select + index_copy_ of the same
+            # pages took ~20x as long here (tools/profile_vllm_restore.py --save-copy), in the step
+            for raw, st in zip(self.pages.raws, self.staging):
+                for slot, block in zip(slots, plan.blocks):
+                    st[slot].copy_(raw[block])
+            transfers = _transfers(plan, slots[: len(plan.kv_blocks)], slots[len(plan.kv_blocks):], self.rank,
+                                   self.layout)
+
+            async def run(transfers: list[Transfer] = transfers, rid: str = plan.request_id) -> TransferOutcome:
+                ticket = await self.staging_plane.offload(transfers, request_id=rid)
+                return await ticket.wait()
+
+            future = self.host.portal.start_task_soon(run)
+            with self._lock:
+                self.counters["saves"] += 1
+                if not future.done():  # a save already done needs no entry: _saved (added below) runs at once
+                    self._saves.add(future)
+                    for name in plan.kv_keys + plan.state_keys:
+                        self._saving[name] = future
+            future.add_done_callback(functools.partial(self._saved, plan=plan, slots=slots))
+
+    def _saved(self, future: concurrent.futures.Future[TransferOutcome], *, plan: TransferPlan,
+               slots: list[int]) -> None:
+        try:
+            outcome: TransferOutcome | None = future.result()
+        except BaseException:
+            outcome = None
+        with self._lock:
+            self._saves.discard(future)
+            self._free.extend(slots)
+            self.counters["saves_ok" if outcome is not None and outcome.ok else "saves_failed"] += 1
+            for pool, names in ((PoolKind.FULL, plan.kv_keys), (PoolKind.MAMBA, plan.state_keys)):
+                landed = outcome.objects.get(pool, [False] * len(names)) if outcome is not None else [False] * len(names)
+                for name, ok in zip(names, landed):
+                    if self._saving.get(name) is future:
+                        del self._saving[name]
+                    (self._stored if ok else self._dropped).append(name)
+                    self.counters["objects_saved"] += int(ok)
+
+    def note_evicted(self, keys: Sequence[str]) -> None:
+        """The store evicted ``keys``: its eviction listener, called under the store's lock on
+        the loop thread, so it takes no lock of ours (a thread holding ours may wait for the loop)."""
+        self._evicted.extend(name_of(k) for k in keys)
+
+    def take_report(self) -> tuple[list[str], list[str]]:
+        """Names stored, and names gone, since the last call (see the module docstring)."""
+        evicted = []
+        while self._evicted:
+            evicted.append(self._evicted.popleft())
+        with self._lock:
+            stored, self._stored = self._stored, []
+            dropped, self._dropped = self._dropped, []
+        return stored, dropped + evicted
+
+    def saves_in_flight(self) -> int:
+        with self._lock:
+            return len(self._saves)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for writes in flight; True if none is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pending = list(self._saves)
+            if not pending:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            concurrent.futures.wait(pending, timeout=left)
+
+    def close(self, timeout_s: float) -> None:
+        """Drain writes (bounded), then stop both data planes (loads in flight are waited for:
+        their rows must not be written after vLLM frees them)."""
+        if not self.drain(timeout_s):
+            log.warning("hylinker: %d saves still in flight after %.1f s; cancelling them",
+                        self.saves_in_flight(), timeout_s)
+        self._stack.close()
+
+    def statistics(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+
+__all__ = ["PageTransfers", "RawPages", "step_staging_bytes"]

@@ -1,0 +1,67 @@
+"""The linker's frozen statistics and the metric figures read from them."""
+
+from __future__ import annotations
+
+import attrs
+
+from ..dataplane.metrics import Figures
+
+
+@attrs.frozen
+class LinkerStatistics:
+    requests: int
+    lookups: int
+    lookup_prompt_tokens: int
+    device_hit_tokens: int
+    store_hit_tokens: int  # tokens restored from the store (committed loads)
+    loads: int
+    load_misses: int  # PREPARE could not allocate: plain miss
+    commits: int
+    dropped_loads: int  # data failed (missing, corrupt, store error): recomputed
+    aborts: int
+    inserts: int
+    offloads: int
+    offloads_skipped: int  # MAMBA backpressure rule
+    offloads_dropped: int  # latency watermark
+    offload_failures: int
+    touches: int
+    touch_keys: int
+    verifications: int
+    verify_failures: int
+    store_latency_ema_ms: float
+    dropping: bool
+    offloads_skipped_kv: int = 0  # KV backpressure: offload backlog would lock too much of the pool
+    offloads_verified_replicas: int = 0  # replicated pools another rank writes, checked in the store
+    bad_objects_removed: int = 0  # objects that failed to restore, removed so they are rewritten
+    close_timeouts: int = 0  # close() gave up waiting for offloads and cut the store's retries
+    touch_calls: int = 0  # store.touch calls (touches are batched into these)
+    partial_loads: int = 0  # loads that restored a shorter prefix than found (some objects failed)
+    partial_pages_lost: int = 0  # pages those loads could not keep
+    offloads_skipped_breaker: int = 0  # the store's circuit breaker was open
+    rank_shortened_lookups: int = 0  # lookups another rank cut short (agreement across ranks)
+    rank_shortened_loads: int = 0  # loads another rank cut short, or dropped
+    rank_unsettled_offloads: int = 0  # offload parts left unstored: another rank lacks its part
+    lookup_hits: int = 0  # lookups that found device or store tokens
+    declined_lookups: int = 0  # lookups whose store hit was declined: recompute was cheaper
+    declined_hit_tokens: int = 0  # store hit tokens those lookups gave up
+    decline_probes: int = 0  # hits taken though declined, after decline_probe_every declines in a row
+
+
+def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
+    """The Linker's request figures (its data plane publishes the data path's)."""
+    return {
+        ("lookups", "hit"): s.lookup_hits,  # device or store tokens found
+        ("lookups", "miss"): s.lookups - s.lookup_hits,
+        ("hit_tokens", "device"): s.device_hit_tokens,
+        ("hit_tokens", "store"): s.store_hit_tokens,
+        ("declined_hit_tokens",): s.declined_hit_tokens,
+        ("objects_skipped", "mamba_backpressure"): s.offloads_skipped,
+        ("objects_skipped", "kv_backpressure"): s.offloads_skipped_kv,
+        ("objects_skipped", "store_latency"): s.offloads_dropped,
+        ("objects_skipped", "breaker_open"): s.offloads_skipped_breaker,
+        ("bad_objects_removed",): s.bad_objects_removed,
+        ("agreement_rounds",): agreement_rounds,
+        ("rank_disagreements", "lookup"): s.rank_shortened_lookups,
+        ("rank_disagreements", "load"): s.rank_shortened_loads,
+        ("rank_disagreements", "offload"): s.rank_unsettled_offloads,
+    }
