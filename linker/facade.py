@@ -61,6 +61,7 @@ from ..stores.base import Store
 from ..stores.resilient import ResilienceStatistics, ResilientStore
 from .agreement import Agreement, SingleRank
 from .config import LinkerConfig
+from .context import LinkerContext
 from .lookup_room import LookupRoom
 from .offload_room import OffloadRoom
 from .request import LookupResult, PhaseError, Request
@@ -141,11 +142,17 @@ class Linker:
             "decline_probes")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         # the rooms: each phase's rules live in one of them; the linker checks and delegates
-        self.lookups = LookupRoom(self)  # LOOKUP + TOUCH (linker/lookup_room.py)
-        self.restores = RestoreRoom(self)  # LOAD, COMMIT, ABORT, partial restores (linker/restore_room.py)
+        #: what the rooms share (linker/context.py): they reach the linker only through it
+        self.context = LinkerContext(
+            layout=layout, config=self.config, tree=self.tree, rules=self.rules, pools=pools,
+            data=self.data, store=self.store, agreement=self.agreement, counters=self._c,
+            page=self.page, grid_pages=self.grid_pages, check_open=self._check_open,
+            move_lock=self._move_lock, ceiling_tokens=self.ceiling_tokens,
+            prefill_tokens_per_s=self.prefill_tokens_per_s, running=self._running, spawn=self._spawn)
+        self.lookups = LookupRoom(self.context, self.toucher)  # LOOKUP + TOUCH (linker/lookup_room.py)
+        self.restores = RestoreRoom(self.context)  # LOAD, COMMIT, ABORT, partial restores (linker/restore_room.py)
         #: offload planning, backpressure and settlement (linker/offload_room.py)
-        self.offloads = OffloadRoom(self.tree, self.rules, pools, self.data, self.store, self.config,
-                                    self._c, self._spawn, self.agreement)
+        self.offloads = OffloadRoom(self.context)
 
     @property
     def actors(self) -> dict[PoolKind, PoolActor]:
@@ -217,6 +224,9 @@ class Linker:
     def _spawn(self, fn: Any, *args: Any) -> None:
         assert self._tg is not None, "checked by _check_running before any side effect"
         self._tg.start_soon(fn, *args)
+
+    def _running(self) -> bool:
+        return self._tg is not None
 
     def _check_running(self) -> None:
         if self._tg is None:

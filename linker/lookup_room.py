@@ -16,25 +16,26 @@ from .agreement import Boundaries, agreed_boundary
 from .request import LinkerRoom, LookupResult, PhaseError, Request
 
 if TYPE_CHECKING:
-    from .facade import Linker
+    from .context import LinkerContext
+    from .touch_room import TouchBatcher
 
 
 class LookupRoom(LinkerRoom):
     """LOOKUP and TOUCH for the :class:`~hylinker.linker.facade.Linker`."""
 
-    def __init__(self, linker: Linker) -> None:
-        super().__init__(linker)
-        self.toucher = linker.toucher
+    def __init__(self, ctx: LinkerContext, toucher: TouchBatcher) -> None:
+        super().__init__(ctx)
+        self.toucher = toucher
         self._declines_in_a_row = 0  # restores that pay for themselves: see _paying
 
     async def lookup(self, req: Request) -> LookupResult:
         """Match the device tree (locking the hit) and probe the store above it."""
-        self.linker._check_open(req)
+        self.ctx.check_open(req)
         if req.looked_up:
             raise PhaseError(f"request {req.id!r} was already looked up")
         req.looked_up = True
         t0 = time.perf_counter()
-        ceiling_pages = self.linker.ceiling_tokens(req) // self.page
+        ceiling_pages = self.ctx.ceiling_tokens(req) // self.page
         keys = req.page_keys(ceiling_pages)
         m = self.tree.match(keys)
         self.tree.lock(m.node)
@@ -66,7 +67,7 @@ class LookupRoom(LinkerRoom):
     def _paying(self, req: Request, boundaries: list[int]) -> list[int]:
         """The boundaries whose restore is expected to beat recomputing it (``restore_cost``):
         a load costs its pages' objects plus one object of every other pool (the state)."""
-        rate = self.linker.prefill_tokens_per_s()
+        rate = self.ctx.prefill_tokens_per_s()
         paying = []
         for b in boundaries:
             nbytes = sum(b * self.data.object_bytes(kind) if kind is PoolKind.FULL else self.data.object_bytes(kind)

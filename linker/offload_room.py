@@ -7,26 +7,23 @@ flight, the KV pages they lock, and the idle event :meth:`drain` waits on.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ..components.layout import PoolKind
-from ..components.pool_rules import PoolRule
-from ..components.pools import HybridPools
 from ..components.radix import Node
 from ..dataplane.events import DeviceEvent
-from ..dataplane.plane import DataPlane, Transfer
+from ..dataplane.plane import Transfer
 from ..dataplane.tickets import OffloadTicket
 from ..dataplane.tracing import trace
-from ..stores.base import Store, StoreError
+from ..stores.base import StoreError
 from ..stores.resilient import ResilientStore
-from .agreement import Agreement, AgreementError, SingleRank, page_runs, runs_pages
-from .config import LinkerConfig
-from .tree_writer import TreeWriter
+from .agreement import AgreementError, page_runs, runs_pages
+from .request import LinkerRoom
 
 if TYPE_CHECKING:
+    from .context import LinkerContext
     from .request import Request
 
 _WRITES = "writes"  # a settlement report's entry: which pools the reporting rank writes
@@ -36,33 +33,25 @@ _WRITES = "writes"  # a settlement report's entry: which pools the reporting ran
 _OffloadPlan = tuple[bool, dict[int, int], list[str]]  # (written by this rank, page -> object, keys)
 
 
-class OffloadRoom:
+class OffloadRoom(LinkerRoom):
     """Offload planning, backpressure and settlement for the :class:`~hylinker.linker.facade.Linker`.
 
-    ``counters`` is the linker's counter dict (``offloads``, ``offloads_skipped*``,
-    ``offloads_dropped``, ``offload_failures``, ``offloads_verified_replicas``); ``spawn``
-    starts a task in the linker's task group.
+    It works on the :class:`~hylinker.linker.context.LinkerContext` the linker hands it: the
+    counters it moves are ``offloads``, ``offloads_skipped*``, ``offloads_dropped``,
+    ``offload_failures`` and ``offloads_verified_replicas``; ``spawn`` starts its settlements in
+    the linker's task group.
     """
 
-    def __init__(self, tree: TreeWriter, rules: Mapping[PoolKind, PoolRule], pools: HybridPools,
-                 data: DataPlane, store: Store, config: LinkerConfig, counters: dict[str, int],
-                 spawn: Callable[..., None], agreement: Agreement | None = None) -> None:
-        self.tree = tree
-        self.layout = pools.layout
-        self.rules = rules
-        self.pools = pools
-        self.data = data
-        self.store = store
-        self.config = config
-        self._c = counters
-        self._spawn = spawn
+    def __init__(self, ctx: LinkerContext) -> None:
+        super().__init__(ctx)
+        self.pools = ctx.pools
+        self._spawn = ctx.spawn
         self.in_flight = 0  # offloads submitted and not yet settled
         self.locked_pages = 0  # KV pages of nodes locked by offloads in flight
         self.largest_request_pages = 0  # the most KV pages one request has held (extend)
         self._idle = anyio.Event()
         self._idle.set()
         self._job_ids = itertools.count(1)
-        self.agreement: Agreement = agreement if agreement is not None else SingleRank()
         # several ranks: one settlement round per offload call, in call order (the sequencer)
         self._next_turn = 0
         self._turn = 0

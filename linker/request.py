@@ -15,7 +15,7 @@ from ..components.keys import MultimodalSpan, page_keys
 from ..components.radix import Node
 
 if TYPE_CHECKING:
-    from .facade import Linker
+    from .context import LinkerContext
     from .restore_room import LoadHandle
 
 
@@ -75,20 +75,21 @@ class Request:
 
 class LinkerRoom:
     """A room of the :class:`~hylinker.linker.facade.Linker` (lookup, restore): it works on the
-    linker's own layout, config, tree, per-pool rules, data plane, store and counters."""
+    linker's own layout, config, tree, per-pool rules, data plane, store and counters, all taken
+    from the one :class:`~hylinker.linker.context.LinkerContext` the linker hands it."""
 
-    def __init__(self, linker: Linker) -> None:
-        self.linker = linker
-        self.layout = linker.layout
-        self.config = linker.config
-        self.tree = linker.tree
-        self.rules = linker.rules
-        self.data = linker.data
-        self.store = linker.store
-        self.page = linker.page
-        self.grid_pages = linker.grid_pages
-        self._c = linker._c
-        self.agreement = linker.agreement
+    def __init__(self, ctx: LinkerContext) -> None:
+        self.ctx = ctx
+        self.layout = ctx.layout
+        self.config = ctx.config
+        self.tree = ctx.tree
+        self.rules = ctx.rules
+        self.data = ctx.data
+        self.store = ctx.store
+        self.page = ctx.page
+        self.grid_pages = ctx.grid_pages
+        self._c = ctx.counters
+        self.agreement = ctx.agreement
 
 
 __all__ = ["LinkerRoom", "LookupResult", "PhaseError", "Request"]

@@ -6,8 +6,6 @@ claims that keep a commit and an abort (a release, ``close``) from both settling
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import anyio
 import torch
 
@@ -21,9 +19,6 @@ from ..stores.framing import FrameFault
 from .agreement import Boundaries
 from .request import LinkerRoom, PhaseError, Request
 
-if TYPE_CHECKING:
-    from .facade import Linker
-
 _FRAME_FAULTS = frozenset(f.value for f in FrameFault)
 
 
@@ -31,9 +26,9 @@ class LoadHandle:
     """A queued restore: await all of it, or each model layer. The reads, their verification
     and layer readiness are the data plane's (:class:`~hylinker.dataplane.plane.LoadTicket`)."""
 
-    def __init__(self, linker: Linker, req: Request, pages: int, rows: torch.Tensor,
+    def __init__(self, page: int, req: Request, pages: int, rows: torch.Tensor,
                  slot: int | None) -> None:
-        self.linker = linker
+        self.page = page  # tokens per tree page
         self.request = req
         self.pages = pages
         self.rows = rows
@@ -73,7 +68,7 @@ class LoadHandle:
 
     @property
     def tokens(self) -> int:
-        return self.pages * self.linker.page
+        return self.pages * self.page
 
 
 
@@ -88,7 +83,7 @@ class RestoreRoom(LinkerRoom):
         Returns ``None`` — a plain miss, the request recomputes — when the store has
         nothing for this request or allocation fails.
         """
-        self.linker._check_open(req)
+        self.ctx.check_open(req)
         if not req.looked_up:
             raise PhaseError("load before lookup")
         if req.load is not None:
@@ -117,7 +112,7 @@ class RestoreRoom(LinkerRoom):
             self._c["load_misses"] += 1
             trace("load.miss", request_id=req.id, reason="allocation", pages=n)
             return None
-        handle = LoadHandle(self.linker, req, n, rows, slot)
+        handle = LoadHandle(self.page, req, n, rows, slot)
         if slot is not None:
             # fallback states at shallower boundaries the probe found: if an object above one
             # of them fails, the load still restores the prefix up to it
@@ -183,13 +178,13 @@ class RestoreRoom(LinkerRoom):
             shorter = self.tree.match(keys)
             if shorter.pages != agreed:
                 raise AssertionError(f"device tree restores {shorter.pages} pages, agreed {agreed}")
-            self.linker._move_lock(req, shorter.node)
+            self.ctx.move_lock(req, shorter.node)
         return None
 
     async def commit(self, load: LoadHandle) -> int:
         """Insert the restored prefix; returns tokens restored (0: dropped, recompute)."""
         req = load.request
-        self.linker._check_open(req)
+        self.ctx.check_open(req)
         if load.claimed_by is not None:
             raise PhaseError(f"this load was already {load.claimed_by}ed")
         if req.rows.numel() != req.prefix_tokens:
@@ -276,7 +271,7 @@ class RestoreRoom(LinkerRoom):
         load.finished = True
         load.settled.set()
         req.load = None
-        self.linker._move_lock(req, ins.node)
+        self.ctx.move_lock(req, ins.node)
         self._c["commits"] += 1
         self._c["store_hit_tokens"] += load.pages * self.page
         trace("commit", request_id=req.id, pages=load.pages, node=ins.node.id,
@@ -334,9 +329,9 @@ class RestoreRoom(LinkerRoom):
         bad = [name for kind, keys in load.keys.items()
                for key, ok in zip(keys, out.objects.get(kind, [])) if not ok
                for name in self.data.store_keys(kind, key)]
-        if bad and self.linker._tg is not None:
+        if bad and self.ctx.running():
             self._c["bad_objects_removed"] += len(bad)
-            self.linker._tg.start_soon(self._remove_quietly, bad)
+            self.ctx.spawn(self._remove_quietly, bad)
 
     async def _remove_quietly(self, keys: list[str]) -> None:
         try:

@@ -101,3 +101,83 @@ def test_the_checker_sees_a_crossing(tmp_path: Path) -> None:
     fake.write_text(text)
     assert imported_packages(fake, Path("stores/probe.py")) == {"linker": 2, "integrations": 6}
     assert imported_packages(fake, Path("stores/sub/probe.py")) == {"stores": 2, "integrations": 6}  # ..linker is stores.linker
+
+
+#: packages whose modules import each other without a cycle (type-only imports aside; module-level
+#: and function-level imports both count): a cycle is two modules that cannot be read apart
+CYCLE_FREE = ("components", "stores", "dataplane", "linker", "integrations", "testing", "tools")
+
+
+def _module_name(rel: Path) -> str:
+    parts = list(rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, rel: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` (dotted, below ``hylinker``) that ``path`` imports at run time."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_only(tree)
+    here = list(rel.parent.parts)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                mod = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "hylinker":
+                mod = node.module.split(".")[1:]
+            else:
+                continue
+            found.update(c for c in [".".join(mod), *(".".join([*mod, a.name]) for a in node.names)]
+                         if c in known)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".", 1)[1] for a in node.names
+                         if a.name.startswith("hylinker.") and a.name.split(".", 1)[1] in known)
+    found.discard(_module_name(rel))
+    return found
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (module -> the modules it imports) as a path, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return [*path[path.index(n):], n]
+            if n not in state and (found := visit(n)) is not None:
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycles() -> None:
+    files = {_module_name(p.relative_to(ROOT)): p for pkg in CYCLE_FREE for p in (ROOT / pkg).rglob("*.py")}
+    known = set(files)
+    graph = {m: imported_modules(p, p.relative_to(ROOT), known) for m, p in files.items()}
+    cycle = import_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_checker_sees_a_planted_cycle(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from .b import x\n")
+    (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
+                                   "def f():\n    from hylinker.tools import a\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n")
+    known = {"tools.a", "tools.b", "tools.c"}
+    graph = {f"tools.{n}": imported_modules(tmp_path / f"{n}.py", Path(f"tools/{n}.py"), known) for n in "abc"}
+    assert graph == {"tools.a": {"tools.b"}, "tools.b": {"tools.a"}, "tools.c": set()}
+    assert import_cycle(graph) == ["tools.a", "tools.b", "tools.a"]
+    del graph["tools.b"]
+    assert import_cycle(graph) is None

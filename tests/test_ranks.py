@@ -308,7 +308,7 @@ def test_a_round_whose_peer_never_comes_fails_within_the_round_timeout() -> None
 # ---- independent faults per rank, through stress --ranks --------------------------------------
 
 def _stress_args(ranks: int, requests: int, address: str) -> argparse.Namespace:
-    from hylinker.tools.stress import configure
+    from hylinker.tools.stress_cli import configure
 
     parser = argparse.ArgumentParser()
     configure(parser)

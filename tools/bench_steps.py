@@ -24,6 +24,7 @@ import xxhash
 from ..stores import framing
 from ..stores.base import check_buffers
 from ..stores.embedded import EmbeddedStore
+from .bench_runtime import runtime_transfer
 from .bench_store import FAULTED_IN, fault_in
 
 
@@ -49,8 +50,6 @@ def object_steps(object_bytes: int, n: int = 256, reps: int = 15, runtime_bytes:
     """µs per object of each step for ``n`` framed objects of ``object_bytes`` (header included);
     the whole runtime moves ``runtime_bytes`` (at least ``n`` objects) as ``hylinker bench``'s
     data path does, so its fixed costs per call spread as they do there."""
-    from .bench import runtime_transfer
-
     if object_bytes <= framing.HEADER_BYTES or n < 1 or reps < 1:
         raise ValueError("object_bytes must exceed the header; n and reps must be >= 1")
     stride = -(-object_bytes // 64) * 64

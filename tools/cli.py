@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 # subcommand -> module under hylinker.tools
 COMMANDS: dict[str, str] = {
-    "stress": "stress",
+    "stress": "stress_cli",
     "demo": "demo",
     "bench": "bench",
     "study": "studies",

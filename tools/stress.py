@@ -12,11 +12,9 @@ hit rate it explains.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,7 +22,7 @@ import attrs
 import numpy as np
 
 from ..components.admission import CHECKPOINT_POLICIES, checkpoint_policy
-from ..components.eviction import EVICTION_POLICIES, eviction_policy
+from ..components.eviction import eviction_policy
 from ..components.keys import page_keys
 from ..components.layout import PoolKind
 from ..components.pools import HybridPools, PoolError
@@ -36,7 +34,7 @@ from ..stores.base import Store
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
 from ..testing.content import PRESETS, Content, preset_layout
 from .replay import Demand, QueueFullError, WaitingQueue, pages_for
-from .report import format_stress_summary, percentiles, progress_bar
+from .report import percentiles, progress_bar
 from .workloads import (
     MOONCAKE_BLOCK_TOKENS,
     bound_hit_rate,
@@ -45,8 +43,6 @@ from .workloads import (
     synthetic_agentic,
 )
 from .workloads import Request as WorkloadRequest
-
-HELP = "replay a trace (or a synthetic agentic workload) through the runtime; verify every restore"
 
 MIB = 1 << 20
 POLICIES = CHECKPOINT_POLICIES
@@ -427,70 +423,6 @@ class StressRun:
 
 # ---- CLI ----------------------------------------------------------------------------------
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    w = parser.add_argument_group("workload")
-    w.add_argument("--trace", type=Path, default=None,
-                   help="Mooncake-format JSONL trace (default: the built-in synthetic agentic workload)")
-    w.add_argument("--requests", type=int, default=None, help="take the first N requests")
-    w.add_argument("--time-scale", type=float, default=0.0,
-                   help="replay arrival times multiplied by this (0: as fast as the queue admits)")
-    w.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
-                   help="start a request that continues an earlier one (the next turn of a "
-                        "conversation) only after that one completed")
-    w.add_argument("--synthetic-scale", type=float, default=0.25,
-                   help="size multiplier of the synthetic workload's prompts")
-    w.add_argument("--seed", type=int, default=0)
-    g = parser.add_argument_group("geometry")
-    g.add_argument("--preset", choices=PRESETS, default="kimi")
-    g.add_argument("--page-size", type=int, default=64)
-    g.add_argument("--chunk-size", type=int, default=64)
-    g.add_argument("--kv-pages", type=int, default=None,
-                   help="device KV pool, in pages (default: derived from the workload)")
-    g.add_argument("--mamba-slots", type=int, default=None,
-                   help="device state pool, in slots (default: derived from the concurrency)")
-    g.add_argument("--concurrency", type=int, default=8, help="requests running at once")
-    g.add_argument("--max-waiting", type=int, default=1 << 16,
-                   help="bound of the waiting queue; an arrival beyond it is rejected (counted)")
-    g.add_argument("--policy", choices=POLICIES, default="marconi",
-                   help="checkpoint admission: end of prefill / + branch points and last block / "
-                        "+ budgeted speculative states / every grid boundary")
-    g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
-                   help="device-cache eviction: least recently used / recency + compute saved per byte")
-    s = parser.add_argument_group("store")
-    s.add_argument("--store", choices=("embedded", "mooncake"), default="embedded")
-    s.add_argument("--store-capacity-mb", type=int, default=2048)
-    s.add_argument("--mooncake-master", default=None,
-                   help="HOST:PORT of a running mooncake_master (default: start one on loopback)")
-    s.add_argument("--fault-rate", type=float, default=0.0,
-                   help="inject store faults (failures, torn/corrupt objects, vanishing keys) at this rate")
-    s.add_argument("--faults", default=None, metavar="SPEC",
-                   help="a full fault plan, e.g. 'fail=0.02,corrupt=0.01,vanish=0.05,latency_ms=1' "
-                        "(fields of hylinker.stores.faulty.FaultPlan; overrides --fault-rate)")
-    s.add_argument("--touch", action=argparse.BooleanOptionalAction, default=True,
-                   help="tell the store about device hits (TOUCH)")
-    s.add_argument("--no-mamba-backpressure", action="store_true",
-                   help="disable the 3/4-of-the-state-pool offload skip rule")
-    s.add_argument("--kv-backpressure-share", type=float, default=LinkerConfig().kv_backpressure_share,
-                   help="skip offloads while queued offloads lock this share of the KV pool")
-    s.add_argument("--no-retries", action="store_true",
-                   help="talk to the store directly: no retries, timeouts or circuit breaker")
-    from .chaos import add_chaos_arguments
-
-    add_chaos_arguments(parser)
-    from .stress_ranks import configure as add_rank_arguments
-
-    add_rank_arguments(parser)
-    c = parser.add_argument_group("restore cost")
-    c.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
-                   help="model the forward: it sleeps (tokens computed / this rate); reports time to first token")
-    c.add_argument("--decline-slow-restores", action="store_true",
-                   help="decline store hits whose load is slower than recomputing them (at that rate)")
-    o = parser.add_argument_group("output")
-    o.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
-    o.add_argument("--plot", type=Path, default=None, help="write a PNG: hit rate over time, latency CDFs")
-    o.add_argument("--no-progress", action="store_true")
-
-
 def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     if args.trace is not None:
         if not args.trace.exists():
@@ -555,49 +487,3 @@ async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) 
             await inner.close()
         if master is not None:
             master.stop()
-
-
-def run_ranked(args: argparse.Namespace, requests: list[WorkloadRequest]) -> int:
-    """``stress --ranks N``: N rank processes; exit 1 on any disagreement, mismatch or leak."""
-    from .stress_ranks import format_ranks_table, run_ranks
-
-    s = run_ranks(args, requests)
-    print(format_stress_summary(s))
-    print(format_ranks_table(s))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(s, indent=2))
-        print(f"wrote {args.json}")
-    bad = s["rank_disagreements"] or s["restore_mismatches"] or s["leaked_rows"] or s["leaked_slots"] \
-        or s["locked_nodes_at_end"] or s["idle_check_failed"] or s["non_writer_replicated_bytes"]
-    return 1 if bad else 0
-
-
-def run(args: argparse.Namespace) -> int:
-    requests = load_workload(args)
-    if not requests:
-        print("stress: the workload is empty", file=sys.stderr)
-        return 2
-    if args.chaos:
-        from .chaos import run_chaos
-
-        return run_chaos(args, stress_config(args), requests)
-    if args.ranks > 1:
-        return run_ranked(args, requests)
-    result = anyio.run(run_stress, args, requests)
-    s = result.summary
-    print(format_stress_summary(s))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(s, indent=2))
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        from .report import plot_stress
-
-        plot_stress(str(args.plot), result.hit_rate_over_time, result.latency_s,
-                    title=f"hylinker stress: {s['requests']} requests, {s['preset']}",
-                    bound_hit_rate=s["bound_hit_rate"])
-        print(f"wrote {args.plot}")
-    bad = s["restore_mismatches"] or s["leaked_rows"] or s["leaked_slots"] or s["locked_nodes_at_end"] \
-        or s["idle_check_failed"]
-    return 1 if bad else 0

@@ -19,6 +19,7 @@ import attrs
 from ..linker.agreement import Agreement
 from ..stores.base import Store
 from .report import percentiles
+from .stress import StressRun, stress_config
 from .workloads import Request as WorkloadRequest
 
 MIB = 1 << 20
@@ -50,8 +51,6 @@ def _us(values: list[float]) -> dict[str, float]:
 async def stress_rank(rank: int, size: int, agreement: Agreement, args: argparse.Namespace,
                       address: str, requests: list[WorkloadRequest]) -> dict[str, Any]:
     """One rank of ``stress --ranks``: its replay's summary, its decisions and its rounds."""
-    from .stress import StressRun, stress_config
-
     store, inner = await open_rank_store(args, address, rank)
     cfg = attrs.evolve(stress_config(args), replicated=tuple(args.replicated))
     try:

@@ -24,7 +24,7 @@ import anyio
 from ..components.eviction import EVICTION_POLICIES
 from .report import format_table, stress_row
 from .stress import POLICIES, load_workload, run_stress
-from .stress import configure as configure_stress
+from .stress_cli import configure as configure_stress
 from .traces import mooncake_trace
 
 HELP = "studies on the stress tool: store-capacity sweep (touch on/off), checkpoint admission, eviction"
