@@ -41,14 +41,22 @@ class LinkerContext:
     store: Store  # what every store call goes through (the resilient wrapper when configured)
     agreement: Agreement
     counters: dict[str, int]  # LinkerStatistics' counted fields, shared by the rooms
-    page: int  # tokens per tree page
-    grid_pages: int  # tree pages per checkpoint grid step
     check_open: Callable[[Request], None]  # raises PhaseError unless the request is open
     move_lock: Callable[[Request, Node], None]  # the request now stands on that node
     ceiling_tokens: Callable[[Request], int]  # the most tokens a restore may cover
     prefill_tokens_per_s: Callable[[], float | None]  # the engine's prefill rate (given or observed)
     running: Callable[[], bool]  # the linker's task group is open
     spawn: Callable[..., Any]  # start fn(*args) in the linker's task group (only while running)
+
+    @property
+    def page(self) -> int:
+        """Tokens per tree page (page size x DCP size)."""
+        return self.layout.tree_page
+
+    @property
+    def grid_pages(self) -> int:
+        """Tree pages per checkpoint grid step."""
+        return self.layout.grid // self.layout.tree_page
 
 
 __all__ = ["LinkerContext"]

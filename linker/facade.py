@@ -146,7 +146,7 @@ class Linker:
         self.context = LinkerContext(
             layout=layout, config=self.config, tree=self.tree, rules=self.rules, pools=pools,
             data=self.data, store=self.store, agreement=self.agreement, counters=self._c,
-            page=self.page, grid_pages=self.grid_pages, check_open=self._check_open,
+            check_open=self._check_open,
             move_lock=self._move_lock, ceiling_tokens=self.ceiling_tokens,
             prefill_tokens_per_s=self.prefill_tokens_per_s, running=self._running, spawn=self._spawn)
         self.lookups = LookupRoom(self.context, self.toucher)  # LOOKUP + TOUCH (linker/lookup_room.py)

@@ -7,6 +7,7 @@ module outside an ``if TYPE_CHECKING:`` block is checked against :data:`MAY_IMPO
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,30 +49,38 @@ def _type_only(tree: ast.Module) -> set[int]:
     return ids
 
 
-def imported_packages(path: Path, rel: Path | None = None) -> dict[str, int]:
-    """The hylinker packages ``path`` imports at run time -> the first line that does; ``rel``:
-    where the module lives in the package (default: where ``path`` is)."""
+def _runtime_imports(path: Path, rel: Path) -> Iterator[tuple[int, list[list[str]]]]:
+    """Each hylinker import of ``path`` outside ``if TYPE_CHECKING:`` (module or function level):
+    its line and the module paths below ``hylinker`` it may name (``from m import a`` names ``m``
+    and ``m.a``); ``rel``: where the module lives in the package."""
     tree = ast.parse(path.read_text(), str(path))
     skip = _type_only(tree)
-    here = list((rel or path.relative_to(ROOT)).parent.parts)
-    found: dict[str, int] = {}
+    here = list(rel.parent.parts)
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
-        targets: list[list[str]] = []
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
                 mod = base + (node.module.split(".") if node.module else [])
-                targets = [[*mod, a.name] for a in node.names] if not mod else [mod]
             elif node.module and node.module.split(".")[0] == "hylinker":
                 mod = node.module.split(".")[1:]
-                targets = [[*mod, a.name] for a in node.names] if not mod else [mod]
+            else:
+                continue
+            yield node.lineno, [m for m in [mod, *([*mod, a.name] for a in node.names)] if m]
         elif isinstance(node, ast.Import):
-            targets = [a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == "hylinker"]
+            yield node.lineno, [a.name.split(".")[1:] for a in node.names
+                                if a.name.split(".")[0] == "hylinker" and "." in a.name]
+
+
+def imported_packages(path: Path, rel: Path | None = None) -> dict[str, int]:
+    """The hylinker packages ``path`` imports at run time -> the first line that does; ``rel``:
+    where the module lives in the package (default: where ``path`` is)."""
+    found: dict[str, int] = {}
+    for line, targets in _runtime_imports(path, rel or path.relative_to(ROOT)):
         for t in targets:
-            if t and t[0] in PACKAGES:
-                found.setdefault(t[0], getattr(node, "lineno", 0))
+            if t[0] in PACKAGES:
+                found.setdefault(t[0], line)
     return found
 
 
@@ -115,26 +124,7 @@ def _module_name(rel: Path) -> str:
 
 def imported_modules(path: Path, rel: Path, known: set[str]) -> set[str]:
     """The modules of ``known`` (dotted, below ``hylinker``) that ``path`` imports at run time."""
-    tree = ast.parse(path.read_text(), str(path))
-    skip = _type_only(tree)
-    here = list(rel.parent.parts)
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
-                mod = base + (node.module.split(".") if node.module else [])
-            elif node.module and node.module.split(".")[0] == "hylinker":
-                mod = node.module.split(".")[1:]
-            else:
-                continue
-            found.update(c for c in [".".join(mod), *(".".join([*mod, a.name]) for a in node.names)]
-                         if c in known)
-        elif isinstance(node, ast.Import):
-            found.update(a.name.split(".", 1)[1] for a in node.names
-                         if a.name.startswith("hylinker.") and a.name.split(".", 1)[1] in known)
+    found = {".".join(t) for _, targets in _runtime_imports(path, rel) for t in targets} & known
     found.discard(_module_name(rel))
     return found
 
