@@ -167,6 +167,7 @@ class Engine:
         self.store.read_keys.clear()
         self.store.stored_keys.clear()
         t_start = time.monotonic()
+        failed_before = self.store_failures(lk)
         lookup_s = load_s = None
         restored = 0
         wrong = 0
@@ -206,9 +207,18 @@ class Engine:
             lk.flush_device()  # the next hit comes from the store
         # the probe is one more master call: not while this host's calls are failing
         paths = await self.paths() if self.args.probe_paths and drained else {}
+        unanswered = self.store_failures(lk) - failed_before
         emit("req", n=n, start=t_start, doc=d, prompt=len(tokens), store_hit=hit.store_tokens,
              restored=restored, recomputed=bool(hit.store_tokens and not restored), wrong=wrong,
-             lookup_s=lookup_s, load_s=load_s, drain_s=drain_s, drained=drained, **paths)
+             lookup_s=lookup_s, unanswered=unanswered, load_s=load_s, drain_s=drain_s,
+             drained=drained, **paths)
+
+    @staticmethod
+    def store_failures(lk: Linker) -> int:
+        """Store calls and keys so far that got no answer: calls cut at their timeout, failed
+        unavailable or refused by the open breaker, keys still failing after every attempt."""
+        r = lk.resilience_statistics()
+        return 0 if r is None else r.timeouts + r.unavailable + r.rejected_calls + r.exhausted_keys
 
     def depths(self, cached: int, prompt: int) -> list[int]:
         """Where this prefill donates states: the document's end (unless cached) and the

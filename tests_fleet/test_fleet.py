@@ -60,9 +60,12 @@ def test_lost_objects_are_misses_then_recomputed(fleet_result: dict[str, Any]) -
 
 
 def test_partitioned_host_misses_within_its_deadline(fleet_result: dict[str, Any]) -> None:
+    """Requests missed while the store did not answer (calls cut at their timeout or refused by
+    the breaker that earlier failures opened, keys failing every attempt): the partition was
+    real and was seen as one. How long the calls took is bounded in the test above."""
     r = row(fleet_result, "partition")
-    assert r["misses_after"] > 0, r  # the cut-off host's lookups missed: the partition was real
-    assert r["lookup"]["max_ms"] >= 0.5 * CONFIG.deadline_s * 1e3, r  # ... and waited, bounded
+    assert r["misses_after"] > 0, r
+    assert r["unanswered"] > 0, r
 
 
 def test_every_engine_ends_clean_and_closes(fleet_result: dict[str, Any]) -> None:

@@ -15,10 +15,12 @@ turn, each fault of ``--faults``:
 Each host fault hits the host whose segment the others were reading from (:func:`holder`), so
 its objects are ones in use.
 
-For each fault: wrong restores (must be 0), requests that recomputed, lookup and load p99 and
-max during the fault (bounded by the engines' store timeouts), and the seconds after the fault
-ends until the fleet's store hit rate is back within 5 % of its pre-fault value. At the end
-every engine is stopped gracefully and reports leaked rows, slots and locked nodes (must be 0).
+For each fault: wrong restores (must be 0), requests that recomputed, store calls and keys
+that got no answer (cut at a timeout, refused by the open breaker, failing every attempt),
+lookup and load p99 and max during the fault (bounded by the engines' store timeouts), and the
+seconds after the fault ends until the fleet's store hit rate is back within 5 % of its
+pre-fault value. At the end every engine is stopped gracefully and reports leaked rows, slots
+and locked nodes (must be 0).
 Needs root and ``ip`` (network namespaces).
 """
 
@@ -92,6 +94,7 @@ def phase_figures(reqs: Sequence[dict[str, Any]], p: PhaseTimes, warm_s: float) 
         "restores_verified": sum(1 for r in phase if r["restored"]),
         "recomputed": sum(1 for r in phase if r["recomputed"] and r["t"] >= p.began),
         "misses_after": sum(1 for r in phase if r["t"] >= p.began and not r["store_hit"]),
+        "unanswered": sum(r.get("unanswered", 0) for r in during),
         "lookup": lat("lookup_s"), "load": lat("load_s"),
         "request_max_ms": round(max(((r["t"] - r["start"]) * 1e3 for r in during), default=0.0), 1),
         "pre_hit_rate": round(pre, 4),
@@ -178,7 +181,7 @@ def run_faults(fleet: Fleet, faults: Sequence[str], *, warm_s: float, fault_s: f
 
 def format_faults(result: dict[str, Any]) -> str:
     rows = [{"fault": r["fault"], "victim": r["victim"], "wrong": r["wrong_restores"], "verified": r["restores_verified"],
-             "recomputed": r["recomputed"], "misses": r["misses_after"],
+             "recomputed": r["recomputed"], "misses": r["misses_after"], "unanswered": r["unanswered"],
              "lookup p99/max ms": f"{r['lookup']['p99_ms']}/{r['lookup']['max_ms']}",
              "load p99/max ms": f"{r['load']['p99_ms']}/{r['load']['max_ms']}",
              "pre hit": r["pre_hit_rate"], "recovery s": r["recovery_s"],
