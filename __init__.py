@@ -34,7 +34,7 @@ from .dataplane.plane import (
     DataPlaneConfig,
     Transfer,
 )
-from .dataplane.statistics import PoolActorStatistics, QueueStatistics
+from .dataplane.statistics import DataPlaneStatistics, PoolActorStatistics, QueueStatistics
 from .dataplane.sync_plane import SyncDataPlane, SyncLoad
 from .dataplane.tickets import LoadTicket, OffloadTicket, TransferOutcome
 from .dataplane.tracing import disable_trace_logging, enable_trace_logging
@@ -131,6 +131,7 @@ __all__ += [
     "DataPlane",
     "DataPlaneClosedError",
     "DataPlaneConfig",
+    "DataPlaneStatistics",
     "LoadTicket",
     "OffloadTicket",
     "PoolSet",

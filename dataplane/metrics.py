@@ -29,7 +29,7 @@ from typing import Any, Literal
 import attrs
 
 from ..stores.resilient import ResilienceStatistics
-from .statistics import PoolActorStatistics
+from .statistics import DataPlaneStatistics, PoolActorStatistics
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ LIBRARY = Naming("hylinker_")
 
 
 # ---- figures: statistics -> metric keys ---------------------------------------------------
-def plane_figures(pools: Mapping[str, PoolActorStatistics], counts: Mapping[str, int] | None = None) -> Figures:
+def plane_figures(pools: Mapping[str, PoolActorStatistics], counts: DataPlaneStatistics | None = None) -> Figures:
     """The data plane's per-pool figures (and, with its ``counts``, loads and offloads by outcome)."""
     out: Figures = {}
     for pool, s in pools.items():
@@ -122,10 +122,9 @@ def plane_figures(pools: Mapping[str, PoolActorStatistics], counts: Mapping[str,
         out["queue_depth", pool, "load"] = s.load_queue.depth
         out["queue_depth", pool, "offload"] = s.offload_queue.depth
     if counts is not None:
-        for kind in ("loads", "offloads"):
-            for outcome in ("ok", "failed", "cancelled"):
-                if f"{kind}_{outcome}" in counts:
-                    out[kind, outcome] = counts[f"{kind}_{outcome}"]
+        out["loads", "ok"], out["loads", "failed"] = counts.loads_ok, counts.loads_failed
+        out["loads", "cancelled"] = counts.loads_cancelled
+        out["offloads", "ok"], out["offloads", "failed"] = counts.offloads_ok, counts.offloads_failed
     return out
 
 

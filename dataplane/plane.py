@@ -86,7 +86,7 @@ from .metrics import LIBRARY, PLANE_KEYS, Exporter, Figures, Naming, plane_figur
 from .pool_actor import PoolActor
 from .pool_staging import LatencyMonitor
 from .restore_cost import LoadBandwidth
-from .statistics import PoolActorStatistics
+from .statistics import DataPlaneStatistics, PoolActorStatistics
 from .tickets import LoadTicket, OffloadTicket, TransferOutcome, _Ticket
 from .tracing import trace
 from .transfer_codec import PoolCodec
@@ -468,8 +468,8 @@ class DataPlane:
         """Objects of ``pool`` in queued or running offloads (MAMBA: states held for writing)."""
         return self.actors[pool].pending_states if pool is PoolKind.MAMBA else self.actors[pool].offload_q.depth
 
-    def statistics(self) -> dict[str, int]:
-        return dict(self._c)
+    def statistics(self) -> DataPlaneStatistics:
+        return DataPlaneStatistics(**self._c)
 
     def pool_statistics(self) -> dict[str, PoolActorStatistics]:
         return {k.value: a.statistics() for k, a in self.actors.items()}
@@ -477,7 +477,7 @@ class DataPlane:
     def metric_figures(self) -> Figures:
         """The data path's figures for :mod:`.metrics`: per pool, by outcome, the store's."""
         res = self.store.resilience() if isinstance(self.store, ResilientStore) else None
-        return {**plane_figures(self.pool_statistics(), self._c), **store_figures(res)}
+        return {**plane_figures(self.pool_statistics(), self.statistics()), **store_figures(res)}
 
 
 def _job_ended(ticket: _Ticket, pool: PoolKind, group: int, job: TransferJob, _done: object) -> None:

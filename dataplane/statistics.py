@@ -35,3 +35,20 @@ class PoolActorStatistics:
     rereads_failed: int = 0  # ...and failed again: the stored object is bad (counted in verify_failures)
     held_arena_bytes: int = 0  # registered frames for verify-all loads (0 until the first one)
     held_arena_growths: int = 0  # times a larger verify-all load grew it
+
+
+@attrs.frozen
+class DataPlaneStatistics:
+    """A data plane's transfers by outcome and its existence checks (a snapshot); per pool, see
+    ``pool_statistics()``. A load or offload counted in ``loads``/``offloads`` at submission
+    ends in exactly one of ok, failed or cancelled once it has run (until then in none)."""
+
+    loads: int  # loads submitted
+    loads_ok: int
+    loads_failed: int
+    loads_cancelled: int  # cancelled before or while they ran
+    offloads: int  # offloads submitted
+    offloads_ok: int
+    offloads_failed: int
+    exists_calls: int
+    exists_errors: int  # existence checks the store could not answer (a lookup that misses)

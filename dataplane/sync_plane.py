@@ -42,7 +42,7 @@ from .plane import (
     Transfer,
     TransferOutcome,
 )
-from .statistics import PoolActorStatistics
+from .statistics import DataPlaneStatistics, PoolActorStatistics
 from .transfer_jobs import CANCELLED
 
 T = TypeVar("T")
@@ -347,8 +347,8 @@ class SyncDataPlane:
         self.plane._tg.start_soon(run)
         return future
 
-    def statistics(self) -> dict[str, int]:
-        return dict(self._portal.call(self.plane.statistics))
+    def statistics(self) -> DataPlaneStatistics:
+        return self._portal.call(self.plane.statistics)
 
     def pool_statistics(self) -> dict[str, PoolActorStatistics]:
         return dict(self._portal.call(self.plane.pool_statistics))

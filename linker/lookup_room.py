@@ -138,10 +138,10 @@ class LookupRoom(LinkerRoom):
             names[kind] = object_keys([keys[i] for i in pos], kind, self.layout)
         if not any(names.values()):
             return []
-        errors = self.data.statistics()["exists_errors"]
+        errors = self.data.statistics().exists_errors
         # a store error, or an answer of the wrong length, is a miss for every key (fail closed)
         present = await self.data.exists(names)
-        if self.data.statistics()["exists_errors"] > errors:
+        if self.data.statistics().exists_errors > errors:
             trace("lookup.store_error", request_id=req.id)
             return []
         bits: dict[PoolKind, list[bool]] = {}

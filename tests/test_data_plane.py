@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 import torch
 
@@ -199,7 +200,7 @@ async def test_cancel_before_start_never_touches_rows(store: EmbeddedStore) -> N
             out = await second.wait()
             assert out.cancelled and not out.ok and out.faults == {"cancelled": 2}
             assert [await second.wait_layer(layer) for layer in second.layer_ids] == [False] * 4
-        assert dp.statistics()["loads_cancelled"] == 1
+        assert dp.statistics().loads_cancelled == 1
     after = b.snapshot()
     for t_old, t_new in zip(before, after):
         if t_new.shape[0] == ROWS:
@@ -306,6 +307,21 @@ def test_the_sync_facade_starts_held_loads_behind_a_fence() -> None:
     assert all(torch.equal(x, y) for x, y in zip(kv_rows(b, 1), source))
 
 
+def test_sync_plane_statistics_are_a_frozen_snapshot_counting_each_outcome_once() -> None:
+    a = EnginePools(1)
+    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20), namespace="t") as dp:
+        before = dp.statistics()
+        assert dp.offload([Transfer(PoolKind.FULL, ["s1"], pages(0))]).result(10).ok
+        assert dp.load([Transfer(PoolKind.FULL, ["s1"], pages(1))]).result.result(10).ok
+        assert not dp.load([Transfer(PoolKind.FULL, ["absent"], pages(1))]).result.result(10).ok
+        after = dp.statistics()
+        assert before.loads == before.offloads == 0  # the earlier snapshot did not move
+        assert (after.offloads, after.offloads_ok, after.offloads_failed) == (1, 1, 0)
+        assert (after.loads, after.loads_ok, after.loads_failed, after.loads_cancelled) == (2, 1, 1, 0)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            after.loads = 0  # type: ignore[misc]
+
+
 async def test_a_failing_fence_fails_the_offload_not_the_plane(store: EmbeddedStore) -> None:
     a = EnginePools(1)
     async with plane(a, store) as dp:
@@ -313,7 +329,7 @@ async def test_a_failing_fence_fails_the_offload_not_the_plane(store: EmbeddedSt
         out = await bad.wait()
         assert not out.ok and out.faults == {"fence": 1}
         assert (await (await dp.offload([Transfer(PoolKind.FULL, ["h"], pages(0))])).wait()).ok
-        assert dp.statistics()["offloads_failed"] == 1
+        assert dp.statistics().offloads_failed == 1
 
 
 @pytest.mark.parametrize("case", ["count", "two_for_one_pool", "repeated_rows", "out_of_range",
@@ -336,7 +352,7 @@ async def test_bad_submissions_raise_before_anything_moves(store: EmbeddedStore,
         for submit in (dp.load, dp.offload):
             with pytest.raises((PoolViewError, TypeError)):
                 await submit(bad)
-        assert dp.statistics()["loads"] == dp.statistics()["offloads"] == 0
+        assert dp.statistics().loads == dp.statistics().offloads == 0
     assert store.statistics().puts == 0
 
 
@@ -398,7 +414,7 @@ async def test_a_store_that_answers_the_wrong_count_fails_the_transfer(store: Em
     b = EnginePools(2)
     async with plane(b, ShortStore(store)) as dp:
         assert await dp.exists({PoolKind.FULL: keys("wk", 2)}) == {PoolKind.FULL: [False, False]}
-        assert dp.statistics()["exists_errors"] == 1
+        assert dp.statistics().exists_errors == 1
         with anyio.fail_after(5):
             out = await (await dp.load(transfers("w", pages(2, 3), 1))).wait()
         assert not out.ok and out.faults.get("failed") == 5
@@ -612,7 +628,7 @@ def test_sync_facade_held_loads_start_in_order_or_cancel_untouched() -> None:
         assert kept.result.result(timeout=10).ok
         assert all(kept.layer(layer).result(timeout=1) for layer in FULL_IDS)
         assert all(torch.equal(x, y) for x, y in zip(a.rows(pages(4)), before))  # never written
-        assert dp.statistics()["loads_cancelled"] == 1
+        assert dp.statistics().loads_cancelled == 1
 
 
 class PartsCountingStore(EmbeddedStore):

@@ -65,7 +65,7 @@ async def test_a_restore_moves_the_counters_by_exactly_what_it_did() -> None:
     async with running(registry) as (linker, content):
         assert linker.metrics is not None and linker.data.metrics is not None
         assert await serve(linker, content, p, "cold") == 0  # a miss; its pages offloaded
-        offloads = linker.data.statistics()["offloads_ok"]
+        offloads = linker.data.statistics().offloads_ok
         assert offloads >= 1
         assert value(registry, "lookups_total", outcome="miss") == 1
         assert value(registry, "offloads_total", outcome="ok") == offloads

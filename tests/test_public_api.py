@@ -19,7 +19,8 @@ EXPECTED = {
 }
 # the data plane over an engine's own pools
 EXPECTED |= {
-    "DataPlane", "DataPlaneClosedError", "DataPlaneConfig", "LoadTicket", "OffloadTicket",
+    "DataPlane", "DataPlaneClosedError", "DataPlaneConfig", "DataPlaneStatistics", "LoadTicket",
+    "OffloadTicket",
     "PoolSet", "PoolView", "PoolViewError", "SyncDataPlane", "SyncLoad", "Transfer",
     "TransferOutcome", "kv_view", "stacked_kv_view", "state_view",
 }
