@@ -134,7 +134,7 @@ class Linker:
         self._c: dict[str, int] = {k: 0 for k in (
             "requests", "lookups", "lookup_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
             "loads", "load_misses", "commits", "dropped_loads", "aborts", "inserts", "offloads",
-            "offloads_skipped", "offloads_dropped", "offload_failures", "touches", "touch_keys",
+            "offloads_skipped_mamba", "offloads_dropped", "offload_failures", "touches", "touch_keys",
             "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
             "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost",
             "offloads_skipped_breaker", "rank_shortened_lookups", "rank_shortened_loads",

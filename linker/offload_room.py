@@ -37,7 +37,7 @@ class OffloadRoom(LinkerRoom):
     """Offload planning, backpressure and settlement for the :class:`~hylinker.linker.facade.Linker`.
 
     It works on the :class:`~hylinker.linker.context.LinkerContext` the linker hands it: the
-    counters it moves are ``offloads``, ``offloads_skipped*``, ``offloads_dropped``,
+    counters it moves are ``offloads``, ``offloads_skipped_*``, ``offloads_dropped``,
     ``offload_failures`` and ``offloads_verified_replicas``; ``spawn`` starts its settlements in
     the linker's task group.
     """
@@ -106,7 +106,7 @@ class OffloadRoom(LinkerRoom):
             limit = self.config.mamba_backpressure_share * self.pools.mamba.slots.capacity
             # queued and in-flight states must stay below the limit (3/4 of the pool)
             if self.data.actors[PoolKind.MAMBA].pending_states + len(plan[PoolKind.MAMBA]) >= limit:
-                self._c["offloads_skipped"] += 1
+                self._c["offloads_skipped_mamba"] += 1
                 trace("offload.skipped", request_id=req.id, reason="mamba_backpressure",
                       pending=self.data.actors[PoolKind.MAMBA].pending_states)
                 return

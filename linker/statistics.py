@@ -21,7 +21,7 @@ class LinkerStatistics:
     aborts: int
     inserts: int
     offloads: int
-    offloads_skipped: int  # MAMBA backpressure rule
+    offloads_skipped_mamba: int  # MAMBA backpressure rule
     offloads_dropped: int  # latency watermark
     offload_failures: int
     touches: int
@@ -55,7 +55,7 @@ def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
         ("hit_tokens", "device"): s.device_hit_tokens,
         ("hit_tokens", "store"): s.store_hit_tokens,
         ("declined_hit_tokens",): s.declined_hit_tokens,
-        ("objects_skipped", "mamba_backpressure"): s.offloads_skipped,
+        ("objects_skipped", "mamba_backpressure"): s.offloads_skipped_mamba,
         ("objects_skipped", "kv_backpressure"): s.offloads_skipped_kv,
         ("objects_skipped", "store_latency"): s.offloads_dropped,
         ("objects_skipped", "breaker_open"): s.offloads_skipped_breaker,

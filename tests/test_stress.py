@@ -19,7 +19,7 @@ TRACE = mooncake_trace()
 SUMMARY_KEYS = {
     "requests", "prompt_tokens", "device_hit_tokens", "store_hit_tokens", "hit_rate",
     "bound_hit_rate", "restores_verified", "restore_mismatches", "leaked_rows", "leaked_slots",
-    "locked_nodes_at_end", "offloads_skipped", "offloads_dropped", "bytes_offloaded",
+    "locked_nodes_at_end", "offloads_skipped_mamba", "offloads_dropped", "bytes_offloaded",
     "bytes_loaded", "latency_ms", "loop_lag_ms",
 }
 

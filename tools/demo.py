@@ -369,7 +369,7 @@ async def run_demo(
             f"{p} {1e3 * v:.1f} ms ({100 * v / whole:.0f}%)" for p, v in total.items()))
     out(f"store hits: {stats.store_hit_tokens} tokens; verify failures {stats.verify_failures}; "
         f"offloads dropped (latency watermark) {stats.offloads_dropped}, skipped (backpressure) "
-        f"{stats.offloads_skipped + stats.offloads_skipped_kv + stats.offloads_skipped_breaker}, "
+        f"{stats.offloads_skipped_mamba + stats.offloads_skipped_kv + stats.offloads_skipped_breaker}, "
         f"failed {stats.offload_failures}; store evictions {final_losses['store_evictions']}")
     exact = all(t["max_abs_logprob_diff"] == 0.0 and t["kl"] == 0.0
                 and t["draft_max_abs_logprob_diff"] in (None, 0.0) for t in turns)
@@ -414,7 +414,7 @@ async def run_demo(
 
 
 #: the linker's counters of offloads that did not reach the store
-_LOSSES = ("offloads_dropped", "offloads_skipped", "offloads_skipped_kv", "offloads_skipped_breaker",
+_LOSSES = ("offloads_dropped", "offloads_skipped_mamba", "offloads_skipped_kv", "offloads_skipped_breaker",
            "offload_failures")
 
 

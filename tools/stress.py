@@ -393,7 +393,7 @@ class StressRun:
             "idle_check_failed": leaks.get("idle_check_failed", 0),
             "locked_nodes_at_end": locked,
             "offloads": stats.offloads,
-            "offloads_skipped": stats.offloads_skipped,
+            "offloads_skipped_mamba": stats.offloads_skipped_mamba,
             "offloads_dropped": stats.offloads_dropped,
             "offload_failures": stats.offload_failures,
             "dropped_loads": stats.dropped_loads,
