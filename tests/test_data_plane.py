@@ -25,6 +25,8 @@ from hylinker.dataplane.plane import (
     group_key,
 )
 from hylinker.dataplane.sync_plane import SyncDataPlane
+from hylinker.dataplane.tickets import TransferOutcome
+from hylinker.integrations.sglang.loads import LoadBatch, LoadBatchHooks
 from hylinker.stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import FakeDeviceEvent, GatedStore
@@ -320,6 +322,58 @@ def test_sync_plane_statistics_are_a_frozen_snapshot_counting_each_outcome_once(
         assert (after.loads, after.loads_ok, after.loads_failed, after.loads_cancelled) == (2, 1, 1, 0)
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             after.loads = 0  # type: ignore[misc]
+
+
+class BatchEvents:
+    """What a LoadBatch told its owner, from the plane's thread."""
+
+    def __init__(self, loads: int) -> None:
+        self.completed: list[tuple[int, int]] = []
+        self.landed: list[list[str]] = []
+        self.ended: list[tuple[int, bool, list[str]]] = []
+        self.seconds: list[float] = []
+        self._left = loads
+        self.all_ended = threading.Event()
+
+    def hooks(self) -> LoadBatchHooks:
+        return LoadBatchHooks(complete=lambda i, layer: self.completed.append((i, layer)),
+                              landed=self.landed.append, ended=self.end, observe_seconds=self.seconds.append)
+
+    def end(self, index: int, outcome: TransferOutcome | None, keys: list[str]) -> None:
+        self.ended.append((index, outcome is not None and outcome.ok, keys))
+        self._left -= 1
+        if self._left == 0:
+            self.all_ended.set()
+
+
+@pytest.mark.parametrize("second_present", [True, False])
+def test_sglang_load_batch_completes_a_layer_once_every_load_landed_it(second_present: bool) -> None:
+    """SGLang's layer counter sees a layer complete only when every load of the batch landed it
+    (two requests' loads feed the same KV layers); a batch with one load that misses never
+    completes that load's layers, never reports the batch landed, and ends failed for that load
+    (the plugin then fails the counter index)."""
+    a = EnginePools(1)
+    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20), namespace="t") as dp:
+        assert dp.offload([Transfer(PoolKind.FULL, keys("b", 2), pages(0, 1)),
+                           Transfer(PoolKind.MAMBA, ["bs"], [[0]])]).result(10).ok
+        if second_present:
+            assert dp.offload([Transfer(PoolKind.FULL, keys("c", 1), pages(4))]).result(10).ok
+        first = dp.load([Transfer(PoolKind.FULL, keys("b", 2), pages(2, 3)),
+                         Transfer(PoolKind.MAMBA, ["bs"], [[1]])], start=False)
+        second = dp.load([Transfer(PoolKind.FULL, keys("c", 1), pages(5))], start=False)
+        seen = BatchEvents(2)
+        batch = [(first, [*keys("b", 2), "bs"]), (second, keys("c", 1))]
+        LoadBatch(seen.hooks(), 7, 1 + max(FULL_IDS + MAMBA_IDS), batch)
+        assert seen.completed == [(7, 5)] and not seen.landed  # only the layer no load feeds
+        dp.start(first, second)
+        assert seen.all_ended.wait(10)
+    assert sorted(ok for _, ok, _ in seen.ended) == ([True, True] if second_present else [False, True])
+    done = {layer for _, layer in seen.completed}
+    if second_present:
+        assert done == set(range(7)) and seen.landed == [[*keys("b", 2), "bs", *keys("c", 1)]]
+    else:  # the state layers only the first load fed are complete; the shared KV layers are not
+        assert done == {5, *MAMBA_IDS} and seen.landed == []
+    assert len(seen.seconds) == 2
 
 
 async def test_a_failing_fence_fails_the_offload_not_the_plane(store: EmbeddedStore) -> None:

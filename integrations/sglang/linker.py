@@ -65,7 +65,7 @@ from ...dataplane.tracing import enable_trace_logging, trace
 from ...stores.base import Store, StoreError
 from ...stores.resilient import ResilientStore
 from .config import SGLangLinkerConfig
-from .loads import AllEvents, LoadBatch
+from .loads import AllEvents, LoadBatch, LoadBatchHooks
 from .metrics import create_metrics
 from .pools import (
     DcpShare,
@@ -190,6 +190,8 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
         self._results: collections.deque[concurrent.futures.Future[bool]] = collections.deque()
+        self._load_hooks = LoadBatchHooks(complete=self._complete, landed=self._remember,
+                                          ended=self._load_ended, observe_seconds=self._observe_load)
         self._closed = False
         self._device = views.device
         self._on_device = views.device.type != "cpu"
@@ -374,7 +376,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         index: int = self.layer_done_counter.update_producer()
         self._count("load_batches")
         trace("sglang.load.start", counter_index=index, request_ids=rids)
-        LoadBatch(self, index, loads)
+        LoadBatch(self._load_hooks, index, self.num_layers, loads)
         # on a device: no row is written before the forward stream is past the rows' last use
         fence = record_fence(self._device) if self._on_device else None
         self.data.start(*(load for load, _ in loads), fence=fence)
@@ -400,6 +402,10 @@ class HylinkerLinker(UnifiedCacheLinker):
                 self._restored.move_to_end(k)
             while len(self._restored) > _RESTORED_MEMORY:
                 self._restored.popitem(last=False)
+
+    def _observe_load(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe("load_seconds", seconds)
 
     def _complete(self, index: int, layer: int) -> None:
         # reset may have dropped the index, or the load already failed it

@@ -1,5 +1,6 @@
 """The loads of one ``start_layer_wise_loading`` behind SGLang's layer counter, and the offload
-fence over SGLang's device events; used by :class:`~hylinker.integrations.sglang.HylinkerLinker`.
+fence over SGLang's device events; used by :class:`~hylinker.integrations.sglang.HylinkerLinker`, which it
+reaches only through :class:`LoadBatchHooks`.
 This module imports no SGLang."""
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
 
 from ...dataplane.sync_plane import SyncLoad
 from ...dataplane.tickets import TransferOutcome
-
-if TYPE_CHECKING:
-    from .linker import HylinkerLinker
 
 log = logging.getLogger("hylinker.integrations.sglang")
 
@@ -32,26 +32,39 @@ class AllEvents:
         return all(e.query() for e in self.events)
 
 
+@attrs.frozen
+class LoadBatchHooks:
+    """What a :class:`LoadBatch` tells its owner, each called from a data-plane thread: a layer
+    of the batch's counter index is complete; every load landed whole (their object keys,
+    remembered before the engine can insert them again); the batch ended (its outcome, None when
+    the data plane raised, and the keys in the order of its transfers)."""
+
+    complete: Callable[[int, int], None]  # (index, layer)
+    landed: Callable[[list[str]], None]
+    ended: Callable[[int, TransferOutcome | None, list[str]], None]
+    observe_seconds: Callable[[float], None] | None = None  # the batch's wall time, when it ends
+
+
 class LoadBatch:
     """The loads one ``start_layer_wise_loading`` started, behind one counter index: a layer
     completes once every load of the batch landed it; any failure fails the index."""
 
-    def __init__(self, linker: HylinkerLinker, index: int, loads: list[tuple[SyncLoad, list[str]]]) -> None:
-        self.linker = linker
+    def __init__(self, hooks: LoadBatchHooks, index: int, num_layers: int,
+                 loads: list[tuple[SyncLoad, list[str]]]) -> None:
+        self.hooks = hooks
         self.index = index
         self.loads = loads
         self._lock = threading.Lock()
         self._waiting: dict[int, int] = collections.defaultdict(int)  # layer -> loads still landing it
-        self._left = len(loads)
         self._t0 = time.perf_counter()
         for load, _ in loads:
             for layer in load.layer_ids:
                 self._waiting[layer] += 1
         self._open = len(self._waiting)  # layers some load still has to land
         with self._lock:  # layers no load feeds (a load without a state) need nothing
-            for layer in range(linker.num_layers):
+            for layer in range(num_layers):
                 if layer not in self._waiting:
-                    linker._complete(index, layer)
+                    hooks.complete(index, layer)
         for load, keys in loads:
             for layer in load.layer_ids:
                 load.layer(layer).add_done_callback(functools.partial(self._layer, layer))
@@ -65,8 +78,8 @@ class LoadBatch:
             if self._waiting[layer] == 0:
                 self._open -= 1
                 if self._open == 0:  # every load landed whole: remembered before SGLang can insert
-                    self.linker._remember([k for _, keys in self.loads for k in keys])
-                self.linker._complete(self.index, layer)
+                    self.hooks.landed([k for _, keys in self.loads for k in keys])
+                self.hooks.complete(self.index, layer)
 
     def _ended(self, keys: list[str], future: concurrent.futures.Future[TransferOutcome]) -> None:
         try:
@@ -74,9 +87,9 @@ class LoadBatch:
         except Exception as exc:  # a bug in the data plane: fail the load, never hang it
             log.error("HylinkerLinker load raised: %r", exc)
             outcome = None
-        if self.linker.metrics is not None:
-            self.linker.metrics.observe("load_seconds", time.perf_counter() - self._t0)
-        self.linker._load_ended(self.index, outcome, keys)
+        if self.hooks.observe_seconds is not None:
+            self.hooks.observe_seconds(time.perf_counter() - self._t0)
+        self.hooks.ended(self.index, outcome, keys)
 
 
-__all__ = ["AllEvents", "LoadBatch"]
+__all__ = ["AllEvents", "LoadBatch", "LoadBatchHooks"]
