@@ -20,7 +20,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hylinker.integrations.config import PluginConfigError
-from hylinker.integrations.vllm.connector import HylinkerConnector, _groups
+from hylinker.integrations.vllm.cache_groups import cache_groups
+from hylinker.integrations.vllm.connector import HylinkerConnector
 
 BS = 384
 SPEC = {"block_size": BS, "num_kv_heads": 1, "head_size": 64, "dtype": torch.bfloat16}
@@ -41,7 +42,7 @@ def _vllm_config(extra: dict[str, object], **parallel: int) -> VllmConfig:
 @pytest.mark.parametrize("window", [2, 383, 384, 385, 1000, 4096])
 def test_sliding_window_group_needs_what_vllms_own_prefix_rule_needs(window: int) -> None:
     mamba = MambaSpec(block_size=BS, shapes=((4, 64),), dtypes=(torch.float32,))
-    groups = _groups(_kv_cache_config(FullAttentionSpec(**SPEC), SlidingWindowSpec(**SPEC, sliding_window=window),
+    groups = cache_groups(_kv_cache_config(FullAttentionSpec(**SPEC), SlidingWindowSpec(**SPEC, sliding_window=window),
                                       mamba), BS)
     assert groups.attention == (0,) and groups.state == (2,)
     assert groups.window == ((1, max(1, SlidingWindowManager._contiguous_blocks_for_hit(window, BS, False))),)
@@ -50,7 +51,7 @@ def test_sliding_window_group_needs_what_vllms_own_prefix_rule_needs(window: int
 def test_an_unknown_group_kind_stops_startup_naming_it() -> None:
     chunked = ChunkedLocalAttentionSpec(**SPEC, attention_chunk_size=1024)
     with pytest.raises(ValueError, match="group 1 is ChunkedLocalAttentionSpec"):
-        _groups(_kv_cache_config(FullAttentionSpec(**SPEC), chunked), BS)
+        cache_groups(_kv_cache_config(FullAttentionSpec(**SPEC), chunked), BS)
 
 
 def test_pipeline_parallelism_stops_startup_naming_it() -> None:

@@ -57,25 +57,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from ...dataplane.tracing import enable_trace_logging, trace
 from .. import store_host
 from . import metrics as vllm_metrics
+from .cache_groups import cache_geometry, cache_groups, key_layout
 from .config import VllmConnectorConfig
 from .index import (
-    CopyRanks,
-    KeyLayout,
     ObjectLookup,
     RankReport,
     StoreIndex,
     StoreProbe,
-    kv_replicas,
 )
 from .pages import PageTransfers, RawPages, step_staging_bytes
 from .plan import (
     BlockKeys,
-    Groups,
     LoadSpec,
     TransferPlan,
     UnkeyableRequest,
@@ -84,7 +80,6 @@ from .plan import (
     namespace_seed,
     restorable_blocks,
     state_key,
-    window_blocks,
 )
 from .request_keys import request_block_keys
 
@@ -135,45 +130,6 @@ class _Tracked:
     stored_states: set[int] = field(default_factory=set)  # boundaries (in blocks) stored or restored
 
 
-def _groups(kv_cache_config: KVCacheConfig, block_size: int) -> Groups:
-    attention: list[int] = []
-    state: list[int] = []
-    window: list[tuple[int, int]] = []
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if isinstance(spec, MambaSpec):
-            state.append(gid)
-        elif type(spec) is SlidingWindowSpec:
-            window.append((gid, window_blocks(spec.sliding_window, block_size)))
-        elif type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") and isinstance(spec, FullAttentionSpec):
-            attention.append(gid)
-        else:
-            raise ValueError(f"HylinkerConnector: KV cache group {gid} is {type(spec).__name__}; "
-                             "only full attention (MHA, MLA), sliding-window attention and "
-                             "Mamba/linear-attention groups are supported")
-    if not attention:
-        raise ValueError("HylinkerConnector: the model has no full-attention KV cache group")
-    return Groups(tuple(attention), tuple(state), tuple(window))
-
-
-def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    specs = [f"{type(g.kv_cache_spec).__name__}:{g.kv_cache_spec.page_size_bytes}:{len(g.layer_names)}"
-             for g in kv_cache_config.kv_cache_groups]
-    return (f"block={vllm_config.cache_config.block_size};dtype={vllm_config.model_config.dtype};"
-            f"groups={','.join(specs)}")
-
-
-def _layout(vllm_config: VllmConfig, ranks: int, shared_store: bool) -> KeyLayout:
-    """Whose key each rank reads and writes. In a store every rank reaches, attention pages vLLM
-    replicates over ranks are written once (:func:`~hylinker.integrations.vllm.index.kv_replicas`);
-    a store inside each worker keeps a copy per rank (no rank can read another's)."""
-    if not shared_store or ranks == 1:
-        return KeyLayout.per_rank(ranks)
-    model = vllm_config.model_config
-    replicas = kv_replicas(model.get_total_num_kv_heads(), ranks, latent=bool(model.use_mla))
-    return KeyLayout(CopyRanks(ranks, replicas), CopyRanks(ranks))
-
-
 class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector over hylinker's data plane; see the module docstring."""
 
@@ -199,11 +155,11 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("hylinker: kv_load_failure_policy is %r; a failed load then fails its request. "
                         "Set it to \"recompute\" to recompute instead.", ktc.kv_load_failure_policy)
         self.block_size = vllm_config.cache_config.block_size
-        self.groups = _groups(kv_cache_config, self.block_size)
+        self.groups = cache_groups(kv_cache_config, self.block_size)
         self.rank = 0
         self.host: store_host.StoreHost | None = None
         self.lookup: ObjectLookup
-        self.layout = _layout(vllm_config, self.ranks, shared_store=self.config.store != "embedded")
+        self.layout = key_layout(vllm_config, self.ranks, shared_store=self.config.store != "embedded")
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -216,7 +172,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             self.host = self._open_store(role, self.config.for_scheduler())
             self.lookup = StoreProbe(self.host, self.layout)
         self.incarnation = uuid.uuid4().hex
-        geometry = _geometry(vllm_config, kv_cache_config)
+        geometry = cache_geometry(vllm_config, kv_cache_config)
         self.seed = namespace_seed(str(vllm_config.model_config.model), geometry, self.config.salt)
         self.counters: dict[str, int] = dict.fromkeys(
             ("lookups", "lookup_hits", "lookup_errors", "hit_tokens", "loads_planned", "loads_refused",
