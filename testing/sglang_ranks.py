@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from ..components.layout import PoolKind
 
 A = list(range(1000, 1024))
@@ -72,7 +74,7 @@ def _finish(cache: Any, out: dict[str, Any]) -> None:
     cache.cache.sanity_check()
     cache.evict_all()
     out["leaks"] = cache.leaks()
-    out["stats"] = {k: v for k, v in cache.linker.statistics().items() if not k.endswith("_us")}
+    out["stats"] = attrs.asdict(cache.linker.statistics())
 
 
 def _restore(cache: Any, out: dict[str, Any], tokens: list[int], again: list[int], damage: str) -> None:

@@ -83,7 +83,7 @@ def test_dcp_ranks_restore_their_own_rows_byte_exact(caches: list[SGLangCache], 
     for cache in ranks:
         stats = cache.linker.statistics()
         state_objects = 0 if group == "dense-mha" else 1
-        assert stats["objects_offloaded"] == pages + state_objects
+        assert stats.objects_offloaded == pages + state_objects
     # the ranks hold different tokens of the same page: their objects differ
     frame = ranks[0].linker.data.plane.pools[PoolKind.FULL].payload_bytes + 4096
     stored = {ranks[r].stored_bytes(kv_keys[r][0], frame) for r in range(dcp)}
@@ -95,8 +95,8 @@ def test_dcp_ranks_restore_their_own_rows_byte_exact(caches: list[SGLangCache], 
         assert again.device_hit == 0 and again.loaded == len(A), (rank, again)
         assert not again.aborted and again.restore_mismatches == [], (rank, again)
         stats = cache.linker.statistics()
-        assert stats["loads_ok"] == 1 and stats.get("verify_failures", 0) == 0
-        assert stats["objects_loaded"] == pages + (0 if group == "dense-mha" else 1)
+        assert stats.loads_ok == 1 and stats.verify_failures == 0
+        assert stats.objects_loaded == pages + (0 if group == "dense-mha" else 1)
     for cache in ranks:
         assert_clean(cache)
 
@@ -146,7 +146,7 @@ def test_misaligned_dcp_locs_refuse_the_load(caches: list[SGLangCache], monkeypa
     for locs in (torch.arange(W + 1, 3 * W + 1), torch.arange(W, 2 * W + 2)):  # shifted; not whole pages
         transfer = PoolTransfer(name=PoolName.KV, keys=keys, device_indices=locs)
         assert cache.linker.load("bad", [transfer]) is False
-    assert cache.linker.statistics()["loads_refused"] == 2
+    assert cache.linker.statistics().loads_refused == 2
     assert cache.linker.start_layer_wise_loading() == -1  # nothing queued
     assert_clean(cache)
 

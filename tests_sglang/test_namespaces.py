@@ -107,7 +107,7 @@ def test_namespaces_never_share_an_object(caches: list[SGLangCache], core: str) 
         assert again.loaded == len(prompt), (kw, again)
         assert again.restore_mismatches == [], kw
         cache.flush()
-    assert cache.linker.statistics().get("verify_failures", 0) == 0
+    assert cache.linker.statistics().verify_failures == 0
 
 
 def test_another_image_shares_only_the_text_before_it(caches: list[SGLangCache]) -> None:

@@ -71,8 +71,8 @@ def test_dense_restore_is_byte_exact(caches: list[SGLangCache], core: str, kv: s
     assert again.loaded == stored, again
     assert not again.aborted and again.restore_mismatches == []
     stats = cache.linker.statistics()
-    assert stats["loads_ok"] == 1 and stats.get("verify_failures", 0) == 0
-    assert stats["objects_skipped_restored"] == stored // page_size  # restored pages not re-offloaded
+    assert stats.loads_ok == 1 and stats.verify_failures == 0
+    assert stats.objects_skipped_restored == stored // page_size  # restored pages not re-offloaded
     assert_clean(cache)
 
 
@@ -85,7 +85,7 @@ def test_dense_damaged_page_fails_the_load_and_is_removed(caches: list[SGLangCac
     cache.corrupt_object(key, 1 << 16)  # the last payload byte
     failed = cache.serve(A + C)
     assert failed.aborted and failed.restore_mismatches == []  # SGLang aborts it (503), nothing landed
-    assert cache.linker.statistics()["bad_objects_removed"] >= 1
+    assert cache.linker.statistics().bad_objects_removed >= 1
     cache.flush()
     retry = cache.serve(A + C)  # the damaged page is gone: the pages below it restore
     assert not retry.aborted and retry.loaded == 3 * 4 and retry.restore_mismatches == []
@@ -130,7 +130,7 @@ def test_full_swa_mamba_restores_the_window(caches: list[SGLangCache], core: str
     assert again.loaded == len(A + B) and not again.aborted, again
     assert again.restore_mismatches == []  # full KV, the SWA window below the boundary, the state
     stats = cache.linker.statistics()
-    assert stats["loads_ok"] == 1 and stats.get("verify_failures", 0) == 0
+    assert stats.loads_ok == 1 and stats.verify_failures == 0
     assert_clean(cache)
 
 

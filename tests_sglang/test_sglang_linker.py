@@ -119,9 +119,9 @@ def test_bit_exact_restore_after_flush(caches: list[SGLangCache], core: str, kv:
     assert again.device_hit == 0
     restored_ok(again, len(A + B))
     stats = cache.linker.statistics()
-    assert stats["loads_ok"] == 1 and stats.get("verify_failures", 0) == 0
+    assert stats.loads_ok == 1 and stats.verify_failures == 0
     # the restored pages are not written again by the request's insert
-    assert stats["objects_skipped_restored"] == len(A + B)
+    assert stats.objects_skipped_restored == len(A + B)
     assert_clean(cache)
 
 
@@ -187,11 +187,11 @@ def test_integrity_header_is_taken_from_the_extra_config(caches: list[SGLangCach
     stats = cache.linker.statistics()
     if damage == "corrupt_header":
         assert served.aborted
-        assert (stats["verify_failures"], stats["rereads_failed"]) == (1, 1)
+        assert (stats.verify_failures, stats.rereads_failed) == (1, 1)
     else:
         assert not served.aborted and served.loaded == len(A + B)
         assert (served.restore_mismatches == []) is (damage == "none")
-        assert stats["verify_failures"] == 0
+        assert stats.verify_failures == 0
     assert_clean(cache)
 
 
@@ -232,8 +232,8 @@ def test_damaged_objects_are_never_restored(caches: list[SGLangCache], core: str
     after = torch.stack([b[target["rows"]].clone() for bufs in cache.kv_buffers for b in bufs])
     assert torch.equal(after.view(torch.uint8), target["before"].view(torch.uint8))  # nothing landed
     stats = cache.linker.statistics()
-    assert stats["verify_failures"] == 1 and stats["loads_failed"] == 1
-    assert (stats["rereads_failed"], stats["rereads_recovered"]) == (1, 0)  # read twice, bad both times
+    assert stats.verify_failures == 1 and stats.loads_failed == 1
+    assert (stats.rereads_failed, stats.rereads_recovered) == (1, 0)  # read twice, bad both times
     # the damaged object was removed: the next request recomputes above it instead of failing
     retry = cache.serve(A + B + C + [5])
     assert not retry.aborted and retry.loaded < len(A + B)
@@ -260,8 +260,8 @@ def test_transient_store_errors_are_retried_then_restored(caches: list[SGLangCac
     restored_ok(cache.serve(A + B + C, before_forward=flaky_store), len(A + B))
     assert faulty.statistics().failed_keys > 0
     stats = cache.linker.statistics()
-    assert stats["store_retried_keys"] >= 1 and stats["store_recovered_keys"] >= 1
-    assert stats.get("store_exhausted_keys", 0) == 0
+    assert stats.store_retried_keys >= 1 and stats.store_recovered_keys >= 1
+    assert stats.store_exhausted_keys == 0
     swap_inner(cache, faulty.inner)
     assert_clean(cache)
 
@@ -291,9 +291,9 @@ def test_retries_are_bounded_then_the_load_fails(caches: list[SGLangCache]) -> N
     stats = cache.linker.statistics()
     objects = len(A + B) + 1  # KV pages and the state
     # every object was tried 1 + load_retries times, then given up on: bounded
-    assert stats["store_exhausted_keys"] - before.get("store_exhausted_keys", 0) == objects
-    assert stats["store_retried_keys"] - before.get("store_retried_keys", 0) == 2 * objects
-    assert stats["loads_failed"] == 1
+    assert stats.store_exhausted_keys - before.store_exhausted_keys == objects
+    assert stats.store_retried_keys - before.store_retried_keys == 2 * objects
+    assert stats.loads_failed == 1
     assert_clean(cache)
 
 
@@ -302,13 +302,13 @@ def test_offload_failure_then_retry_on_the_next_hit(caches: list[SGLangCache], c
     cache = build_swappable(caches, core)
     faulty = _wrap_store(cache, FaultPlan(fail=1.0))
     cache.serve(A + B)
-    assert cache.linker.statistics()["offloads_failed"] >= 1
+    assert cache.linker.statistics().offloads_failed >= 1
     assert faulty.statistics().failed_keys >= 1  # failed by the injected faults, nothing else
     swap_inner(cache, faulty.inner)
     # the node was not marked stored: the next request that hits it offloads it again
     hit = cache.serve(A + B + C)
     assert hit.device_hit == len(A + B)
-    assert cache.linker.statistics()["offloads_ok"] >= 1
+    assert cache.linker.statistics().offloads_ok >= 1
     cache.flush()
     restored_ok(cache.serve(A + B + C + [1, 2]), len(A + B + C))
     assert_clean(cache)
@@ -381,7 +381,7 @@ def test_dead_mooncake_master_no_hang_no_leak(caches: list[SGLangCache], mooncak
     cache.settle(timeout_s=20)  # the offloads report (False) within the store timeout
     elapsed = time.monotonic() - start
     assert elapsed < 20, elapsed
-    assert cache.linker.statistics().get("offloads_failed", 0) >= 1
+    assert cache.linker.statistics().offloads_failed >= 1
     assert_clean(cache)
     grace = cache.linker.store.policy.close_grace_s
     t0 = time.monotonic()
@@ -415,7 +415,7 @@ def test_two_ranks_agree(caches: list[SGLangCache], mooncake_master: Any,
     transfers = [PoolTransfer(name=pool_name("kv"), keys=keys),
                  PoolTransfer(name=pool_name("mamba"), keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
     assert r0.lookup("x", transfers) == r1.lookup("x", transfers) == [len(A + B)]
-    assert r1.statistics().get("objects_offloaded", 0) == 1  # its state only
+    assert r1.statistics().objects_offloaded == 1  # its state only
     # rank 1 loses its state: its answer changes, rank 0's does not; SGLang's MIN takes the common set
     state1 = r1.object_keys("mamba", [keys[len(A + B) - 1]])
     r1.data.call_store(r1.store.remove, state1).result(timeout=10)
@@ -456,6 +456,6 @@ def test_faults_key_wraps_the_store(caches: list[SGLangCache]) -> None:
     again = cache.serve(A + B + C)
     assert again.loaded == 0 and not again.aborted
     stats = cache.linker.statistics()
-    assert stats["offloads_failed"] == 2 and stats.get("offloads_ok", 0) == 0
+    assert stats.offloads_failed == 2 and stats.offloads_ok == 0
     assert store(cache).inner.statistics().failed_keys > 0
     assert_clean(cache)

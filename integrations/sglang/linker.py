@@ -76,6 +76,7 @@ from .pools import (
     mamba_pool,
     swa_pool,
 )
+from .statistics import COUNTERS, POOL_SUMS, STORE_COUNTS, SGLangLinkerStatistics
 
 try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
     import sglang
@@ -194,6 +195,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         return self._pools[_KINDS[pool]].rows(indices)
 
     def _count(self, name: str, n: int = 1) -> None:
+        assert name in COUNTERS, name
         with self._lock:
             self._c[name] += n
         metric = _METRIC_OF.get(name)
@@ -493,24 +495,19 @@ class HylinkerLinker(UnifiedCacheLinker):
         if closer.is_alive():
             log.warning("HylinkerLinker: the store is still closing after %.1f s; not waiting",
                         self.config.store_timeout_s + 5)
-        log.info("HylinkerLinker closed: %s", self._c)
+        log.info("HylinkerLinker closed: %s", dict(self._c))
 
-    def statistics(self) -> dict[str, int]:
-        """Counters: the linker's (lookups, hits, loads, offloads, skipped objects), the data
+    def statistics(self) -> SGLangLinkerStatistics:
+        """The plugin's counters (lookups, hits, loads, offloads, skipped objects), the data
         plane's per-pool transfers summed, and the store's retry rule (retries, exhausted keys,
         timeouts, breaker trips)."""
         with self._lock:
-            out = dict(self._c)
-        for stats in self.data.pool_statistics().values():
-            for name in ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
-                         "bytes_loaded", "load_misses", "verify_failures", "offload_failures",
-                         "rereads_recovered", "rereads_failed"):
-                out[name] = out.get(name, 0) + int(getattr(stats, name))
+            out = {name: self._c[name] for name in COUNTERS}
+        pools = self.data.pool_statistics().values()
+        out.update({name: sum(int(getattr(p, name)) for p in pools) for name in POOL_SUMS})
         res = self.store.resilience()
-        for name in ("retries", "retried_keys", "recovered_keys", "exhausted_keys", "timeouts",
-                     "breaker_trips", "rejected_calls"):
-            out[f"store_{name}"] = int(getattr(res, name))
-        return out
+        out.update({f"store_{name}": int(getattr(res, name)) for name in STORE_COUNTS})
+        return SGLangLinkerStatistics(**out)
 
 
 def _engine_pools(params: Any, components: Any, page_size: int) -> tuple[dict[PoolKind, SGLangPool], tuple[int, int]]:

@@ -1,0 +1,62 @@
+"""What :meth:`HylinkerLinker.statistics` answers: one frozen snapshot. Imports no SGLang."""
+
+from __future__ import annotations
+
+import attrs
+
+#: the plugin's own counters (``HylinkerLinker._count``); every other field is summed or copied
+COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_errors", "hit_tokens", "touches",
+            "objects_skipped_restored", "loads_refused", "load_batches", "loads_ok", "loads_failed",
+            "loads_cancelled", "bad_objects_removed", "offloads_ok", "offloads_failed")
+#: summed over the data plane's pools (``PoolActorStatistics``)
+POOL_SUMS = ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
+             "bytes_loaded", "load_misses", "verify_failures", "offload_failures", "rereads_recovered",
+             "rereads_failed")
+#: copied from the store wrapper (``ResilienceStatistics``), each as ``store_<name>``
+STORE_COUNTS = ("retries", "retried_keys", "recovered_keys", "exhausted_keys", "timeouts",
+                "breaker_trips", "rejected_calls")
+
+
+@attrs.frozen
+class SGLangLinkerStatistics:
+    """The plugin's counters, the data plane's per-pool transfers summed over pools, and the
+    store's retry rule; a snapshot."""
+
+    # the plugin's own
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    lookup_errors: int = 0  # lookups that failed or passed lookup_timeout_s: misses
+    hit_tokens: int = 0  # store-restorable tokens offered to SGLang
+    touches: int = 0
+    objects_skipped_restored: int = 0  # objects a load just restored, not offloaded again
+    loads_refused: int = 0  # malformed or unservable loads refused before anything moved
+    load_batches: int = 0  # start_layer_wise_loading calls that started loads
+    loads_ok: int = 0
+    loads_failed: int = 0
+    loads_cancelled: int = 0
+    bad_objects_removed: int = 0  # objects that failed verification, removed from the store
+    offloads_ok: int = 0
+    offloads_failed: int = 0
+    # summed over the data plane's pools
+    objects_offloaded: int = 0
+    bytes_offloaded: int = 0
+    objects_already_stored: int = 0
+    objects_loaded: int = 0
+    bytes_loaded: int = 0
+    load_misses: int = 0
+    verify_failures: int = 0
+    offload_failures: int = 0
+    rereads_recovered: int = 0
+    rereads_failed: int = 0
+    # the store wrapper's
+    store_retries: int = 0
+    store_retried_keys: int = 0
+    store_recovered_keys: int = 0
+    store_exhausted_keys: int = 0
+    store_timeouts: int = 0
+    store_breaker_trips: int = 0
+    store_rejected_calls: int = 0
+
+
+__all__ = ["COUNTERS", "POOL_SUMS", "STORE_COUNTS", "SGLangLinkerStatistics"]
