@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         elif op == "stats":
             stats: dict[str, int] = {}
             for c in _connectors(llm):
-                for k, v in c.statistics().items():
+                for k, v in attrs.asdict(c.statistics()).items():
                     stats[k] = stats.get(k, 0) + v  # each counter lives on one side
             results.append({"op": op, "stats": stats})
         else:

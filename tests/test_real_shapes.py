@@ -117,7 +117,7 @@ def test_page_transfers_round_trip_many_layers_per_group(per_group: int) -> None
     pt = PageTransfers(host, pages, fingerprint=b"r" * 32, with_state=True, staging_bytes=4 * sum(pages.page_bytes))
     try:
         pt.save([TransferPlan("a", ("k1",), (1,), ("s2",), (2,))])
-        assert pt.drain(30.0) and pt.statistics()["saves_ok"] == 1
+        assert pt.drain(30.0) and pt.statistics().saves_ok == 1
         pt.load(TransferPlan("b", ("k1",), (4,), ("s2",), (5,)))
         done, bad = poll_loads(pt, 60.0)
         assert done == {"b"} and not bad

@@ -216,7 +216,7 @@ def test_replicated_attention_pages_are_written_once_and_read_by_every_rank() ->
         for pt in ranks:
             pt.save([TransferPlan("a", (kv,), (1,), (state,), (2,))])
             assert pt.drain(10.0)
-        assert [pt.statistics()["objects_saved"] for pt in ranks] == [2, 1]  # the block once
+        assert [pt.statistics().objects_saved for pt in ranks] == [2, 1]  # the block once
         keys = [rank_key(kv, 0), rank_key(kv, 1), rank_key(state, 0), rank_key(state, 1)]
         assert host.portal.call(host.store.exists, keys) == [True, False, True, True]
         probe = StoreProbe(host, layout)

@@ -145,7 +145,7 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
         before = pages.raws[0].clone()
         pt.save([TransferPlan("a", ("k1", "k2"), (1, 2), ("s2",), (3,))])
         raw[1 * 128: 4 * 128].zero_()  # the engine reuses the blocks at once: staging kept the bytes
-        assert pt.drain(10.0) and pt.statistics()["saves_ok"] == 1
+        assert pt.drain(10.0) and pt.statistics().saves_ok == 1
         assert pt._free and len(pt._free) == 4  # staging slots returned
         pt.load(TransferPlan("b", ("k1", "k2"), (5, 6), ("s2",), (7,)))
         done: set[str] = set()
@@ -160,7 +160,7 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
         while not bad:
             done, bad = pt.finished_loads()
         assert bad == {"c"} and not done
-        assert pt.statistics()["loads_failed"] == 1
+        assert pt.statistics().loads_failed == 1
         # a damaged object fails its load and is removed from the store; the good one stays
         host.portal.call(host.store.put, [rank_key("k9", 0)], [torch.zeros(300, dtype=torch.uint8)])
         pt.load(TransferPlan("f", ("k1", "k9"), (5, 6)))
@@ -175,7 +175,7 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
         assert host.portal.call(host.store.exists, [rank_key("k1", 0), rank_key("k9", 0)]) == [True, False]
         # more pages than staging slots: skipped and counted, never blocking
         pt.save([TransferPlan("d", tuple(f"x{i}" for i in range(5)), (1, 2, 3, 4, 5))])
-        assert pt.statistics()["saves_skipped"] == 1
+        assert pt.statistics().saves_skipped == 1
         pt.fail_now(["e"])
         assert pt.finished_loads() == (set(), {"e"})
     finally:
@@ -196,7 +196,7 @@ def test_page_transfers_store_and_read_at_the_configured_integrity() -> None:
     try:
         before = pages.raws[0].clone()
         pt.save([TransferPlan("a", ("h1",), (1,))])
-        assert pt.drain(10.0) and pt.statistics()["saves_ok"] == 1
+        assert pt.drain(10.0) and pt.statistics().saves_ok == 1
         frame = torch.zeros(4096, dtype=torch.uint8)
         got = host.portal.call(host.store.get, [rank_key("h1", 0)], [frame])  # rank 0's shard
         assert got[0].outcome.value == "ok" and bytes(frame[4:8].tolist()) == bytes([2, 0, 1, 0])

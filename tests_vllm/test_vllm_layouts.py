@@ -181,7 +181,7 @@ def test_page_transfers_round_trip_the_real_qwen3_next_layout(layout: str) -> No
     pt = PageTransfers(host, pages, fingerprint=b"g" * 32, with_state=True, staging_bytes=4 * sum(pages.page_bytes))
     try:
         pt.save([TransferPlan("a", ("k1",), (1,), ("s2",), (2,))])
-        assert pt.drain(60.0) and pt.statistics()["saves_ok"] == 1
+        assert pt.drain(60.0) and pt.statistics().saves_ok == 1
         pt.load(TransferPlan("b", ("k1",), (3,), ("s2",), (4,)))
         done, bad = poll_loads(pt, 60.0)
         assert done == {"b"} and not bad

@@ -182,7 +182,7 @@ def test_scheduler_side_serves_the_same_image_and_not_another(adapters: dict[str
     compute_and_save(c, make(cache_salt="A"))
     assert hit(c, make(cache_salt="A")) == 8 * BS
     assert hit(c, make(cache_salt="B")) == 0
-    assert c.statistics()["requests_unkeyable"] == 0
+    assert c.statistics().requests_unkeyable == 0
 
 
 def test_an_adapter_retrained_in_place_does_not_meet_its_old_blocks(adapters: dict[str, Path]) -> None:
@@ -224,7 +224,7 @@ def test_a_request_its_keys_cannot_describe_is_served_without_the_store(
     meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={rid: N_TOKENS},
                                                   kv_connector_block_state=state))
     assert isinstance(meta, HylinkerConnectorMetadata) and not meta.saves and not meta.loads  # nothing stored
-    assert c.statistics()["requests_unkeyable"] == 1
+    assert c.statistics().requests_unkeyable == 1
     report = c.get_kv_connector_stats()
     assert isinstance(report, HylinkerStats) and report.data["counter"]["lookups|unkeyable"] == 1
     c.request_finished_all_groups(request, ([], []))

@@ -8,7 +8,7 @@ and loads them into other blocks, timing each direction end to end (staging copy
 checksum, store), and copies the same bytes row by row with ``torch`` as the baseline. Prints
 and optionally writes JSON; asserts only that the loaded bytes are the saved ones.
 
-    python -m hylinker.tools.bench_shapes --objects 16 --tp 1 --json out.json
+    python -m hylinker bench-shapes --objects 16 --tp 1 --json out.json
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def measure(tp: int, objects: int, repeats: int) -> dict[str, Any]:
             names = tuple(f"r{rep}-{i}" for i in range(objects))
             t0 = time.perf_counter()
             pt.save([TransferPlan(f"s{rep}", names, tuple(range(objects)))])
-            assert pt.drain(600.0) and pt.statistics()["saves_skipped"] == 0
+            assert pt.drain(600.0) and pt.statistics().saves_skipped == 0
             save_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             pt.load(TransferPlan(f"l{rep}", names, tuple(range(objects, 2 * objects))))
@@ -77,7 +77,7 @@ def measure(tp: int, objects: int, repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="hylinker bench-shapes", description=__doc__.split("\n")[0])
     ap.add_argument("--objects", type=int, default=16, help="objects per save and per load")
     ap.add_argument("--tp", default="1,2", help="tensor parallel sizes (the object shape of one rank)")
     ap.add_argument("--repeats", type=int, default=3, help="the best of this many is reported")

@@ -48,6 +48,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -82,6 +83,7 @@ from .plan import (
     state_key,
 )
 from .request_keys import request_block_keys
+from .statistics import SCHEDULER_COUNTERS, VLLMConnectorStatistics, counted
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -174,9 +176,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.incarnation = uuid.uuid4().hex
         geometry = cache_geometry(vllm_config, kv_cache_config)
         self.seed = namespace_seed(str(vllm_config.model_config.model), geometry, self.config.salt)
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("lookups", "lookup_hits", "lookup_errors", "hit_tokens", "loads_planned", "loads_refused",
-             "kv_saves_planned", "state_saves_planned", "requests_unkeyable"), 0)
+        self.counters: dict[str, int] = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         # scheduler side
         self._requests: dict[str, _Tracked] = {}
         self._pending: dict[str, LoadSpec] = {}
@@ -446,11 +446,12 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
         return vllm_metrics.HylinkerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    def statistics(self) -> dict[str, int]:
-        out = dict(self.counters)
+    def statistics(self) -> VLLMConnectorStatistics:
+        """This instance's counters: the scheduler's, or on a worker its page transfers' too."""
+        out = counted(self.counters, SCHEDULER_COUNTERS)
         if self._transfers is not None:
-            out.update(self._transfers.statistics())
-        return out
+            out.update(attrs.asdict(self._transfers.statistics()))
+        return VLLMConnectorStatistics(**out)
 
     def shutdown(self) -> None:
         if self._closed:

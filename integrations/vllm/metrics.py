@@ -171,7 +171,7 @@ def worker_totals(counters: dict[str, int], planes: list[DataPlane]) -> Figures:
 def report(reporter: StatsReporter, counters: dict[str, int], transfers: PageTransfers | None) -> HylinkerStats | None:
     """One connector instance's report: the worker's (it has ``transfers``) or the scheduler's."""
     if transfers is not None:
-        return reporter.report(worker_totals(transfers.statistics(), [transfers.engine_plane, transfers.staging_plane]))
+        return reporter.report(worker_totals(dict(transfers.counters), [transfers.engine_plane, transfers.staging_plane]))
     return reporter.report(scheduler_totals(counters))
 
 

@@ -53,6 +53,7 @@ from ..store_host import StoreHost
 from .block_layout import RawPages
 from .index import KeyLayout, name_of
 from .plan import TransferPlan
+from .statistics import TRANSFER_COUNTERS, PageTransferStatistics, counted
 
 log = logging.getLogger("vllm.hylinker")
 
@@ -108,9 +109,7 @@ class PageTransfers:
         self._stored: list[str] = []  # names stored since the last report
         self._dropped: list[str] = []  # names gone since the last report
         self._evicted: collections.deque[str] = collections.deque()  # appended without our lock
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("loads", "loads_ok", "loads_failed", "saves", "saves_ok", "saves_failed", "saves_skipped",
-             "objects_saved", "objects_loaded", "objects_removed"), 0)
+        self.counters: dict[str, int] = dict.fromkeys(TRANSFER_COUNTERS, 0)
         cfg = DataPlaneConfig(staging_bytes_per_pool=max(16 << 20, 4 * per_object), integrity=integrity)
         self._stack = contextlib.ExitStack()
         try:
@@ -292,9 +291,9 @@ class PageTransfers:
                         self.saves_in_flight(), timeout_s)
         self._stack.close()
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> PageTransferStatistics:
         with self._lock:
-            return dict(self.counters)
+            return PageTransferStatistics(**counted(self.counters, TRANSFER_COUNTERS))
 
 
 __all__ = ["PageTransfers", "RawPages", "step_staging_bytes"]
