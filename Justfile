@@ -46,7 +46,7 @@ test-vllm *ARGS:
 # vLLM's OpenAI server on a tiny hybrid model with and without hylinker: hits and time to first token
 serve-demo *ARGS:
     bash .ci/vllm-setup.sh
-    OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} .venv-vllm/bin/python -m hylinker.tools.serve_demo {{ARGS}}
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} .venv-vllm/bin/python -m hylinker serve-demo {{ARGS}}
 
 # benchmarks: control path, loop lag, data path; JSON in bench-results/
 bench *ARGS: setup
@@ -57,7 +57,7 @@ bench *ARGS: setup
 bench-sglang *ARGS:
     bash .ci/sglang-setup.sh
     mkdir -p bench-results
-    .venv-sglang/bin/python -m hylinker.tools.bench_sglang --json bench-results/sglang.json {{ARGS}}
+    .venv-sglang/bin/python -m hylinker bench-sglang --json bench-results/sglang.json {{ARGS}}
 
 # ruff and mypy
 lint: setup

@@ -1,6 +1,6 @@
 """vLLM's OpenAI server as a child process, and a small client for it (standard library only).
 
-Used by the connector's server test and by the serve demo (``python -m hylinker.tools.serve_demo``).
+Used by the connector's server test and by the serve demo (``python -m hylinker serve-demo``).
 The server runs the CPU build's defaults otherwise: its engine core and its workers in processes of
 their own (no ``VLLM_ENABLE_V1_MULTIPROCESSING`` set). :func:`readme_server_args` reads the launch
 line of the README's "For vLLM users" section, so a test can run it as written.

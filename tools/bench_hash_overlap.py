@@ -1,6 +1,6 @@
 """The floor of a checksummed offload over Mooncake on this host, with no runtime around it.
 
-``python -m hylinker.tools.bench_hash_overlap --json bench-results/hash_overlap.json``
+``python -m hylinker bench-hash-overlap --json bench-results/hash_overlap.json``
 
 One Mooncake client with a 1 GiB in-process segment (populated first, steady state) on a fresh
 loopback master. ``--objects`` objects of ``--object-kib`` each, every object a 64-byte header
@@ -153,7 +153,7 @@ def run(object_kib: int, objects: int, rounds: int, segment_mib: int = 1024) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hylinker.tools.bench_hash_overlap", description=__doc__,
+    parser = argparse.ArgumentParser(prog="hylinker bench-hash-overlap", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--object-kib", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--objects", type=int, default=48)

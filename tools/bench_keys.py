@@ -1,6 +1,6 @@
 """Benchmark: cost of hashing a prompt into chained page keys (the LOOKUP hot path).
 
-``python -m hylinker.tools.bench_keys [--tokens N] [--pages 16,64,256] [--repeats R]``
+``python -m hylinker bench-keys [--tokens N] [--pages 16,64,256] [--repeats R]``
 
 For each page size it reports milliseconds per prompt (p50 and min over ``repeats`` runs) for
 
@@ -12,6 +12,7 @@ For each page size it reports milliseconds per prompt (p50 and min over ``repeat
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -66,10 +67,11 @@ def measure_key_hashing(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="hylinker bench-keys", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--pages", default="16,64,256", help="comma-separated page sizes")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     pages = tuple(int(p) for p in args.pages.split(","))
     res = measure_key_hashing(args.tokens, pages, args.repeats)
@@ -78,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for page, r in res.items():
         print(f"{page:>6} {int(r['pages']):>7} {r['p50_ms']:>8.2f} {r['min_ms']:>8.2f} "
               f"{r['from_list_p50_ms']:>9.2f} {r['from_list_min_ms']:>9.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens": args.tokens, "repeats": args.repeats, "ms_per_prompt": res}, f, indent=1)
     return 0
 
 

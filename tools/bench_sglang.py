@@ -2,7 +2,7 @@
 
 Runs in the SGLang environment (``.ci/sglang-setup.sh``)::
 
-    .venv-sglang/bin/python -m hylinker.tools.bench_sglang --json bench-results/sglang.json
+    .venv-sglang/bin/python -m hylinker bench-sglang --json bench-results/sglang.json
 
 For each page-object size (64 KiB and 1 MiB of KV per page by default) and each linker, on a
 fresh loopback ``mooncake_master`` and an in-process segment, the same SGLang
@@ -382,7 +382,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] = run_case) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hylinker.tools.bench_sglang", description=__doc__,
+    parser = argparse.ArgumentParser(prog="hylinker bench-sglang", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--object-kib", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--tokens", type=int, default=48, help="pages per prompt (page size 1)")

@@ -3,7 +3,7 @@ connector's cost per decode step when nothing hits.
 
 Run in the vLLM environment::
 
-    OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker.tools.bench_vllm --json bench-results/vllm.json
+    OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker bench-vllm --json bench-results/vllm.json
     ... --sizes 4096,16384 --tp 1,2 --default-mode   # vLLM's default process model, TP 1 and 2
 
 Per tensor parallel size (``--tp``), three engines run one after the other on the same tiny
@@ -58,7 +58,7 @@ def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="hylinker bench-vllm", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1024,4096,16384", help="prompt lengths in tokens")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-prompt", type=int, default=350, help="tokens of each decode prompt")

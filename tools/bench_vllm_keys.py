@@ -1,6 +1,6 @@
 """Benchmark: what keying a vLLM request by vLLM's extra keys costs the scheduler.
 
-``python -m hylinker.tools.bench_vllm_keys [--tokens 16384,131072] [--blocks 16,384] [--repeats 5] [--json PATH]``
+``python -m hylinker bench-vllm-keys [--tokens 16384,131072] [--blocks 16,384] [--repeats 5] [--json PATH]``
 
 Per prompt length and block size, milliseconds (best of ``repeats``) to compute every block key
 of one request, once per request in the connector (keys are kept and extended as it grows):
@@ -68,7 +68,7 @@ def measure(tokens: list[int], blocks: list[int], repeats: int) -> dict[str, dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="hylinker bench-vllm-keys", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="16384,131072")
     ap.add_argument("--blocks", default="16,384")
     ap.add_argument("--repeats", type=int, default=5)

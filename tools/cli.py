@@ -1,7 +1,9 @@
 """The hylinker command line: one subcommand per tool module.
 
-Each tool module exposes ``HELP: str``, ``configure(parser)`` and ``run(args) -> int``; it
-keeps heavy imports (transformers, matplotlib, mooncake) inside ``run`` so ``--help`` is fast.
+Each module in ``COMMANDS`` exposes ``HELP: str``, ``configure(parser)`` and ``run(args) -> int``;
+it keeps heavy imports (transformers, matplotlib, mooncake) inside ``run`` so ``--help`` is fast.
+Each module in ``PASSED_ON`` owns its argument parser (``main(argv) -> int``) and is imported only
+when its subcommand runs: several need an engine (SGLang, vLLM) that only their own environment has.
 """
 
 from __future__ import annotations
@@ -21,6 +23,22 @@ COMMANDS: dict[str, str] = {
     "fleet": "fleet",
     "config-doc": "config_doc",
 }
+# subcommand -> (module under hylinker.tools, one-line help); the arguments after the subcommand go to
+# the module's main(argv) as they are
+PASSED_ON: dict[str, tuple[str, str]] = {
+    "bench-sglang": ("bench_sglang", "hylinker's SGLang plugin vs SGLang's MooncakeDirectLinker inside SGLang's "
+                                     "cache (.venv-sglang)"),
+    "bench-vllm": ("bench_vllm", "vLLM CPU build: time to first token restore vs recompute, decode steps (.venv-vllm)"),
+    "profile-vllm-restore": ("profile_vllm_restore", "vLLM CPU build: where one restore's time goes (.venv-vllm)"),
+    "serve-demo": ("serve_demo", "vLLM's OpenAI server on a tiny hybrid model with and without hylinker (.venv-vllm)"),
+    "bench-vllm-keys": ("bench_vllm_keys", "what keying a vLLM request by vLLM's extra keys costs the scheduler"),
+    "bench-shapes": ("bench_shapes", "the vLLM connector's save and load at Qwen3-Next-80B's object shape"),
+    "bench-agreement": ("bench_agreement", "the cost of agreeing a lookup across ranks, beside a single-rank lookup"),
+    "bench-checksum": ("bench_checksum", "what the integrity checksum costs on the embedded store"),
+    "bench-hash-overlap": ("bench_hash_overlap", "a checksummed Mooncake offload's floor, with no runtime around it"),
+    "bench-keys": ("bench_keys", "the cost of hashing a prompt into chained page keys"),
+    "bench-rows": ("bench_rows", "the row-described copy routine against plain per-object copies"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,10 +56,27 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.configure(p)
         p.set_defaults(_run=module.run)
+    for name, (_, help_line) in PASSED_ON.items():
+        sub.add_parser(name, help=help_line, description=f"{help_line}; `hylinker {name} --help` lists its options",
+                       add_help=False)
     return parser
 
 
+def _passed_on(name: str, argv: list[str]) -> int:
+    module = importlib.import_module(f"hylinker.tools.{PASSED_ON[name][0]}")
+    return int(module.main(argv) or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    trace_log = argv[:1] == ["--trace-log"]
+    rest = argv[1:] if trace_log else argv
+    if rest and rest[0] in PASSED_ON:  # before building the parser: no other tool is imported
+        if trace_log:
+            from ..dataplane.tracing import enable_trace_logging
+
+            enable_trace_logging()
+        return _passed_on(rest[0], rest[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.trace_log:

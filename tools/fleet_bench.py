@@ -13,7 +13,6 @@ it checks from the replicas' endpoints that the objects live on the storage host
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -273,16 +272,11 @@ def throughput(object_kib: int = 1024, count: int = 64, repeats: int = 3) -> lis
 
 
 def main(argv: Sequence[str]) -> int:
-    if argv[:1] == ["--child"]:
-        master, address, kib, count, repeats = argv[1:6]
-        print("@@" + json.dumps(child(master, address, int(kib), int(count), int(repeats))), flush=True)
-        return 0
-    p = argparse.ArgumentParser(prog="python -m hylinker.tools.fleet_bench")
-    p.add_argument("--object-kib", type=int, default=1024)
-    p.add_argument("--objects", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    a = p.parse_args(argv)
-    print(json.dumps(throughput(a.object_kib, a.objects, a.repeats), indent=1))
+    """The client host's process (``--child``); people run ``hylinker fleet --throughput``."""
+    if argv[:1] != ["--child"]:
+        raise SystemExit("fleet_bench runs as the client host's process; run `hylinker fleet --throughput`")
+    master, address, kib, count, repeats = argv[1:6]
+    print("@@" + json.dumps(child(master, address, int(kib), int(count), int(repeats))), flush=True)
     return 0
 
 

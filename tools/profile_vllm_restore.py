@@ -20,7 +20,7 @@ not add up to 1. The restore whose total is the median is printed as a table and
 saved as JSON with the host record (``tools/host_probe.py``). On a loaded machine read the shares,
 not the seconds.
 
-    OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker.tools.profile_vllm_restore --sizes 4096,16384 \\
+    OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker profile-vllm-restore --sizes 4096,16384 \\
         --json bench-results/vllm-restore-profile.json
 
 ``--save-copy`` instead times, side by side in one run, the two ways of copying a save's pages
@@ -139,7 +139,7 @@ def _install(timings: Timings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="hylinker profile-vllm-restore", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="4096,16384")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)

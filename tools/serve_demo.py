@@ -2,7 +2,7 @@
 
 Run it in the vLLM environment (``bash .ci/vllm-setup.sh`` builds ``.venv-vllm``)::
 
-    .venv-vllm/bin/python -m hylinker.tools.serve_demo      # or: just serve-demo
+    .venv-vllm/bin/python -m hylinker serve-demo      # or: just serve-demo
 
 It builds a tiny random-weight qwen3_next, starts a Mooncake master and a storage process on
 loopback, then the OpenAI server with ``HylinkerConnector`` (``segment_mb: 0``: the server keeps
@@ -50,7 +50,7 @@ def replay(port: int, convo: list[list[dict[str, str]]]) -> list[dict[str, Any]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="hylinker serve-demo", description=__doc__.split("\n")[0])
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--words", type=int, default=1200, help="tokens each user turn adds (about)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
