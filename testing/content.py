@@ -1,18 +1,24 @@
-"""The stress tool's synthetic forward: its model geometries and the bytes it "computes".
+"""Synthetic content: the bytes a synthetic forward "computes", and the stress tool's geometries.
 
-The forward writes, for every whole page, content that is a function of the page key and the
-position (KV and draft rows), and for every checkpoint a state that is a function of the
-boundary's page key. Every restored page and state can then be checked byte for byte.
+:class:`SyntheticContent` writes, for every whole page, content that is a function of the page key
+and the position (KV and draft rows), and for every checkpoint a state that is a function of the
+boundary's last page key. Every restored page and state can then be checked byte for byte. The
+tests, the stress tool, the fleet and the engine servers all use this one class.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
 from ..components.pools import HybridPools
+
+if TYPE_CHECKING:
+    from ..linker.facade import Linker, Request
 
 PRESETS = ("kimi", "attention")
 
@@ -49,79 +55,114 @@ def preset_layout(name: str, page_size: int = 64, chunk_size: int = 64, *, tp_ra
 
 # ---- synthetic content -------------------------------------------------------------------
 
-class Content:
-    """Deterministic bytes for every page and state: a function of the page key and position.
+_PERIOD = 241  # a prime: the pattern's values repeat every 241 elements
+_STEP = 40503 % _PERIOD
+_INVERSE = pow(_STEP, -1, _PERIOD)
 
-    A page's byte ``b`` of token ``p`` in layer ``l`` is ``TABLE[(s + l * P + p) % M, b]``
-    with ``s`` taken from the page key, so content is cheap to write and to check (a gather)
-    and two different pages coincide with probability ~1/M.
+
+@functools.lru_cache(maxsize=16)
+def _windows(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every window of ``numel`` elements of the periodic sequence ``(STEP * i) % 241 - 120`` in
+    ``dtype``: ``[241, numel]``, a view of one tensor."""
+    seq = ((torch.arange(numel + _PERIOD, dtype=torch.int64) * _STEP) % _PERIOD - 120).to(torch.float32)
+    return seq.to(dtype).as_strided((_PERIOD, numel), (1, 1))
+
+
+def _pattern(keys: Sequence[bytes], numel: int, salt: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[len(keys), numel]`` small integers (-120..120: no NaN or infinity in any float dtype) in
+    ``dtype``, a function of each key and the salt: element ``i`` of a key with offset ``b`` is
+    ``(STEP * i + b) % 241 - 120``, which is the periodic sequence shifted by ``b / STEP`` (mod 241),
+    so each key's content is one window of a cached sequence."""
+    shifts = [((int.from_bytes(k[:6], "little") % 1_000_003 + salt * 7919) * _INVERSE) % _PERIOD for k in keys]
+    windows = _windows(numel, dtype)
+    if len(shifts) == 1:  # a view, no copy
+        return windows[shifts[0]:shifts[0] + 1]
+    return windows[torch.tensor(shifts, dtype=torch.int64)]
+
+
+class SyntheticContent:
+    """Deterministic pool content: a function of the page key (KV, draft rows of that page) or of
+    the boundary's last page key (a state), and of ``seed``. Same key and seed, same bytes, on every
+    rank and host. Written and compared as bytes, so every pool dtype (fp8 included) works.
+
+    Invariant the caller keeps: ``rows`` holds ``page_size`` rows per key, in key order.
     """
 
-    M = 65521
-
-    def __init__(self, layout: ModelLayout, pools: HybridPools, seed: int = 0) -> None:
-        self.layout = layout
+    def __init__(self, pools: HybridPools, seed: int = 0) -> None:
+        if pools.layout.dcp_size > 1:
+            raise ValueError("SyntheticContent writes whole pages on one rank; under DCP a page's tokens are "
+                             "interleaved over ranks (testing/dcp.py's DcpContent writes each rank's share)")
         self.pools = pools
-        g = torch.Generator().manual_seed(seed)
-        self.views: dict[PoolKind, torch.Tensor] = {}
-        self.tables: dict[PoolKind, torch.Tensor] = {}
-        for kind, t in ((PoolKind.FULL, pools.kv.tensor),
-                        (PoolKind.DRAFT, pools.draft.tensor if pools.draft is not None else None)):
-            if t is None:
-                continue
-            v = t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
-            self.views[kind] = v
-            self.tables[kind] = torch.randint(0, 256, (self.M, v.shape[2]), generator=g, dtype=torch.uint8)
-        self.state_views: list[torch.Tensor] = []
-        if pools.mamba is not None:
-            self.state_views = [t.view(torch.uint8).reshape(t.shape[0], -1) for t in pools.mamba.tensors()]
-            width = sum(v.shape[1] for v in self.state_views)
-            self.state_table = torch.randint(0, 256, (self.M + width // 64 + 1, 64), generator=g,
-                                             dtype=torch.uint8)
+        self.layout = pools.layout
+        self.page = self.layout.page_size
+        self.seed = seed
 
-    @staticmethod
-    def _seed(keys: Sequence[bytes]) -> torch.Tensor:
-        return torch.tensor([int.from_bytes(k[:7], "little") for k in keys], dtype=torch.int64)
+    def _salt(self, salt: int) -> int:
+        return salt + 101 * self.seed
 
-    def _page_index(self, keys: Sequence[bytes], n_layers: int) -> torch.Tensor:
-        P = self.layout.page_size
-        s = self._seed(keys)  # [n]
-        idx = s[:, None, None] + torch.arange(n_layers)[None, :, None] * P + torch.arange(P)[None, None, :]
-        return (idx % self.M).transpose(0, 1).reshape(n_layers, -1)  # [L, n*P]
+    def _pages(self, t: torch.Tensor, keys: Sequence[bytes], salt: int) -> torch.Tensor:
+        """Content of ``keys``' pages for pool tensor ``t`` as bytes, shaped like ``t[:, rows]``'s bytes."""
+        per_page = t.shape[0] * self.page * int(torch.Size(t.shape[2:]).numel())
+        x = _pattern(keys, per_page, self._salt(salt), t.dtype).view(len(keys), t.shape[0], self.page, *t.shape[2:])
+        return x.transpose(0, 1).reshape(t.shape[0], len(keys) * self.page, *t.shape[2:]).view(torch.uint8)
 
     def write_pages(self, keys: Sequence[bytes], rows: torch.Tensor) -> None:
+        """Write page ``i``'s content into ``rows[i*P:(i+1)*P]`` of the KV (and draft) pool."""
+        self._check_rows(keys, rows)
         if not keys:
             return
-        for kind, v in self.views.items():
-            idx = self._page_index(keys, v.shape[0])
-            v[:, rows] = self.tables[kind][idx]
+        for salt, t in self._page_tensors():
+            t.view(torch.uint8)[:, rows] = self._pages(t, keys, salt)
 
-    def check_pages(self, keys: Sequence[bytes], rows: torch.Tensor) -> int:
-        """Number of pages whose content differs from what it must be."""
+    def pages_match(self, keys: Sequence[bytes], rows: torch.Tensor) -> list[int]:
+        """Indices of pages whose rows do not hold their content (empty: all good)."""
+        self._check_rows(keys, rows)
         if not keys:
-            return 0
-        bad = torch.zeros(len(keys), dtype=torch.bool)
-        P = self.layout.page_size
-        for kind, v in self.views.items():
-            idx = self._page_index(keys, v.shape[0])
-            diff = (v[:, rows] != self.tables[kind][idx]).reshape(v.shape[0], len(keys), P, -1)
-            bad |= diff.any(dim=3).any(dim=2).any(dim=0)
-        return int(bad.sum())
+            return []
+        bad: set[int] = set()
+        for salt, t in self._page_tensors():
+            have = t.view(torch.uint8)[:, rows].reshape(t.shape[0], len(keys), -1)
+            want = self._pages(t, keys, salt).reshape(t.shape[0], len(keys), -1)
+            diff = (have != want).any(dim=2).any(dim=0)
+            bad.update(int(i) for i in torch.nonzero(diff).flatten())
+        return sorted(bad)
 
-    def _state_bytes(self, key: bytes) -> list[torch.Tensor]:
-        s = int.from_bytes(key[:7], "little") % self.M
-        out = []
-        off = 0
-        for v in self.state_views:
-            n = v.shape[1]
-            rows = -(-n // 64)
-            out.append(self.state_table[s + off // 64: s + off // 64 + rows].reshape(-1)[:n])
-            off += n
-        return out
+    def _state(self, key: bytes, t: torch.Tensor, salt: int) -> torch.Tensor:
+        return _pattern([key], t[0].numel(), self._salt(salt), t.dtype)[0].view(t.shape[1:]).view(torch.uint8)
 
     def write_state(self, key: bytes, slot: int) -> None:
-        for v, b in zip(self.state_views, self._state_bytes(key)):
-            v[slot] = b
+        """Write the state of the boundary whose last page key is ``key`` into ``slot``."""
+        assert self.pools.mamba is not None
+        for salt, t in enumerate(self.pools.mamba.tensors(), start=10):
+            t.view(torch.uint8)[slot] = self._state(key, t, salt)
 
-    def check_state(self, key: bytes, slot: int) -> bool:
-        return all(torch.equal(v[slot], b) for v, b in zip(self.state_views, self._state_bytes(key)))
+    def state_matches(self, key: bytes, slot: int) -> bool:
+        assert self.pools.mamba is not None
+        return all(torch.equal(t.view(torch.uint8)[slot], self._state(key, t, salt))
+                   for salt, t in enumerate(self.pools.mamba.tensors(), start=10))
+
+    def _page_tensors(self) -> list[tuple[int, torch.Tensor]]:
+        # a state-only layout's KV tensor has no layers: its rows hold nothing to check
+        out = [] if self.layout.state_only else [(1, self.pools.kv.tensor)]
+        if self.pools.draft is not None:
+            out.append((2, self.pools.draft.tensor))
+        return out
+
+    def _check_rows(self, keys: Sequence[bytes], rows: torch.Tensor) -> None:
+        if rows.numel() != len(keys) * self.page:
+            raise ValueError(f"{len(keys)} pages need {len(keys) * self.page} rows, got {rows.numel()}")
+
+    def prefix_problems(self, linker: Linker, req: Request) -> list[str]:
+        """What is wrong with the request's cached prefix: its rows and its state source
+        must hold the content of its page keys (empty list: all good)."""
+        keys = req.page_keys(req.prefix_pages)
+        problems = [f"page {i}" for i in self.pages_match(keys, req.rows[: req.prefix_tokens])]
+        if self.layout.is_hybrid and req.prefix_pages:
+            if req.state_source is None:
+                problems.append("no state source")
+            elif not self.state_matches(keys[-1], req.state_source):
+                problems.append(f"state at page {req.prefix_pages}")
+        return problems
+
+
+__all__ = ["PRESETS", "SyntheticContent", "preset_layout"]

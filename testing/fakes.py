@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
-from ..components.pools import HybridPools
 from ..dataplane.events import DeviceEvent
 from ..dataplane.pool_staging import LatencyMonitor
 from ..linker.facade import Linker, Request
@@ -43,6 +42,7 @@ from ..stores.base import (
 from ..stores.faulty import FaultyStore
 from ..stores.resilient import ResilientStore
 from ..stores.rows import CODE, RowBatch, RowResults
+from .content import SyntheticContent
 
 # ---- device fences ---------------------------------------------------------------------------
 
@@ -422,92 +422,6 @@ def small_hybrid_layout(*, page_size: int = 4, chunk_size: int = 8, draft: bool 
         kv_dtype="bfloat16", mamba_layers=mamba, draft_layers=1 if draft else 0,
         draft_row_shape=[2, 4] if draft else None, tp_rank=tp_rank, tp_size=tp_size,
         replicated=replicated)
-
-
-def _pattern(keys: Sequence[bytes], numel: int, salt: int) -> torch.Tensor:
-    """``[len(keys), numel]`` small integers (exact in every float dtype hylinker allows),
-    a function of each key and the salt."""
-    base = torch.tensor([int.from_bytes(k[:6], "little") % 1_000_003 for k in keys],
-                        dtype=torch.int64) + salt * 7919
-    idx = torch.arange(numel, dtype=torch.int64) * 40503
-    return ((idx[None, :] + base[:, None]) % 241 - 120).to(torch.float32)
-
-
-class SyntheticContent:
-    """Deterministic pool content: a function of the page key (KV, draft rows of that page)
-    or of the boundary's last page key (a state). Same key, same bytes, on every rank."""
-
-    def __init__(self, pools: HybridPools) -> None:
-        if pools.layout.dcp_size > 1:
-            raise ValueError("SyntheticContent writes whole pages on one rank; under DCP a page's tokens are "
-                             "interleaved over ranks (tests/test_dcp.py writes each rank's share)")
-        self.pools = pools
-        self.layout = pools.layout
-        self.page = self.layout.page_size
-
-    def _pages(self, t: torch.Tensor, keys: Sequence[bytes], salt: int) -> torch.Tensor:
-        """Content of ``keys``' pages for pool tensor ``t``, shaped like ``t[:, rows]``."""
-        per_page = t.shape[0] * self.page * int(torch.Size(t.shape[2:]).numel())
-        x = _pattern(keys, per_page, salt).view(len(keys), t.shape[0], self.page, *t.shape[2:])
-        return x.transpose(0, 1).reshape(t.shape[0], len(keys) * self.page, *t.shape[2:]).to(t.dtype)
-
-    def write_pages(self, keys: Sequence[bytes], rows: torch.Tensor) -> None:
-        """Write page ``i``'s content into ``rows[i*P:(i+1)*P]`` of the KV (and draft) pool."""
-        self._check_rows(keys, rows)
-        if not keys:
-            return
-        for salt, t in self._page_tensors():
-            t[:, rows] = self._pages(t, keys, salt)
-
-    def pages_match(self, keys: Sequence[bytes], rows: torch.Tensor) -> list[int]:
-        """Indices of pages whose rows do not hold their content (empty: all good)."""
-        self._check_rows(keys, rows)
-        if not keys:
-            return []
-        bad: set[int] = set()
-        for salt, t in self._page_tensors():
-            have = t[:, rows].view(torch.uint8).reshape(t.shape[0], len(keys), -1)
-            want = self._pages(t, keys, salt).view(torch.uint8).reshape(t.shape[0], len(keys), -1)
-            diff = (have != want).any(dim=2).any(dim=0)
-            bad.update(int(i) for i in torch.nonzero(diff).flatten())
-        return sorted(bad)
-
-    def write_state(self, key: bytes, slot: int) -> None:
-        """Write the state of the boundary whose last page key is ``key`` into ``slot``."""
-        assert self.pools.mamba is not None
-        for salt, t in enumerate(self.pools.mamba.tensors(), start=10):
-            t[slot] = _pattern([key], t[slot].numel(), salt).view(t.shape[1:]).to(t.dtype)
-
-    def state_matches(self, key: bytes, slot: int) -> bool:
-        assert self.pools.mamba is not None
-        for salt, t in enumerate(self.pools.mamba.tensors(), start=10):
-            want = _pattern([key], t[slot].numel(), salt).view(t.shape[1:]).to(t.dtype)
-            if not torch.equal(t[slot], want):
-                return False
-        return True
-
-    def _page_tensors(self) -> list[tuple[int, torch.Tensor]]:
-        # a state-only layout's KV tensor has no layers: its rows hold nothing to check
-        out = [] if self.layout.state_only else [(1, self.pools.kv.tensor)]
-        if self.pools.draft is not None:
-            out.append((2, self.pools.draft.tensor))
-        return out
-
-    def _check_rows(self, keys: Sequence[bytes], rows: torch.Tensor) -> None:
-        if rows.numel() != len(keys) * self.page:
-            raise ValueError(f"{len(keys)} pages need {len(keys) * self.page} rows, got {rows.numel()}")
-
-    def prefix_problems(self, linker: Linker, req: Request) -> list[str]:
-        """What is wrong with the request's cached prefix: its rows and its state source
-        must hold the content of its page keys (empty list: all good)."""
-        keys = req.page_keys(req.prefix_pages)
-        problems = [f"page {i}" for i in self.pages_match(keys, req.rows[: req.prefix_tokens])]
-        if self.layout.is_hybrid and req.prefix_pages:
-            if req.state_source is None:
-                problems.append("no state source")
-            elif not self.state_matches(keys[-1], req.state_source):
-                problems.append(f"state at page {req.prefix_pages}")
-        return problems
 
 
 async def synthetic_prefill(linker: Linker, content: SyntheticContent, req: Request, *,

@@ -39,7 +39,7 @@ from ..stores.base import GetResult, Outcome, Store
 from ..stores.mooncake import MooncakeStore
 from ..stores.mooncake_client import MooncakeConfig
 from ..stores.resilient import ResiliencePolicy
-from .content import Content, preset_layout
+from .content import SyntheticContent, preset_layout
 from .fakes import GatedStore
 
 MIB = 1 << 20
@@ -124,7 +124,7 @@ class Engine:
         self.store = PathRecorder(store)
         self.layout = preset_layout("kimi", 64, 64)
         self.pools = HybridPools(self.layout, kv_pages=256, mamba_slots=16)
-        self.content = Content(self.layout, self.pools, seed=0)  # the same bytes on every host
+        self.content = SyntheticContent(self.pools, seed=0)  # the same bytes on every host
         self.doc_tokens = args.doc_pages * self.layout.page_size
         self.docs = [document(d, self.doc_tokens) for d in range(args.docs)]
         self.rng = np.random.default_rng(args.seed)
@@ -185,8 +185,8 @@ class Engine:
             keys = page_keys(req.tokens, P, req.seed)
             k = req.prefix_pages
             if k:
-                wrong = self.content.check_pages(keys[:k], req.rows[: k * P])
-                if req.state_source is None or not self.content.check_state(keys[k - 1], req.state_source):
+                wrong = len(self.content.pages_match(keys[:k], req.rows[: k * P]))
+                if req.state_source is None or not self.content.state_matches(keys[k - 1], req.state_source):
                     wrong += 1
             rows = lk.extend(req, len(tokens))
             whole = len(tokens) // P

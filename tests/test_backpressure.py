@@ -24,10 +24,10 @@ from hylinker.linker.statistics import LinkerStatistics
 from hylinker.linker.tree_writer import PoolExhaustedError
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
+from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import (
     FakeClock,
     GatedStore,
-    SyntheticContent,
     attach_clock,
     small_hybrid_layout,
     synthetic_prefill,

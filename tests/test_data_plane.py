@@ -633,7 +633,8 @@ async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_pl
     from hylinker.components.pools import HybridPools
     from hylinker.linker.config import LinkerConfig
     from hylinker.linker.facade import Linker
-    from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout, synthetic_prefill
+    from hylinker.testing.content import SyntheticContent
+    from hylinker.testing.fakes import small_hybrid_layout, synthetic_prefill
 
     layout = small_hybrid_layout()
     store = EmbeddedStore(8 << 20)

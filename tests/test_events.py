@@ -15,10 +15,10 @@ from hylinker.dataplane.events import DeviceEvent, FenceError, record_fence, wai
 from hylinker.linker.config import LinkerConfig
 from hylinker.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
+from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import (
     FakeDeviceEvent,
     GatedStore,
-    SyntheticContent,
     small_hybrid_layout,
     synthetic_prefill,
 )

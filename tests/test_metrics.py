@@ -22,7 +22,8 @@ from hylinker.linker.facade import Linker
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
-from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout, synthetic_prefill
+from hylinker.testing.content import SyntheticContent
+from hylinker.testing.fakes import small_hybrid_layout, synthetic_prefill
 
 LAYOUT = small_hybrid_layout()
 P = LAYOUT.page_size

@@ -29,7 +29,8 @@ from hylinker.components.radix import RadixTree
 from hylinker.linker.config import LinkerConfig
 from hylinker.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
-from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout
+from hylinker.testing.content import SyntheticContent
+from hylinker.testing.fakes import small_hybrid_layout
 
 P, G, C = 4, 8, 8
 

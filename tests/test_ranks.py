@@ -33,7 +33,7 @@ from hylinker.linker.agreement import (
 from hylinker.linker.config import LinkerConfig
 from hylinker.linker.facade import Linker, Request
 from hylinker.stores.mooncake import MooncakeConfig, MooncakeStore
-from hylinker.testing.content import Content, preset_layout
+from hylinker.testing.content import SyntheticContent, preset_layout
 from hylinker.tools.ranks import launch
 from hylinker.tools.stress_ranks import rank_disagreements
 
@@ -100,7 +100,7 @@ def _tokens(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30000, size=n, dtype=np.int64)
 
 
-async def _serve(lk: Linker, content: Content, rid: str, tokens: np.ndarray) -> dict[str, Any]:
+async def _serve(lk: Linker, content: SyntheticContent, rid: str, tokens: np.ndarray) -> dict[str, Any]:
     """One request through every phase; what the rank stood on and whether it checked out."""
     async with lk.session(rid, tokens) as req:
         hit = await lk.lookup(req)
@@ -108,8 +108,8 @@ async def _serve(lk: Linker, content: Content, rid: str, tokens: np.ndarray) -> 
         restored = await lk.commit(load) if load is not None else 0
         keys = page_keys(req.tokens, PAGE, req.seed)
         n = req.prefix_pages
-        bad = content.check_pages(keys[:n], req.rows[: n * PAGE]) if n else 0
-        if n and (req.state_source is None or not content.check_state(keys[n - 1], req.state_source)):
+        bad = len(content.pages_match(keys[:n], req.rows[: n * PAGE])) if n else 0
+        if n and (req.state_source is None or not content.state_matches(keys[n - 1], req.state_source)):
             bad += 1
         seen = {"lookup_tokens": hit.total_tokens, "prefix_tokens": req.prefix_tokens,
                 "device_tokens": hit.device_tokens, "restored": restored, "mismatches": bad}
@@ -117,7 +117,7 @@ async def _serve(lk: Linker, content: Content, rid: str, tokens: np.ndarray) -> 
     return seen
 
 
-async def _forward(lk: Linker, content: Content, req: Request, keys: list[bytes]) -> None:
+async def _forward(lk: Linker, content: SyntheticContent, req: Request, keys: list[bytes]) -> None:
     rows = lk.extend(req, len(req.tokens))
     whole = len(req.tokens) // PAGE
     content.write_pages(keys[req.prefix_pages:whole], rows[req.prefix_pages * PAGE: whole * PAGE])
@@ -139,7 +139,7 @@ async def scenario_two_ranks(rank: int, size: int, agreement: Agreement, address
                              ) -> dict[str, Any]:
     layout = preset_layout("kimi", PAGE, PAGE, tp_rank=rank, tp_size=size, replicated=("kv", "draft"))
     pools = HybridPools(layout, kv_pages=64, mamba_slots=16)
-    content = Content(layout, pools, seed=0)
+    content = SyntheticContent(pools, seed=0)
     store = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=32 << 20))
     out: dict[str, Any] = {}
     tokens = _tokens(prefix, PAGES * PAGE + 5)

@@ -29,10 +29,10 @@ from hylinker.stores.base import Outcome, Store, StoreUnavailableError
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.stores.resilient import ResiliencePolicy, ResilientStore
+from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import (
     FakeClock,
     GatedStore,
-    SyntheticContent,
     small_hybrid_layout,
     synthetic_prefill,
     wait_until,

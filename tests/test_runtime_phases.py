@@ -25,13 +25,8 @@ from hylinker.linker.facade import Linker, LookupResult, PhaseError, Request
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
-from hylinker.testing.fakes import (
-    GatedStore,
-    SyntheticContent,
-    small_hybrid_layout,
-    synthetic_prefill,
-    wait_until,
-)
+from hylinker.testing.content import SyntheticContent
+from hylinker.testing.fakes import GatedStore, small_hybrid_layout, synthetic_prefill, wait_until
 
 LAYOUT = small_hybrid_layout()
 P = LAYOUT.page_size

@@ -14,12 +14,8 @@ from hylinker.linker.config import LinkerConfig
 from hylinker.linker.facade import Linker, PhaseError
 from hylinker.stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
 from hylinker.stores.embedded import EmbeddedStore
-from hylinker.testing.fakes import (
-    GatedStore,
-    SyntheticContent,
-    small_hybrid_layout,
-    synthetic_prefill,
-)
+from hylinker.testing.content import SyntheticContent
+from hylinker.testing.fakes import GatedStore, small_hybrid_layout, synthetic_prefill
 
 CFG = LinkerConfig(staging_bytes_per_pool=1 << 16)
 

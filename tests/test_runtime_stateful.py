@@ -44,7 +44,8 @@ from hylinker.linker.facade import LoadHandle, Request
 from hylinker.linker.tree_writer import PoolExhaustedError
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
-from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout, synthetic_prefill
+from hylinker.testing.content import SyntheticContent
+from hylinker.testing.fakes import small_hybrid_layout, synthetic_prefill
 
 LAYOUT = small_hybrid_layout()  # P = 4, G = 8
 P = LAYOUT.page_size

@@ -24,7 +24,8 @@ from hylinker.linker.config import LinkerConfig
 from hylinker.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
-from hylinker.testing.fakes import GatedStore, SyntheticContent, synthetic_prefill
+from hylinker.testing.content import SyntheticContent
+from hylinker.testing.fakes import GatedStore, synthetic_prefill
 
 MAMBA = [MambaLayerSpec(0, (3, 8), torch.float32, (2, 4, 4), torch.float32),
          MambaLayerSpec(1, (3, 8), torch.bfloat16)]

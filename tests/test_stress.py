@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from hylinker.components.pools import HybridPools
-from hylinker.testing.content import Content, preset_layout
+from hylinker.testing.content import SyntheticContent, preset_layout
 from hylinker.tools.cli import main
 from hylinker.tools.report import LOSS_COLUMNS, stress_row
 from hylinker.tools.traces import mooncake_trace
@@ -98,22 +98,30 @@ def test_trace_replay_and_plot(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_content_detects_a_swapped_page() -> None:
-    layout = preset_layout("kimi")
-    pools = HybridPools(layout, kv_pages=8, mamba_slots=2)
-    content = Content(layout, pools)
-    P = layout.page_size
-    keys = [bytes([i]) * 16 for i in range(1, 4)]
+@pytest.mark.parametrize("preset", ["kimi", "attention"])  # an fp8 KV pool with states; bf16 pages only
+def test_content_detects_a_swapped_page_a_one_byte_flip_and_another_seed(preset: str) -> None:
     import torch
 
+    layout = preset_layout(preset)
+    pools = HybridPools(layout, kv_pages=8, mamba_slots=2)
+    content = SyntheticContent(pools)
+    P = layout.page_size
+    keys = [bytes([i]) * 16 for i in range(1, 4)]
     rows = torch.arange(3 * P)
     content.write_pages(keys, rows)
-    assert content.check_pages(keys, rows) == 0
+    assert content.pages_match(keys, rows) == []
     swapped = torch.cat([rows[P:2 * P], rows[:P], rows[2 * P:]])
-    assert content.check_pages(keys, swapped) == 2
-    content.write_state(keys[0], 0)
-    assert content.check_state(keys[0], 0)
-    assert not content.check_state(keys[1], 0)
+    assert content.pages_match(keys, swapped) == [0, 1]
+    pools.kv.tensor.view(torch.uint8)[0, 2 * P + 5].view(-1)[0] ^= 1  # one bit of page 2
+    assert content.pages_match(keys, rows) == [2]
+    assert SyntheticContent(pools, seed=1).pages_match(keys[:2], rows[:2 * P]) == [0, 1]
+    with pytest.raises(ValueError, match="rows"):
+        content.pages_match(keys, rows[:P])
+    if layout.is_hybrid:
+        content.write_state(keys[0], 0)
+        assert content.state_matches(keys[0], 0)
+        assert not content.state_matches(keys[1], 0)
+        assert not SyntheticContent(pools, seed=1).state_matches(keys[0], 0)
 
 
 @pytest.mark.mooncake

@@ -15,7 +15,8 @@ from hylinker.dataplane.tracing import disable_trace_logging, enable_trace_loggi
 from hylinker.linker.config import LinkerConfig
 from hylinker.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
-from hylinker.testing.fakes import SyntheticContent, small_hybrid_layout, synthetic_prefill
+from hylinker.testing.content import SyntheticContent
+from hylinker.testing.fakes import small_hybrid_layout, synthetic_prefill
 
 LAYOUT = small_hybrid_layout()
 

@@ -15,7 +15,7 @@ import torch
 from conftest import AFTER_S, CONFIG, row
 
 from hylinker.components.pools import HybridPools
-from hylinker.testing.content import Content, preset_layout
+from hylinker.testing.content import SyntheticContent, preset_layout
 from hylinker.testing.netns import Network, list_own
 from hylinker.tools.fleet import FAULTS
 
@@ -85,17 +85,17 @@ def test_content_check_catches_one_wrong_byte() -> None:
     """The positive control for every ``wrong_restores == 0``: one flipped byte is counted."""
     layout = preset_layout("kimi", 64, 64)
     pools = HybridPools(layout, kv_pages=8, mamba_slots=2)
-    content = Content(layout, pools, seed=0)
+    content = SyntheticContent(pools, seed=0)
     keys = [bytes([i]) * 16 for i in range(4)]
     rows = torch.arange(4 * layout.page_size)
     content.write_pages(keys, rows)
     content.write_state(keys[-1], 0)
-    assert content.check_pages(keys, rows) == 0 and content.check_state(keys[-1], 0)
+    assert len(content.pages_match(keys, rows)) == 0 and content.state_matches(keys[-1], 0)
     pools.kv.tensor.view(torch.uint8)[0, 70, 3] ^= 1  # page 1, token 6
-    assert content.check_pages(keys, rows) == 1
+    assert len(content.pages_match(keys, rows)) == 1
     assert pools.mamba is not None
     pools.mamba.tensors()[0].view(torch.uint8).reshape(2, -1)[0, 5] ^= 1
-    assert not content.check_state(keys[-1], 0)
+    assert not content.state_matches(keys[-1], 0)
 
 
 def test_unreachable_master_fails_fast_inside_a_namespace() -> None:

@@ -26,7 +26,7 @@ from ..components.pools import HybridPools
 from ..linker.agreement import Agreement, GlooAgreement
 from ..linker.config import LinkerConfig
 from ..linker.facade import Linker
-from ..testing.content import Content, preset_layout
+from ..testing.content import SyntheticContent, preset_layout
 from .report import percentiles
 
 PAGE = 64
@@ -49,7 +49,7 @@ async def bench_rank(rank: int, size: int, agreement: Agreement, address: str, p
     try:
         pools_a = HybridPools(layout, kv_pages=512, mamba_slots=32)
         pools_s = HybridPools(layout, kv_pages=512, mamba_slots=32)
-        content = Content(layout, pools_a, seed=0)
+        content = SyntheticContent(pools_a, seed=0)
         async with Linker(layout, pools_a, store, cfg, salt="bench", agreement=agreement) as agreed, \
                 Linker(layout, pools_s, store, cfg, salt="bench") as single:
             for i, t in enumerate(tokens):  # store every prompt (agreed offloads)

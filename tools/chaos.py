@@ -121,7 +121,8 @@ async def _donate(linker: Linker, content: Any, n: int, seed: int) -> None:
 
 async def close_with_hung_store(config: LinkerConfig) -> dict[str, Any]:
     """Offloads stuck in a store whose puts never return: how long close() takes."""
-    from ..testing.fakes import GatedStore, SyntheticContent, small_hybrid_layout
+    from ..testing.content import SyntheticContent
+    from ..testing.fakes import GatedStore, small_hybrid_layout
 
     layout = small_hybrid_layout()
     pools = HybridPools(layout, kv_pages=256, mamba_slots=32)
@@ -148,7 +149,8 @@ async def close_after_killed_master(config: LinkerConfig) -> dict[str, Any]:
     """A linker on Mooncake whose master is SIGKILLed with offloads in flight."""
     from ..stores.mooncake import MooncakeConfig, MooncakeStore
     from ..stores.mooncake_master import MooncakeMaster
-    from ..testing.fakes import SyntheticContent, small_hybrid_layout
+    from ..testing.content import SyntheticContent
+    from ..testing.fakes import small_hybrid_layout
 
     layout = small_hybrid_layout()
     pools = HybridPools(layout, kv_pages=256, mamba_slots=32)

@@ -120,13 +120,13 @@ async def _runtime(cfg: MooncakeConfig, docs: int) -> dict[str, Any]:
     from ..components.pools import HybridPools
     from ..linker.config import LinkerConfig
     from ..linker.facade import Linker
-    from ..testing.content import Content, preset_layout
+    from ..testing.content import SyntheticContent, preset_layout
     from ..testing.fleet_engine import document
 
     layout = preset_layout("kimi", 64, 64)
     P = layout.page_size
     pools = HybridPools(layout, kv_pages=docs * 8 + 64, mamba_slots=3 * docs + 4)
-    content = Content(layout, pools, seed=0)
+    content = SyntheticContent(pools, seed=0)
     store = await MooncakeStore.open(cfg)
     prompts = [document(d, 8 * P) for d in range(docs)]
     wrong = 0
@@ -183,8 +183,8 @@ async def _runtime(cfg: MooncakeConfig, docs: int) -> dict[str, Any]:
                 for req in restored:  # every restored byte, after the timing
                     keys = page_keys(req.tokens, P, req.seed)
                     n = req.prefix_pages
-                    wrong += content.check_pages(keys[:n], req.rows[: n * P])
-                    if req.state_source is None or not content.check_state(keys[n - 1], req.state_source):
+                    wrong += len(content.pages_match(keys[:n], req.rows[: n * P]))
+                    if req.state_source is None or not content.state_matches(keys[n - 1], req.state_source):
                         wrong += 1
                 checked.set()
             stats = lk.pool_statistics()

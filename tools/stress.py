@@ -32,7 +32,7 @@ from ..linker.facade import Linker, Request
 from ..linker.tree_writer import PoolExhaustedError
 from ..stores.base import Store
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
-from ..testing.content import PRESETS, Content, preset_layout
+from ..testing.content import SyntheticContent, preset_layout
 from .replay import Demand, QueueFullError, WaitingQueue, pages_for
 from .report import percentiles, progress_bar
 from .workloads import (
@@ -52,7 +52,7 @@ SLOTS_PER_REQUEST = 3
 #: a request whose allocation still fails (offloads in flight lock rows) goes back to the
 #: queue this many times before it is dropped and counted as an allocation failure
 MAX_ATTEMPTS = 50
-__all__ = ["PRESETS", "Content", "StressConfig", "StressRun", "preset_layout"]
+__all__ = ["MIB", "POLICIES", "StressConfig", "StressResult", "StressRun", "load_workload", "run_stress", "stress_config"]
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -131,7 +131,7 @@ class StressRun:
         self.kv_pages = cfg.kv_pages if cfg.kv_pages is not None else kv
         self.mamba_slots = (cfg.mamba_slots if cfg.mamba_slots is not None else slots) if self.layout.is_hybrid else 0
         self.pools = HybridPools(self.layout, kv_pages=self.kv_pages, mamba_slots=self.mamba_slots)
-        self.content = Content(self.layout, self.pools, cfg.seed)
+        self.content = SyntheticContent(self.pools, seed=cfg.seed)
         # the waiting queue's budget: the whole KV pool, and the slots offloads can never hold
         slot_budget = math.floor(self.mamba_slots * (1 - share)) if self.layout.is_hybrid else 0
         self.queue = WaitingQueue(pages=self.kv_pages, slots=slot_budget, concurrency=cfg.concurrency,
@@ -306,11 +306,11 @@ class StressRun:
         n = req.prefix_pages
         if n == 0:
             return
-        bad = self.content.check_pages(keys[:n], req.rows[: n * self.layout.page_size])
+        bad = len(self.content.pages_match(keys[:n], req.rows[: n * self.layout.page_size]))
         self.c["restores_verified"] += n
         if self.layout.is_hybrid:
             self.c["restores_verified"] += 1
-            if req.state_source is None or not self.content.check_state(keys[n - 1], req.state_source):
+            if req.state_source is None or not self.content.state_matches(keys[n - 1], req.state_source):
                 bad += 1
         self.c["restore_mismatches"] += bad
 
