@@ -22,10 +22,7 @@ pytest.importorskip("transformers")
 from hylinker.components.layout import ModelLayout
 from hylinker.components.mamba import restorable_ceiling
 from hylinker.components.pools import HybridPools
-from hylinker.linker.facade import Linker, Request
-from hylinker.stores.base import Store
-from hylinker.stores.embedded import EmbeddedStore
-from hylinker.tools.reference import (
+from hylinker.harness.reference import (
     BoundaryState,
     ExtendResult,
     LinearStateMode,
@@ -36,7 +33,10 @@ from hylinker.tools.reference import (
     kl_divergence,
     max_abs_diff,
 )
-from hylinker.tools.reference.runtime_engine import LinkedEngine, PrefillResult, pool_views
+from hylinker.harness.reference.runtime_engine import LinkedEngine, PrefillResult, pool_views
+from hylinker.linker.facade import Linker, Request
+from hylinker.stores.base import Store
+from hylinker.stores.embedded import EmbeddedStore
 
 PAGE = 16
 PROMPT_LEN = 250  # ceiling 192 on the 64-token grid; the prefill donates at 192

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from hylinker.testing.fleet import Fleet, FleetConfig
-from hylinker.testing.netns import NetnsUnavailableError, list_own, require_netns
+from hylinker.harness.fleet import Fleet, FleetConfig
+from hylinker.harness.netns import NetnsUnavailableError, list_own, require_netns
 from hylinker.tools.fleet import FAULTS, run_faults
 
 WARM_S = 3.0

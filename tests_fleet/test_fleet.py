@@ -15,8 +15,8 @@ import torch
 from conftest import AFTER_S, CONFIG, row
 
 from hylinker.components.pools import HybridPools
+from hylinker.harness.netns import Network, list_own
 from hylinker.testing.content import SyntheticContent, preset_layout
-from hylinker.testing.netns import Network, list_own
 from hylinker.tools.fleet import FAULTS
 
 #: what "bounded by the configured timeouts" allows, with 1 s for a loaded 2-core host. A lookup

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import run_engine, worker_statistics
 
-from hylinker.testing.tiny_qwen3 import BLOCK_SIZE, LORA_RANK, build_tiny_qwen3, write_random_lora
+from hylinker.harness.tiny_qwen3 import BLOCK_SIZE, LORA_RANK, build_tiny_qwen3, write_random_lora
 
 pytestmark = pytest.mark.slow
 PROMPT_TOKENS = 600

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hylinker.stores.mooncake_master import MooncakeMaster
-from hylinker.testing.vllm_server import (
+from hylinker.harness.vllm_server import (
     cached_tokens,
     chat,
     conversation,
@@ -22,6 +21,7 @@ from hylinker.testing.vllm_server import (
     stop_server,
     top_logprobs,
 )
+from hylinker.stores.mooncake_master import MooncakeMaster
 
 pytestmark = pytest.mark.slow
 

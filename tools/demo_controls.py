@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import torch
 
-from .reference.engine import (
+from ..harness.reference.engine import (
     BoundaryState,
     CacheGeometry,
     ReferenceEngine,

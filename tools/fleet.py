@@ -1,6 +1,6 @@
 """``hylinker fleet``: real network faults on a fleet of namespaces, every restore verified.
 
-One :class:`~hylinker.testing.fleet.Fleet` (a master and ``--hosts`` engine hosts, each in a
+One :class:`~hylinker.harness.fleet.Fleet` (a master and ``--hosts`` engine hosts, each in a
 network namespace on one bridge) serves traffic from every host while the tool applies, in
 turn, each fault of ``--faults``:
 
@@ -35,8 +35,8 @@ from typing import Any
 
 import attrs
 
-from ..testing.fleet import Fleet, FleetConfig
-from ..testing.netns import NetnsUnavailableError
+from ..harness.fleet import Fleet, FleetConfig
+from ..harness.netns import NetnsUnavailableError
 from .report import format_table, percentiles
 
 HELP = "faults on a fleet of network namespaces (partition, host death, master restart, kill -9)"

@@ -324,7 +324,7 @@ def check_config(config: Any) -> None:
     Checked on the config, before any weights exist: the model type has a causal-LM class.
     What only a forward shows (what each cache layer holds, where states live, whether a
     model honours them) is checked by
-    :func:`~hylinker.tools.reference.engine.cache_geometry`.
+    :func:`~hylinker.harness.reference.engine.cache_geometry`.
     """
     _check_causal_lm(str(config.model_type))
 

@@ -1,5 +1,5 @@
 """Pytest fixtures the engine suites share (``tests_sglang/``, ``tests_sglang_server/``): each
-suite's root ``conftest.py`` loads them with ``pytest_plugins = ["hylinker.testing.engine_fixtures"]``."""
+suite's root ``conftest.py`` loads them with ``pytest_plugins = ["hylinker.harness.engine_fixtures"]``."""
 
 from __future__ import annotations
 
