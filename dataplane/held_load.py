@@ -9,12 +9,15 @@ from functools import partial
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import attrs
+import numpy as np
 import torch
 
 from ..stores import framing
 from ..stores.base import GetResult, Outcome
+from ..stores.rows import OUTCOMES, RowResults
 from .events import wait_fence
-from .in_place import InPlaceTransfers
+from .in_place import InPlaceTransfers, RowTarget, private_rows
 from .pool_staging import check_landed, pipelined
 from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, TransferJob
@@ -82,6 +85,8 @@ class HeldLoads(InPlaceTransfers):
             # in its rows, never reported landed)
             job.in_rows = True
             return await self._load_in_place(job, codec, size, t0)
+        if self.rows and codec.host_path(job.index):
+            return await self._load_held_rows(job, codec, size, t0)
         faults: dict[str, int] = {}
         grid = await self._held_frames(job)
         job.staged = grid
@@ -123,6 +128,42 @@ class HeldLoads(InPlaceTransfers):
             self._reread_outcome(ok, again, check(again, results, False))
         return self._loaded(job, ok, faults, size, t0)
 
+    async def _load_held_rows(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
+        """A held job over a store with row-described calls: every object is got into private
+        rows laid out like the pool's segments (in the held arena), by sub-batches whose
+        headers are verified at once, as an in-place load does; no pool row is written until
+        :meth:`land_held` copies them, one NumPy copy per segment."""
+        n = len(job.keys)
+        grid = await self._held_frames(job)  # n * stride >= n * payload bytes
+        job.staged = grid
+        target = job.staged_rows = private_rows(grid.numpy().reshape(-1), n, codec)
+        good, again, faults = await self._get_rows_verified(job, codec, size, target)
+        ok = [g for batch in good for g in batch]
+        if again:  # read once more into the same private rows, in one call
+            again.sort()
+            self._reread_outcome(ok, again, await self._reread_rows(job, codec, size, target, again, faults))
+        return self._loaded(job, ok, faults, size, t0)
+
+    async def _reread_rows(self, job: TransferJob, codec: PoolCodec, size: int, target: RowTarget,
+                           again: list[int], faults: dict[str, int]) -> list[bool]:
+        """Get the objects ``again`` once more into ``target`` and verify each; what fails now is
+        counted under its fault (the stored object is bad)."""
+        hashed = self.integrity is framing.Integrity.CHECKSUM
+        batch = self._row_batch(job, codec, 0, len(job.keys), None, target).select(again)
+        batch = attrs.evolve(batch, heads=np.empty((len(again), framing.HEADER_BYTES), dtype=np.uint8))
+        res = await self._rows_call(self.store.get_rows,  # type: ignore[attr-defined]
+                                    batch, lambda: RowResults.of(len(again), Outcome.UNREACHABLE))
+        if len(res.codes) != len(again):
+            res = RowResults.of(len(again), Outcome.FAILED)
+        assert batch.heads is not None
+        out = []
+        for j, i in enumerate(again):
+            r = GetResult(OUTCOMES[int(res.codes[j])], int(res.nbytes[j]), int(res.checksums[j]) if hashed else None)
+            check = partial(framing.verify_parts, batch.heads[j], r.nbytes, target.pieces(i, codec), job.keys[i],
+                            self.fingerprint, integrity=self.integrity)
+            out.append(check_landed(r, hashed, check, faults, None)[0])
+        return out
+
     async def land_held(self, job: TransferJob, on_layer: Callable[[int], None]) -> None:
         """Write a held job's verified frames into its rows; ``on_layer(layer_id)`` (on the
         loop) once each layer's rows hold them (device pools: once the copies completed)."""
@@ -132,6 +173,17 @@ class HeldLoads(InPlaceTransfers):
                 on_layer(layer)
             return
         assert job.staged is not None, "land_held needs a verified held job"
+        if job.staged_rows is not None:  # private rows: one copy per segment
+            held = job.staged_rows.segments
+            if self._inline((0, len(job.keys)), size):
+                codec.scatter_segments(held, job.index, on_layer)
+            else:
+                def landed_layer(layer: int) -> None:
+                    anyio.from_thread.run_sync(on_layer, layer)
+
+                await anyio.to_thread.run_sync(codec.scatter_segments, held, job.index, landed_layer,
+                                               limiter=self.limiter)
+            return
         payload = job.staged[:, framing.HEADER_BYTES: size]
         if self.copies is not None:
             with self.copies.on_stream():
@@ -151,6 +203,7 @@ class HeldLoads(InPlaceTransfers):
     def release_held(self, job: TransferJob) -> None:
         """Drop a held job's frames (landed, or its load failed)."""
         job.staged = None
+        job.staged_rows = None
         if job.staged_in_arena:
             job.staged_in_arena = False
             self._held_busy = False

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import anyio
 import anyio.to_thread
+import attrs
 import numpy as np
 import torch
 
@@ -32,6 +33,37 @@ R = TypeVar("R")
 IN_PLACE_CALL_BYTES = 64 << 20
 """The most object bytes one in-place store call moves (~10 ms of copying here: a thread hop
 per call costs well under 1% of it)."""
+
+
+@attrs.frozen(eq=False)
+class RowTarget:
+    """Where a row-described get writes: per segment (payload order) a flat byte array of whole
+    rows, and each object's first row in them."""
+
+    segments: list[np.ndarray]
+    starts: np.ndarray  # int64 [n]
+
+    def pieces(self, i: int, codec: PoolCodec) -> list[np.ndarray]:
+        """Object ``i``'s payload as views of the segments, in payload order."""
+        s, u = int(self.starts[i]), codec.unit
+        return [seg[s * rb:(s + u) * rb] for seg, rb in zip(self.segments, codec.row_bytes)]
+
+
+def pool_rows(job: TransferJob, codec: PoolCodec) -> RowTarget:
+    """The pool's own rows of ``job``'s objects (a host pool's ``codec.row_segments``)."""
+    assert codec.row_segments is not None
+    return RowTarget(codec.row_segments, job.index[:, 0].numpy().astype(np.int64))
+
+
+def private_rows(memory: np.ndarray, n: int, codec: PoolCodec) -> RowTarget:
+    """``n`` objects' rows in private ``memory`` (at least ``n * payload_bytes`` bytes), laid out
+    like the pool's segments: segment ``j`` is ``n * unit`` rows, object ``i`` at row ``i * unit``."""
+    segments, base = [], 0
+    for rb in codec.row_bytes:
+        length = n * codec.unit * rb
+        segments.append(memory[base:base + length])
+        base += length
+    return RowTarget(segments, np.arange(n, dtype=np.int64) * codec.unit)
 
 
 class SubBatchTurns:
@@ -198,17 +230,18 @@ class InPlaceTransfers(PoolStaging):
     # ---- row-described store calls (stores/rows.py): one description per sub-batch ------------
 
     def _row_batch(self, job: TransferJob, codec: PoolCodec, lo: int, hi: int,
-                   heads: np.ndarray | None = None) -> RowBatch:
-        """Sub-batch ``lo:hi`` of ``job`` as rows of ``codec``'s segments (NumPy, no per-object
-        views): what ``put_rows`` / ``get_rows`` take."""
+                   heads: np.ndarray | None = None, target: RowTarget | None = None) -> RowBatch:
+        """Sub-batch ``lo:hi`` of ``job`` as rows of ``target``'s segments (default: the pool's,
+        ``codec.row_segments`` at the job's rows), NumPy only, no per-object views: what
+        ``put_rows`` / ``get_rows`` take."""
         keys = job.keys[lo:hi]
         template = self._templates.get(id(codec))
         if template is None:
             template = self._templates[id(codec)] = framing.header_template(
                 self.fingerprint, codec.payload_bytes, self.integrity)
-        assert codec.row_segments is not None
-        return RowBatch(keys, digests_of(keys), codec.row_segments, codec.row_bytes, codec.unit,
-                        job.index[lo:hi, 0].numpy().astype(np.int64), template, heads)
+        target = target or pool_rows(job, codec)
+        return RowBatch(keys, digests_of(keys), target.segments, codec.row_bytes, codec.unit,
+                        target.starts[lo:hi], template, heads)
 
     def _row_heads(self, batches: list[tuple[int, int]], k: int) -> np.ndarray:
         """Sub-batch ``k``'s headers in the load arena, as one ``[n, 64]`` array."""
@@ -252,16 +285,24 @@ class InPlaceTransfers(PoolStaging):
         return self._offloaded(job, [o for r in results for o in r], size, t0)
 
     async def _load_rows(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
-        """Load in place by row-described sub-batches; headers verified for the whole
-        sub-batch at once with NumPy (every field and the checksum against the store's), and
-        only an object that fails that is looked at alone (its fault, a second read)."""
+        """Load in place by row-described sub-batches (:meth:`_get_rows_verified`); an object
+        that failed verification is read once more into its rows."""
+        good, again, faults = await self._get_rows_verified(job, codec, size, pool_rows(job, codec))
+        return await self._in_place_loaded(job, codec, good, again, faults, size, t0)
+
+    async def _get_rows_verified(self, job: TransferJob, codec: PoolCodec, size: int,
+                                 target: RowTarget) -> tuple[list[list[bool]], list[int], dict[str, int]]:
+        """Get every object of ``job`` into ``target``'s rows by row-described sub-batches, two
+        store calls in flight; headers verified for the whole sub-batch at once with NumPy
+        (every field and the checksum against the store's), and only an object that fails that
+        is looked at alone (its fault; it goes to the objects to read again). Returns (per
+        sub-batch, which objects verified; the objects to read again; the faults)."""
         faults: dict[str, int] = {}
         batches = self._in_place_batches(len(job.keys))
         good: list[list[bool]] = [[] for _ in batches]
         again: list[int] = []
         get_rows = self.store.get_rows  # type: ignore[attr-defined]
         hashed = self.integrity is framing.Integrity.CHECKSUM
-        starts = job.index[:, 0].tolist()
 
         def verify(k: int, batch: RowBatch, res: RowResults) -> None:
             lo = batches[k][0]
@@ -275,15 +316,14 @@ class InPlaceTransfers(PoolStaging):
             for i in np.flatnonzero(~fine).tolist():  # the exceptions, one at a time
                 code = int(res.codes[i])
                 r = GetResult(OUTCOMES[code], int(res.nbytes[i]), int(res.checksums[i]) if hashed else None)
-                pieces = [p.numpy() for p in codec.pieces(starts[lo + i])]
-                check = partial(framing.verify_parts, heads[i], r.nbytes, pieces, job.keys[lo + i],
-                                self.fingerprint, integrity=self.integrity)
+                check = partial(framing.verify_parts, heads[i], r.nbytes, target.pieces(lo + i, codec),
+                                job.keys[lo + i], self.fingerprint, integrity=self.integrity)
                 ok[i] = check_landed(r, hashed, check, faults, partial(again.append, lo + i))[0]
             good[k] = ok
 
         async def get_verify(k: int, turns: SubBatchTurns) -> None:
             lo, hi = batches[k]
-            batch = self._row_batch(job, codec, lo, hi, self._row_heads(batches, k))
+            batch = self._row_batch(job, codec, lo, hi, self._row_heads(batches, k), target)
             turns.prepared[k].set()
             await turns.store_turn(k)
             res = await self._rows_call(get_rows, batch, lambda: RowResults.of(hi - lo, Outcome.UNREACHABLE))
@@ -293,7 +333,7 @@ class InPlaceTransfers(PoolStaging):
             verify(k, batch, res)
 
         await self._two_in_flight(batches, get_verify)
-        return await self._in_place_loaded(job, codec, good, again, faults, size, t0)
+        return good, again, faults
 
     async def _in_place_loaded(self, job: TransferJob, codec: PoolCodec, good: list[list[bool]], again: list[int],
                                faults: dict[str, int], size: int, t0: float) -> LoadResult:

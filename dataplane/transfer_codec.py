@@ -153,6 +153,21 @@ class PoolCodec:
                 on_layer(layer)
 
 
+    def scatter_segments(self, segments: list[np.ndarray], index: torch.Tensor,
+                         on_layer: Callable[[int], None] | None = None) -> None:
+        """Host path: write objects held as rows of private ``segments`` (laid out like this
+        codec's segments, object ``i`` at row ``i * unit``) into the rows ``index`` names: one
+        NumPy copy per segment, none per object. ``on_layer(layer_id)`` as each layer landed."""
+        assert self.row_segments is not None
+        rows = index.reshape(-1).numpy()
+        last = len(self._segments) - 1
+        for k, (pool, held, rb) in enumerate(zip(self.row_segments, segments, self.row_bytes)):
+            pool.reshape(-1, rb)[rows] = held.reshape(-1, rb)
+            layer = self._segments[k][0]
+            if on_layer is not None and (k == last or self._segments[k + 1][0] != layer):
+                on_layer(layer)
+
+
 def _runs(index: torch.Tensor) -> bool:
     """Whether each object's rows are one ascending run (true for pages from ``KVPool``)."""
     if index.shape[1] == 1:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import anyio
 import attrs
@@ -11,6 +11,9 @@ import torch
 
 from ..stores.base import Outcome
 from .events import DeviceEvent
+
+if TYPE_CHECKING:
+    from .in_place import RowTarget
 
 T = TypeVar("T")
 
@@ -111,6 +114,9 @@ class TransferJob:
     hold: bool = False
     staged: torch.Tensor | None = None  # [n, stride] verified frames of a held load
     staged_in_arena: bool = False  # ``staged`` is the actor's registered held arena
+    #: a held job got by row-described calls: its verified rows, laid out like the pool's
+    #: segments inside ``staged`` (``in_place.private_rows``)
+    staged_rows: RowTarget | None = None
     in_rows: bool = False  # a held job moved in place: its rows hold it, verified, not reported
 
 
