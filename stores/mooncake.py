@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -89,15 +88,13 @@ from .base import (
     count_puts,
     new_counters,
 )
+from .mooncake_batches import MasterUnreachable, MooncakeBatches
 from .mooncake_client import (
-    LEASE_EXPIRED,
     OBJECT_HAS_LEASE,
     RPC_FAIL,
     MooncakeConfig,
     device_memory_support,
-    get_outcome,
     import_mooncake_store,
-    put_outcome,
     setup_client,
     split_address,
 )
@@ -106,10 +103,6 @@ from .mooncake_master import port_accepts
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-class _Unreachable(Exception):
-    """Internal: the master's port is closed; answer without calling the client."""
 
 
 class MooncakeStore:
@@ -129,13 +122,7 @@ class MooncakeStore:
             scatter=True, device_memory=device_memory,
         )
         self._limiter = anyio.CapacityLimiter(config.workers)
-        # registered regions, sorted by start and disjoint, with their starts (for bisect);
-        # replaced whole, never edited, so a store thread reading it meets one consistent table
-        self._table: tuple[list[int], list[tuple[int, int, torch.Tensor]]] = ([], [])
-        self._bounce_lock = threading.Lock()
-        self._bounce: torch.Tensor | None = None
-        self._master = split_address(config.master_address)
-        self._master_down = False
+        self._batches = MooncakeBatches(client, config)  # the worker-thread side
         self._closed = False
         self._client_closed = False
         self._in_flight = 0
@@ -165,7 +152,7 @@ class MooncakeStore:
         client = await anyio.to_thread.run_sync(setup_client, mooncake_store, config)
         store = cls(client, config)
         try:
-            await anyio.to_thread.run_sync(store._ensure_bounce, config.bounce_bytes)
+            await anyio.to_thread.run_sync(store._batches.ensure_bounce, config.bounce_bytes)
         except BaseException:
             await anyio.to_thread.run_sync(client.close)
             raise
@@ -208,7 +195,7 @@ class MooncakeStore:
             raise ValueError("a region must be a non-empty contiguous CPU tensor (or device tensor, with device_memory)")
         start = region.data_ptr()
         end = start + region.numel() * region.element_size()
-        starts, regions = self._table
+        starts, regions = self._batches.table
         for lo, hi, _ in regions:
             if start < hi and lo < end:
                 if lo <= start and end <= hi:
@@ -218,7 +205,7 @@ class MooncakeStore:
         if rc != 0:
             raise ValueError(f"Mooncake refused to register {end - start} bytes (code {rc})")
         at = bisect.bisect(starts, start)
-        self._set_regions([*regions[:at], (start, end, region), *regions[at:]])
+        self._batches.set_regions([*regions[:at], (start, end, region), *regions[at:]])
 
     def unregister(self, region: torch.Tensor) -> None:
         """Forget a region registered with :meth:`register` (about to be freed; no transfer
@@ -226,17 +213,14 @@ class MooncakeStore:
         if self._client is None:
             return
         start = region.data_ptr()
-        regions = self._table[1]
+        regions = self._batches.table[1]
         kept = [r for r in regions if r[0] != start]
         if len(kept) == len(regions):
             return
-        self._set_regions(kept)
+        self._batches.set_regions(kept)
         rc = self._client.unregister_buffer(start)
         if rc != 0:
             log.warning("mooncake unregister_buffer(%#x) returned %s", start, rc)
-
-    def _set_regions(self, regions: list[tuple[int, int, torch.Tensor]]) -> None:
-        self._table = ([r[0] for r in regions], regions)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         keys = self._check_keys(keys)
@@ -244,8 +228,8 @@ class MooncakeStore:
         if not keys:
             return []
         try:
-            codes = await self._run(self._batch_is_exist, keys, abandon=True)
-        except _Unreachable as exc:
+            codes = await self._run(self._batches.is_exist, keys, abandon=True)
+        except MasterUnreachable as exc:
             raise self._unavailable("exists") from exc
         if RPC_FAIL in codes:
             raise self._unavailable("exists")
@@ -264,8 +248,8 @@ class MooncakeStore:
             first.setdefault(k, i)
         unique = sorted(first.values())
         try:
-            got = await self._run(self._put_blocking, [keys[i] for i in unique], [buffers[i] for i in unique])
-        except _Unreachable:
+            got = await self._run(self._batches.put, [keys[i] for i in unique], [buffers[i] for i in unique])
+        except MasterUnreachable:
             got = [Outcome.UNREACHABLE] * len(unique)
         by_index = dict(zip(unique, got))
         outcomes = [by_index[i] if i in by_index else
@@ -282,8 +266,8 @@ class MooncakeStore:
             self._check_open()
             return []
         try:
-            results = await self._run(self._get_blocking, keys, buffers)
-        except _Unreachable:
+            results = await self._run(self._batches.get, keys, buffers)
+        except MasterUnreachable:
             results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
         count_gets(self._counters, results)
         return results
@@ -301,8 +285,8 @@ class MooncakeStore:
             first.setdefault(k, i)
         unique = sorted(first.values())
         try:
-            got = await self._run(self._put_parts_blocking, [keys[i] for i in unique], [list(parts[i]) for i in unique])
-        except _Unreachable:
+            got = await self._run(self._batches.put_parts, [keys[i] for i in unique], [list(parts[i]) for i in unique])
+        except MasterUnreachable:
             got = [Outcome.UNREACHABLE] * len(unique)
         by_index = dict(zip(unique, got))
         outcomes = [by_index[i] if i in by_index else
@@ -320,8 +304,8 @@ class MooncakeStore:
             self._check_open()
             return []
         try:
-            results = await self._run(self._get_parts_blocking, keys, [list(p) for p in parts])
-        except _Unreachable:
+            results = await self._run(self._batches.get_parts, keys, [list(p) for p in parts])
+        except MasterUnreachable:
             results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
         count_gets(self._counters, results)
         return results
@@ -335,23 +319,10 @@ class MooncakeStore:
         if not keys:
             return []
         try:
-            found = await self._run(self._replica_endpoints_blocking, keys, abandon=True)
-        except _Unreachable:
+            found = await self._run(self._batches.replica_endpoints, keys, abandon=True)
+        except MasterUnreachable:
             return [None] * len(keys)
         return found
-
-    def _replica_endpoints_blocking(self, keys: list[str]) -> list[str | None]:
-        self._gate()
-        descs = self._client.batch_get_replica_desc(keys)
-        out: list[str | None] = []
-        for key in keys:
-            endpoint = None
-            for replica in descs.get(key, []) if isinstance(descs, dict) else []:
-                if replica.is_memory_replica():
-                    endpoint = str(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
-                    break
-            out.append(endpoint)
-        return out
 
     async def touch(self, keys: Sequence[str]) -> None:
         """Refresh eviction recency via ``batch_is_exist`` (grants each object a lease).
@@ -362,8 +333,8 @@ class MooncakeStore:
         if not keys:
             return
         try:
-            codes = await self._run(self._batch_is_exist, keys, abandon=True)
-        except _Unreachable:
+            codes = await self._run(self._batches.is_exist, keys, abandon=True)
+        except MasterUnreachable:
             log.debug("mooncake touch skipped: master %s unreachable", self._config.master_address)
             return
         self._counters["touches"] += sum(1 for code in codes if code == 1)
@@ -373,8 +344,8 @@ class MooncakeStore:
         if not keys:
             return 0
         try:
-            codes = await self._run(self._batch_remove, keys, abandon=True)
-        except _Unreachable as exc:
+            codes = await self._run(self._batches.remove, keys, abandon=True)
+        except MasterUnreachable as exc:
             raise self._unavailable("remove") from exc
         if RPC_FAIL in codes:
             raise self._unavailable("remove")
@@ -405,8 +376,9 @@ class MooncakeStore:
                     await anyio.to_thread.run_sync(client.close)
                 except Exception:
                     log.warning("mooncake client close raised", exc_info=True)
-            self._set_regions([])
-            self._bounce = None
+            self._batches.set_regions([])
+            self._batches.bounce = None
+            self._batches.client = None
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -460,274 +432,6 @@ class MooncakeStore:
                     state[0] = "dropped"
                     self._in_flight -= 1
 
-    def _gate(self) -> None:
-        """Worker thread: after a -900, call the client only if the master port is open."""
-        if not self._master_down or self._master is None:
-            return
-        if port_accepts(self._master[0], self._master[1], self._config.probe_timeout_s):
-            self._master_down = False
-            return
-        raise _Unreachable
-
-    def _note(self, codes: Sequence[int]) -> None:
-        if RPC_FAIL in codes and not self._master_down:
-            log.warning("mooncake master %s unreachable (code -900)", self._config.master_address)
-            self._master_down = True
-
-    def _chunks(self, n: int) -> list[range]:
-        step = self._config.max_batch
-        return [range(i, min(i + step, n)) for i in range(0, n, step)]
-
-    def _batch_is_exist(self, keys: list[str]) -> list[int]:
-        self._gate()
-        codes: list[int] = []
-        for chunk in self._chunks(len(keys)):
-            codes.extend(int(c) for c in self._client.batch_is_exist([keys[i] for i in chunk]))
-        self._note(codes)
-        return codes
-
-    def _batch_remove(self, keys: list[str]) -> list[int]:
-        self._gate()
-        codes: list[int] = []
-        for chunk in self._chunks(len(keys)):
-            part = [keys[i] for i in chunk]
-            codes.extend(int(c) for c in self._client.batch_remove(part, self._config.force_remove))
-        self._note(codes)
-        return codes
-
-    def _in_region(self, buf: torch.Tensor) -> bool:
-        return self._registered(buf.data_ptr(), buf.numel())
-
-    def _registered(self, start: int, nbytes: int) -> bool:
-        """Whether ``[start, start + nbytes)`` lies inside one registered region (regions are
-        disjoint and sorted: one bisect, not a scan, per buffer)."""
-        starts, regions = self._table
-        at = bisect.bisect(starts, start) - 1
-        return at >= 0 and start + nbytes <= regions[at][1]
-
-    def _part_spans(self, indices: Sequence[int], parts: list[list[torch.Tensor]]
-                    ) -> tuple[list[int], list[list[int]], list[list[int]], list[int]]:
-        """Objects whose every part lies in a registered region (with their pointers and sizes,
-        read once here for the client call), and the others."""
-        direct: list[int] = []
-        ptrs: list[list[int]] = []
-        sizes: list[list[int]] = []
-        other: list[int] = []
-        registered = self._registered
-        for i in indices:
-            pp = [p.data_ptr() for p in parts[i]]
-            ss = [p.numel() for p in parts[i]]
-            if all(registered(a, n) for a, n in zip(pp, ss)):
-                direct.append(i)
-                ptrs.append(pp)
-                sizes.append(ss)
-            else:
-                other.append(i)
-        return direct, ptrs, sizes, other
-
-    def _ensure_bounce(self, nbytes: int) -> torch.Tensor:
-        """The bounce buffer, grown to ``nbytes`` (call with ``_bounce_lock`` held or at open)."""
-        bounce = self._bounce
-        if bounce is not None and bounce.numel() >= nbytes:
-            return bounce
-        size = max(self._config.bounce_bytes, 1 << math.ceil(math.log2(max(nbytes, 1))))
-        fresh = torch.empty(size, dtype=torch.uint8)
-        rc = self._client.register_buffer(fresh.data_ptr(), size)
-        if rc != 0:
-            raise StoreUnavailableError(f"cannot register a {size}-byte bounce buffer (code {rc})")
-        if bounce is not None:
-            self._client.unregister_buffer(bounce.data_ptr())
-        self._bounce = fresh
-        return fresh
-
-    def _bounce_groups(self, indices: list[int], buffers: list[torch.Tensor]) -> list[list[int]]:
-        """Split out-of-region buffers into groups that fit the bounce buffer together."""
-        groups: list[list[int]] = []
-        current: list[int] = []
-        used = 0
-        capacity = self._bounce.numel() if self._bounce is not None else self._config.bounce_bytes
-        for i in indices:
-            size = _aligned(buffers[i].numel())
-            if current and used + size > capacity:
-                groups.append(current)
-                current, used = [], 0
-            current.append(i)
-            used += size
-        if current:
-            groups.append(current)
-        return groups
-
-    def _put_blocking(self, keys: list[str], buffers: list[torch.Tensor]) -> list[Outcome]:
-        self._gate()
-        outcomes: list[Outcome | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        if self._config.detect_exists:
-            present = self._batch_is_exist(keys)
-            if RPC_FAIL in present:
-                return [Outcome.UNREACHABLE] * len(keys)
-            todo = []
-            for i, code in enumerate(present):
-                if code == 1:
-                    outcomes[i] = Outcome.EXISTS
-                else:
-                    todo.append(i)
-        inside = [self._in_region(buffers[i]) for i in todo]
-        direct = [i for i, yes in zip(todo, inside) if yes]
-        bounced = [i for i, yes in zip(todo, inside) if not yes]
-        for chunk in self._chunks(len(direct)):
-            idx = [direct[j] for j in chunk]
-            codes = self._client.batch_put_from(
-                [keys[i] for i in idx],
-                [buffers[i].data_ptr() for i in idx],
-                [buffers[i].numel() for i in idx],
-            )
-            self._record(outcomes, idx, codes, put_outcome)
-        if bounced:
-            with self._bounce_lock:
-                self._ensure_bounce(max(_aligned(buffers[i].numel()) for i in bounced))
-                for group in self._bounce_groups(bounced, buffers):
-                    for chunk in self._chunks(len(group)):
-                        idx = [group[j] for j in chunk]
-                        ptrs = self._stage(idx, buffers, copy_in=True)
-                        codes = self._client.batch_put_from(
-                            [keys[i] for i in idx], ptrs, [buffers[i].numel() for i in idx]
-                        )
-                        self._record(outcomes, idx, codes, put_outcome)
-        return [o if o is not None else Outcome.FAILED for o in outcomes]
-
-    def _get_blocking(self, keys: list[str], buffers: list[torch.Tensor]) -> list[GetResult]:
-        self._gate()
-        results: list[GetResult | None] = [None] * len(keys)
-        inside = [self._in_region(b) for b in buffers]
-        direct = [i for i, yes in enumerate(inside) if yes]
-        bounced = [i for i, yes in enumerate(inside) if not yes]
-
-        def read(idx: list[int], ptrs: list[int]) -> list[int]:
-            codes = [int(c) for c in self._client.batch_get_into(
-                [keys[i] for i in idx], ptrs, [buffers[i].numel() for i in idx]
-            )]
-            retry = [j for j, code in enumerate(codes) if code == LEASE_EXPIRED]
-            if retry:  # the lease ran out mid-transfer; a second read takes a fresh one
-                again = self._client.batch_get_into(
-                    [keys[idx[j]] for j in retry],
-                    [ptrs[j] for j in retry],
-                    [buffers[idx[j]].numel() for j in retry],
-                )
-                for j, code in zip(retry, again):
-                    codes[j] = int(code)
-            self._note(codes)
-            for i, code in zip(idx, codes):
-                outcome = get_outcome(code)
-                results[i] = GetResult(outcome, code if outcome is Outcome.OK else 0)
-            return codes
-
-        for chunk in self._chunks(len(direct)):
-            idx = [direct[j] for j in chunk]
-            read(idx, [buffers[i].data_ptr() for i in idx])
-        if bounced:
-            with self._bounce_lock:
-                self._ensure_bounce(max(_aligned(buffers[i].numel()) for i in bounced))
-                for group in self._bounce_groups(bounced, buffers):
-                    for chunk in self._chunks(len(group)):
-                        idx = [group[j] for j in chunk]
-                        ptrs = self._stage(idx, buffers, copy_in=False)
-                        codes = read(idx, ptrs)
-                        self._unstage(idx, buffers, codes)
-        return [r if r is not None else GetResult(Outcome.FAILED) for r in results]
-
-    def _put_parts_blocking(self, keys: list[str], parts: list[list[torch.Tensor]]) -> list[Outcome]:
-        self._gate()
-        outcomes: list[Outcome | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        if self._config.detect_exists:
-            present = self._batch_is_exist(keys)
-            if RPC_FAIL in present:
-                return [Outcome.UNREACHABLE] * len(keys)
-            todo = []
-            for i, code in enumerate(present):
-                if code == 1:
-                    outcomes[i] = Outcome.EXISTS
-                else:
-                    todo.append(i)
-        direct, ptrs, sizes, joined = self._part_spans(todo, parts)
-        for chunk in self._chunks(len(direct)):
-            idx = [direct[j] for j in chunk]
-            codes = self._client.batch_put_from_multi_buffers(
-                [keys[i] for i in idx], ptrs[chunk.start:chunk.stop], sizes[chunk.start:chunk.stop])
-            self._record(outcomes, idx, codes, put_outcome)
-        if joined:  # not registered: one contiguous copy each, then the bounced path
-            got = self._put_blocking([keys[i] for i in joined], [torch.cat([p.cpu() for p in parts[i]])
-                                                                 for i in joined])
-            for i, o in zip(joined, got):
-                outcomes[i] = o
-        return [o if o is not None else Outcome.FAILED for o in outcomes]
-
-    def _get_parts_blocking(self, keys: list[str], parts: list[list[torch.Tensor]]) -> list[GetResult]:
-        self._gate()
-        results: list[GetResult | None] = [None] * len(keys)
-        direct, ptrs, sizes, joined = self._part_spans(range(len(keys)), parts)
-        for chunk in self._chunks(len(direct)):
-            idx = [direct[j] for j in chunk]
-            args = ([keys[i] for i in idx], ptrs[chunk.start:chunk.stop], sizes[chunk.start:chunk.stop])
-            codes = [int(c) for c in self._client.batch_get_into_multi_buffers(*args)]
-            retry = [j for j, code in enumerate(codes) if code == LEASE_EXPIRED]
-            if retry:  # the lease ran out mid-transfer; a second read takes a fresh one
-                again = self._client.batch_get_into_multi_buffers(*([a[j] for j in retry] for a in args))
-                for j, code in zip(retry, again):
-                    codes[j] = int(code)
-            self._note(codes)
-            for i, code in zip(idx, codes):
-                outcome = get_outcome(code)
-                results[i] = GetResult(outcome, code if outcome is Outcome.OK else 0)
-        if joined:  # not registered: read whole through the bounced path, then split
-            whole = [torch.empty(sum(p.numel() for p in parts[i]), dtype=torch.uint8) for i in joined]
-            got = self._get_blocking([keys[i] for i in joined], whole)
-            for i, w, r in zip(joined, whole, got):
-                results[i] = r
-                if r.outcome is Outcome.OK:
-                    off = 0
-                    for p in parts[i]:
-                        n = min(p.numel(), r.nbytes - off)
-                        if n <= 0:
-                            break
-                        p[:n].copy_(w[off:off + n])
-                        off += n
-        return [r if r is not None else GetResult(Outcome.FAILED) for r in results]
-
-    def _stage(self, idx: list[int], buffers: list[torch.Tensor], *, copy_in: bool) -> list[int]:
-        assert self._bounce is not None
-        base = self._bounce.data_ptr()
-        ptrs: list[int] = []
-        offset = 0
-        for i in idx:
-            n = buffers[i].numel()
-            if copy_in:
-                self._bounce[offset : offset + n].copy_(buffers[i])
-            ptrs.append(base + offset)
-            offset += _aligned(n)
-        return ptrs
-
-    def _unstage(self, idx: list[int], buffers: list[torch.Tensor], codes: list[int]) -> None:
-        assert self._bounce is not None
-        offset = 0
-        for i, code in zip(idx, codes):
-            if code > 0:
-                buffers[i][:code].copy_(self._bounce[offset : offset + code])
-            offset += _aligned(buffers[i].numel())
-
-    def _record(
-        self,
-        outcomes: list[Outcome | None],
-        idx: list[int],
-        codes: Sequence[int],
-        mapping: Callable[[int], Outcome],
-    ) -> None:
-        ints = [int(c) for c in codes]
-        self._note(ints)
-        for i, code in zip(idx, ints):
-            outcomes[i] = mapping(code)
-
-
 def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]], devices: bool) -> list[int]:
     """Check every buffer like ``check_buffers`` (``devices``: device buffers allowed);
     returns each object's total bytes."""
@@ -740,7 +444,3 @@ def _check_parts(keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]], d
         check_buffers([key] * len(ps), list(ps), devices=devices)
         sizes.append(sum(p.numel() for p in ps))
     return sizes
-
-
-def _aligned(n: int) -> int:
-    return (n + 63) & ~63

@@ -1045,8 +1045,8 @@ async def test_the_grown_arena_is_what_mooncake_has_registered(mooncake_store: S
     _assert_grown(log, stats)
     # the dropped arenas are gone from Mooncake's table; the plane closed, the last one stays
     # registered with the store (the store outlives the plane that lent it)
-    assert not any(mooncake_store._registered(ptr, 1) for ptr in log.unregistered)
-    assert mooncake_store._registered(log.registered[-1], stats[-1].held_arena_bytes)
+    assert not any(mooncake_store._batches.registered(ptr, 1) for ptr in log.unregistered)
+    assert mooncake_store._batches.registered(log.registered[-1], stats[-1].held_arena_bytes)
 
 
 async def test_a_load_over_the_arena_limit_takes_fresh_memory() -> None:

@@ -406,10 +406,10 @@ async def test_registered_regions_are_found_by_address_whatever_the_order(moonca
     for lo in (2 * MIB, 0, MIB):  # three adjacent regions, registered out of address order
         store.register(block[lo:lo + MIB])
     base = block.data_ptr()
-    assert store._registered(base, MIB) and store._registered(base + 2 * MIB, MIB)
-    assert store._registered(base + MIB + 5, 1000)
-    assert not store._registered(base + MIB - 10, 20)  # straddles two regions
-    assert not store._registered(base - 64, 64) and not store._registered(base + 3 * MIB, 64)
+    assert store._batches.registered(base, MIB) and store._batches.registered(base + 2 * MIB, MIB)
+    assert store._batches.registered(base + MIB + 5, 1000)
+    assert not store._batches.registered(base + MIB - 10, 20)  # straddles two regions
+    assert not store._batches.registered(base - 64, 64) and not store._batches.registered(base + 3 * MIB, 64)
     frame = framed(f"{p}x", 200_000, 3)
     head, body = frame[:framing.HEADER_BYTES], frame[framing.HEADER_BYTES:]
     inside = [block[0:64], block[2 * MIB: 2 * MIB + 200_000]]
