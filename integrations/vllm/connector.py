@@ -466,7 +466,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
                 store_host.release(self.host)
         if self._transfers is not None:
             log.info("hylinker: rank %d worker shut down in %.2f s; statistics %s", self.rank,
-                     time.monotonic() - start, self.statistics())
+                     time.monotonic() - start, attrs.asdict(self.statistics()))
 
 
 __all__ = ["HylinkerConnector", "HylinkerConnectorMetadata", "HylinkerWorkerMetadata"]
