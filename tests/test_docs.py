@@ -63,5 +63,23 @@ def test_links_resolve_and_stay_inside() -> None:
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_anchors_name_a_heading_of_their_page() -> None:
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            linked = (page.parent / target) if target else page
+            if linked.suffix != ".md":
+                continue
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)}
+            assert anchor in slugs, f"{page.name} links to {target or page.name}#{anchor}, which names no heading"
+
+
 def test_readme_stays_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150

@@ -5,6 +5,7 @@ per group (K and V: 2 to 24 segments), page 64."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,9 +26,15 @@ class RowCountingStore(EmbeddedStore):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.got_rows = 0
+        self.calls = 0
+
+    async def put_rows(self, batch: RowBatch, hashed: bool) -> np.ndarray:
+        self.calls += 1
+        return await super().put_rows(batch, hashed)
 
     async def get_rows(self, batch: RowBatch, hashed: bool) -> RowResults:
         self.got_rows += len(batch.keys)
+        self.calls += 1
         return await super().get_rows(batch, hashed)
 
 
@@ -73,6 +80,36 @@ async def test_a_verify_all_load_lands_every_segment_only_once_the_whole_load_ve
         assert all([await ticket.wait_layer(layer) for layer in ticket.layer_ids])
     landed = {dest[i]: i for i in range(half)}  # destination page -> the source page it holds
     for now, was in zip(parts, before):  # every segment: each page at its own rows, nothing else moved
+        for p in range(2 * n):
+            assert torch.equal(_page(now, p), _page(was, landed.get(p, p))), p
+    await store.close()
+
+
+@pytest.mark.parametrize("verify_all", [False, True], ids=["default", "verify-all"])
+async def test_row_sub_batches_two_in_flight_each_land_at_their_own_rows(
+        verify_all: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With three objects per row-described call (``IN_PLACE_CALL_BYTES`` made small), a transfer is
+    many sub-batches, two store calls in flight and the header slots rotating: every object
+    still lands at its own rows, in every one of 24 segments."""
+    from hylinker.dataplane import in_place
+
+    layers, n = 12, 20
+    pools, parts = _pool(layers, 2 * n)
+    monkeypatch.setattr(in_place, "IN_PLACE_CALL_BYTES", 3 * (2 * layers * PAGE * ROW + 64))
+    store = RowCountingStore(64 << 20)
+    keys = [f"s-{i}" for i in range(n)]
+    dest = list(range(2 * n - 1, n - 1, -1))
+    before = [p.clone() for p in parts]
+    async with DataPlane(pools, store) as dp:
+        assert (await (await dp.offload([Transfer(PoolKind.FULL, keys, _rows(list(range(n))))])).wait()).ok
+        puts = store.calls
+        assert puts == -(-n // 3)
+        ticket = await dp.load([Transfer(PoolKind.FULL, keys, _rows(dest))], verify_all=verify_all)
+        assert (await ticket.wait()).ok
+        assert all([await ticket.wait_layer(layer) for layer in ticket.layer_ids])
+    assert store.calls - puts == -(-n // 3)
+    landed = {dest[i]: i for i in range(n)}
+    for now, was in zip(parts, before):
         for p in range(2 * n):
             assert torch.equal(_page(now, p), _page(was, landed.get(p, p))), p
     await store.close()
