@@ -20,12 +20,11 @@ from typing import Any
 import attrs
 import torch
 
+from ..harness.reference.boundary_pools import kl_divergence, max_abs_diff
 from ..harness.reference.engine import (
     BoundaryState,
     CacheGeometry,
     ReferenceEngine,
-    kl_divergence,
-    max_abs_diff,
 )
 
 

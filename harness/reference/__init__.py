@@ -5,8 +5,17 @@ Heavy imports (transformers) happen when a model is built, not at package import
 
 from __future__ import annotations
 
-from .engine import (
+from .boundary_pools import (
     BoundaryPools,
+    ReferencePools,
+    allocate_pools,
+    kl_divergence,
+    max_abs_diff,
+    read_boundary,
+    state_nbytes,
+    write_boundary,
+)
+from .engine import (
     BoundaryState,
     CacheGeometry,
     ExtendResult,
@@ -14,17 +23,10 @@ from .engine import (
     LinearStateMode,
     LinearStateSpec,
     ReferenceEngine,
-    ReferencePools,
     ReferenceSequence,
-    allocate_pools,
     cache_geometry,
     chunk_schedule,
-    kl_divergence,
     layout_for,
-    max_abs_diff,
-    read_boundary,
-    state_nbytes,
-    write_boundary,
 )
 from .models import (
     DEFAULT_ARCH,

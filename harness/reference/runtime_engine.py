@@ -38,14 +38,13 @@ from ...components.keys import MultimodalSpan
 from ...components.mamba import restorable_ceiling
 from ...components.pools import HybridPools
 from ...linker.facade import Linker, Request
+from .boundary_pools import read_boundary, write_boundary
 from .engine import (
     BoundaryState,
     ExtendResult,
     LinearStateMode,
     ReferenceEngine,
     ReferenceSequence,
-    read_boundary,
-    write_boundary,
 )
 
 __all__ = [
