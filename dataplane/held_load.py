@@ -15,7 +15,7 @@ import torch
 
 from ..stores import framing
 from ..stores.base import GetResult, Outcome
-from ..stores.rows import OUTCOMES, RowResults
+from ..stores.rows import RowResults
 from .events import wait_fence
 from .in_place import InPlaceTransfers, RowTarget, private_rows
 from .pool_staging import check_landed, pipelined
@@ -148,21 +148,13 @@ class HeldLoads(InPlaceTransfers):
                            again: list[int], faults: dict[str, int]) -> list[bool]:
         """Get the objects ``again`` once more into ``target`` and verify each; what fails now is
         counted under its fault (the stored object is bad)."""
-        hashed = self.integrity is framing.Integrity.CHECKSUM
         batch = self._row_batch(job, codec, 0, len(job.keys), None, target).select(again)
         batch = attrs.evolve(batch, heads=np.empty((len(again), framing.HEADER_BYTES), dtype=np.uint8))
         res = await self._rows_call(self.store.get_rows,  # type: ignore[attr-defined]
                                     batch, lambda: RowResults.of(len(again), Outcome.UNREACHABLE))
         if len(res.codes) != len(again):
             res = RowResults.of(len(again), Outcome.FAILED)
-        assert batch.heads is not None
-        out = []
-        for j, i in enumerate(again):
-            r = GetResult(OUTCOMES[int(res.codes[j])], int(res.nbytes[j]), int(res.checksums[j]) if hashed else None)
-            check = partial(framing.verify_parts, batch.heads[j], r.nbytes, target.pieces(i, codec), job.keys[i],
-                            self.fingerprint, integrity=self.integrity)
-            out.append(check_landed(r, hashed, check, faults, None)[0])
-        return out
+        return [self._row_landed(job, codec, target, batch, res, j, i, faults, None) for j, i in enumerate(again)]
 
     async def land_held(self, job: TransferJob, on_layer: Callable[[int], None]) -> None:
         """Write a held job's verified frames into its rows; ``on_layer(layer_id)`` (on the

@@ -314,11 +314,8 @@ class InPlaceTransfers(PoolStaging):
             fine &= stored == (res.checksums if hashed else 0)
             ok = fine.tolist()
             for i in np.flatnonzero(~fine).tolist():  # the exceptions, one at a time
-                code = int(res.codes[i])
-                r = GetResult(OUTCOMES[code], int(res.nbytes[i]), int(res.checksums[i]) if hashed else None)
-                check = partial(framing.verify_parts, heads[i], r.nbytes, target.pieces(lo + i, codec),
-                                job.keys[lo + i], self.fingerprint, integrity=self.integrity)
-                ok[i] = check_landed(r, hashed, check, faults, partial(again.append, lo + i))[0]
+                ok[i] = self._row_landed(job, codec, target, batch, res, i, lo + i, faults,
+                                         partial(again.append, lo + i))
             good[k] = ok
 
         async def get_verify(k: int, turns: SubBatchTurns) -> None:
@@ -334,6 +331,19 @@ class InPlaceTransfers(PoolStaging):
 
         await self._two_in_flight(batches, get_verify)
         return good, again, faults
+
+    def _row_landed(self, job: TransferJob, codec: PoolCodec, target: RowTarget, batch: RowBatch,
+                    res: RowResults, j: int, i: int, faults: dict[str, int],
+                    reread: Callable[[], None] | None) -> bool:
+        """Whether object ``i`` of ``job`` (entry ``j`` of a row get's ``batch`` and ``res``) is
+        usable: its outcome and, when it arrived, its header and rows in ``target`` verified one
+        by one; its fault is counted, and ``reread`` is called for a fault a second read may cure."""
+        hashed = self.integrity is framing.Integrity.CHECKSUM
+        assert batch.heads is not None
+        r = GetResult(OUTCOMES[int(res.codes[j])], int(res.nbytes[j]), int(res.checksums[j]) if hashed else None)
+        check = partial(framing.verify_parts, batch.heads[j], r.nbytes, target.pieces(i, codec), job.keys[i],
+                        self.fingerprint, integrity=self.integrity)
+        return check_landed(r, hashed, check, faults, reread)[0]
 
     async def _in_place_loaded(self, job: TransferJob, codec: PoolCodec, good: list[list[bool]], again: list[int],
                                faults: dict[str, int], size: int, t0: float) -> LoadResult:

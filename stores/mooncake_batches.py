@@ -160,20 +160,28 @@ class MooncakeBatches:
             groups.append(current)
         return groups
 
+    def _absent(self, keys: list[str]) -> tuple[list[Outcome | None], list[int] | None]:
+        """A put's outcomes so far and the objects still to write: with ``detect_exists``, the
+        present keys read EXISTS and are not written (None: the master did not answer)."""
+        outcomes: list[Outcome | None] = [None] * len(keys)
+        if not self.config.detect_exists:
+            return outcomes, list(range(len(keys)))
+        present = self.is_exist(keys)
+        if RPC_FAIL in present:
+            return outcomes, None
+        todo = []
+        for i, code in enumerate(present):
+            if code == 1:
+                outcomes[i] = Outcome.EXISTS
+            else:
+                todo.append(i)
+        return outcomes, todo
+
     def put(self, keys: list[str], buffers: list[torch.Tensor]) -> list[Outcome]:
         self.gate()
-        outcomes: list[Outcome | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        if self.config.detect_exists:
-            present = self.is_exist(keys)
-            if RPC_FAIL in present:
-                return [Outcome.UNREACHABLE] * len(keys)
-            todo = []
-            for i, code in enumerate(present):
-                if code == 1:
-                    outcomes[i] = Outcome.EXISTS
-                else:
-                    todo.append(i)
+        outcomes, todo = self._absent(keys)
+        if todo is None:
+            return [Outcome.UNREACHABLE] * len(keys)
         inside = [self.in_region(buffers[i]) for i in todo]
         direct = [i for i, yes in zip(todo, inside) if yes]
         bounced = [i for i, yes in zip(todo, inside) if not yes]
@@ -240,18 +248,9 @@ class MooncakeBatches:
 
     def put_parts(self, keys: list[str], parts: list[list[torch.Tensor]]) -> list[Outcome]:
         self.gate()
-        outcomes: list[Outcome | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        if self.config.detect_exists:
-            present = self.is_exist(keys)
-            if RPC_FAIL in present:
-                return [Outcome.UNREACHABLE] * len(keys)
-            todo = []
-            for i, code in enumerate(present):
-                if code == 1:
-                    outcomes[i] = Outcome.EXISTS
-                else:
-                    todo.append(i)
+        outcomes, todo = self._absent(keys)
+        if todo is None:
+            return [Outcome.UNREACHABLE] * len(keys)
         direct, ptrs, sizes, joined = self.part_spans(todo, parts)
         for chunk in self.chunks(len(direct)):
             idx = [direct[j] for j in chunk]
