@@ -31,8 +31,6 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import anyio
-import anyio.to_thread
 import numpy as np
 import torch
 import xxhash
@@ -184,7 +182,7 @@ class DeviceTransfers(HeldLoads):
             return self._views("offload", k % 2, hi - lo, size)[1]
 
         async def prepare(k: int) -> list[Any]:
-            ev = await anyio.to_thread.run_sync(queue, k, limiter=self.limiter)
+            ev = await self.threads.run(queue, k)
             # never read the sums or the staged bytes before the copy stream produced them
             await wait_fence(ev, timeout_s=self.fence_timeout_s)
             return seal(k)
@@ -326,7 +324,7 @@ class DeviceTransfers(HeldLoads):
                     codec.gather(index, host)
                 return copies.record(), host
 
-        ev, host = await anyio.to_thread.run_sync(queue, limiter=self.limiter)
+        ev, host = await self.threads.run(queue)
         await wait_fence(ev, timeout_s=self.fence_timeout_s)  # landed and compared: read the verdicts
         if on_device:
             matched = self._side("load", half, len(on_device))[1].tolist()

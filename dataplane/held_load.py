@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from functools import partial
 
-import anyio
-import anyio.from_thread
-import anyio.to_thread
 import attrs
 import numpy as np
 import torch
@@ -61,7 +59,7 @@ class HeldLoads(InPlaceTransfers):
         size = -(-size // self.stride) * self.stride
         self._held_busy = True  # nothing else takes the arena while the new one is filled
         try:
-            arena = await anyio.to_thread.run_sync(self._new_arena, size, limiter=self.limiter)
+            arena = await self.threads.run(self._new_arena, size)
             try:
                 self.store.register(arena)
             except Exception as exc:  # keep the old arena; this load takes fresh memory
@@ -116,7 +114,7 @@ class HeldLoads(InPlaceTransfers):
             if self._inline(batches[k], size):
                 verify(k, results)
             else:
-                await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
+                await self.threads.run(verify, k, results)
 
         await pipelined(len(batches), get, verify_async)  # sub-batch k verified while k+1 is read
         ok = [g for batch in good for g in batch]
@@ -170,11 +168,12 @@ class HeldLoads(InPlaceTransfers):
             if self._inline((0, len(job.keys)), size):
                 codec.scatter_segments(held, job.index, on_layer)
             else:
-                def landed_layer(layer: int) -> None:
-                    anyio.from_thread.run_sync(on_layer, layer)
+                loop = asyncio.get_running_loop()
 
-                await anyio.to_thread.run_sync(codec.scatter_segments, held, job.index, landed_layer,
-                                               limiter=self.limiter)
+                def landed_layer(layer: int) -> None:  # in the worker thread: on_layer runs on the loop
+                    loop.call_soon_threadsafe(on_layer, layer)
+
+                await self.threads.run(codec.scatter_segments, held, job.index, landed_layer)
             return
         payload = job.staged[:, framing.HEADER_BYTES: size]
         if self.copies is not None:
@@ -187,10 +186,12 @@ class HeldLoads(InPlaceTransfers):
         elif self._inline((0, len(job.keys)), size):
             codec.scatter(payload, job.index, on_layer)
         else:
-            def landed(layer: int) -> None:
-                anyio.from_thread.run_sync(on_layer, layer)
+            loop = asyncio.get_running_loop()
 
-            await anyio.to_thread.run_sync(codec.scatter, payload, job.index, landed, limiter=self.limiter)
+            def landed(layer: int) -> None:  # in the worker thread: on_layer runs on the loop
+                loop.call_soon_threadsafe(on_layer, layer)
+
+            await self.threads.run(codec.scatter, payload, job.index, landed)
 
     def release_held(self, job: TransferJob) -> None:
         """Drop a held job's frames (landed, or its load failed)."""

@@ -10,13 +10,13 @@ writes the headers, and a load's headers are verified for the whole sub-batch at
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TypeVar
 
 import anyio
-import anyio.to_thread
 import attrs
 import numpy as np
 import torch
@@ -67,17 +67,17 @@ def private_rows(memory: np.ndarray, n: int, codec: PoolCodec) -> RowTarget:
 
 
 class SubBatchTurns:
-    """The events that order one transfer's sub-batches (:meth:`InPlaceTransfers._two_in_flight`)."""
+    """Which sub-batches of one transfer are prepared (:meth:`InPlaceTransfers._two_in_flight`).
+
+    One asyncio event per sub-batch (a handful of Python calls each; an anyio event costs ten
+    times that, and these are made and waited on once per sub-batch)."""
 
     def __init__(self, n: int) -> None:
-        self.prepared = [anyio.Event() for _ in range(n)]  # headers sealed, ready to move
-        self.moved = [anyio.Event() for _ in range(n)]  # its store call returned
-        self.done = [anyio.Event() for _ in range(n)]  # ended: its header slot is free
+        self.prepared = [asyncio.Event() for _ in range(n)]  # headers sealed, ready to move
 
-    async def store_turn(self, k: int) -> None:
-        """Wait until sub-batch ``k`` may make its store call (at most two in flight)."""
-        if k >= 2:
-            await self.moved[k - 2].wait()
+    def ready(self, k: int) -> None:
+        """Sub-batch ``k`` is prepared: ``k + 1`` may start preparing."""
+        self.prepared[k].set()
 
 
 class InPlaceTransfers(PoolStaging):
@@ -102,32 +102,34 @@ class InPlaceTransfers(PoolStaging):
         """Run ``call(k, turns)`` for every sub-batch ``k``, at most two store calls at a time.
 
         ``call`` prepares sub-batch ``k`` (seals its headers, hashing the rows where the store
-        does not), sets ``turns.prepared[k]``, awaits ``turns.store_turn(k)`` (the store call of
-        ``k-2`` returned), makes its store call, sets ``turns.moved[k]``, then finishes (verifies
-        a load). Sub-batch ``k`` starts once ``k-1`` is prepared and ``k - slots`` ended entirely
-        (it uses header slot ``k % slots``, :meth:`_header_slots`). So preparing runs ahead of
-        the store calls, one sub-batch at a time, and the loop's and worker threads' work for
-        one sub-batch (hashing, buffer checks, slot planning, piece views, verifying) runs
-        while the store moves the bytes of another, not between two moves."""
+        does not), calls ``turns.ready(k)``, makes its store call, then finishes (verifies a
+        load). Two lanes run the sub-batches, even ones in one and odd ones in the other, each
+        one after the other; a sub-batch starts once the one before it is prepared. So two store
+        calls are in flight at most (one per lane), preparing stays in sub-batch order, and the
+        loop's and worker threads' work for one sub-batch (hashing, slot planning, verifying)
+        runs while the store moves the bytes of the other lane's, not between two moves.
+        Sub-batch ``k`` uses header slot ``k % slots`` (:meth:`_header_slots`, at least 2): the
+        sub-batch that used it before, ``k - slots``, has ended, since it is ``k - 2`` or older
+        in the same lane, or older than ``k - 1``, which the other lane started only after it.
+        Two tasks per transfer, not one per sub-batch; a transfer of one sub-batch runs inline."""
         n = len(batches)
-        slots = self._header_slots(batches)
         turns = SubBatchTurns(n)
 
-        async def one(k: int) -> None:
-            try:
-                await call(k, turns)
-            finally:
-                turns.prepared[k].set()
-                turns.moved[k].set()
-                turns.done[k].set()
-
-        async with anyio.create_task_group() as tg:
-            for k in range(n):
+        async def lane(first: int) -> None:
+            for k in range(first, n, 2):
                 if k >= 1:
                     await turns.prepared[k - 1].wait()
-                if k >= slots:
-                    await turns.done[k - slots].wait()
-                tg.start_soon(one, k)
+                try:
+                    await call(k, turns)
+                finally:
+                    turns.ready(k)  # also when it failed: the other lane never waits forever
+
+        if n == 1:
+            await lane(0)
+            return
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lane, 1)
+            await lane(0)
 
     def _header_slots(self, batches: list[tuple[int, int]]) -> int:
         """How many sub-batches' headers a direction's arena holds at once (2 to 4)."""
@@ -178,9 +180,8 @@ class InPlaceTransfers(PoolStaging):
             if not self.hashes_here or self._inline(batches[k], size):  # headers only, or small: on the loop
                 parts = pack(k)
             else:  # hashing the rows: in a thread
-                parts = await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
-            turns.prepared[k].set()
-            await turns.store_turn(k)
+                parts = await self.threads.run(pack, k)
+            turns.ready(k)
             await put(k, parts)
 
         await self._two_in_flight(batches, pack_put)
@@ -215,14 +216,12 @@ class InPlaceTransfers(PoolStaging):
                                          again.append, lo)
 
         async def get_verify(k: int, turns: SubBatchTurns) -> None:
-            turns.prepared[k].set()
-            await turns.store_turn(k)
+            turns.ready(k)
             results = await get(k)
-            turns.moved[k].set()
             if not self.hashes_here or self._inline(batches[k], size):  # headers only, or small: on the loop
                 verify(k, results)
             else:  # hashing the rows: in a thread
-                await anyio.to_thread.run_sync(verify, k, results, limiter=self.limiter)
+                await self.threads.run(verify, k, results)
 
         await self._two_in_flight(batches, get_verify)
         return await self._in_place_loaded(job, codec, good, again, faults, size, t0)
@@ -275,8 +274,7 @@ class InPlaceTransfers(PoolStaging):
         async def put(k: int, turns: SubBatchTurns) -> None:
             lo, hi = batches[k]
             batch = self._row_batch(job, codec, lo, hi)
-            turns.prepared[k].set()
-            await turns.store_turn(k)
+            turns.ready(k)
             codes = await self._rows_call(put_rows, batch, lambda: np.full(hi - lo, CODE[Outcome.UNREACHABLE]))
             results[k] = ([OUTCOMES[c] for c in codes.tolist()] if len(codes) == hi - lo
                           else [Outcome.FAILED] * (hi - lo))
@@ -321,12 +319,10 @@ class InPlaceTransfers(PoolStaging):
         async def get_verify(k: int, turns: SubBatchTurns) -> None:
             lo, hi = batches[k]
             batch = self._row_batch(job, codec, lo, hi, self._row_heads(batches, k), target)
-            turns.prepared[k].set()
-            await turns.store_turn(k)
+            turns.ready(k)
             res = await self._rows_call(get_rows, batch, lambda: RowResults.of(hi - lo, Outcome.UNREACHABLE))
             if len(res.codes) != hi - lo:
                 res = RowResults.of(hi - lo, Outcome.FAILED)
-            turns.moved[k].set()
             verify(k, batch, res)
 
         await self._two_in_flight(batches, get_verify)

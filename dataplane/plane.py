@@ -80,6 +80,7 @@ from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores import framing
 from ..stores.base import Store, StoreError, bad_key
 from ..stores.resilient import ResilientStore
+from ..stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
 from .events import DeviceEvent
 from .metrics import LIBRARY, PLANE_KEYS, Exporter, Figures, Naming, plane_figures, store_figures
@@ -189,7 +190,7 @@ class DataPlane:
         self.latency = LatencyMonitor(self.config.latency_high_ms, self.config.latency_low_ms)
         #: load bandwidth observed so far (restores that pay for themselves: dataplane/restore_cost.py)
         self.bandwidth = LoadBandwidth()
-        self._limiter = anyio.CapacityLimiter(self.config.copy_threads)
+        self._threads = WorkerThreads(self.config.copy_threads, "hylinker-copy")
         self.groups = self.config.layer_groups
         self.codecs: dict[PoolKind, list[PoolCodec]] = {
             kind: [PoolCodec(v) for v in view.layer_groups(self.groups)] for kind, view in self.pools.items()}
@@ -199,7 +200,7 @@ class DataPlane:
             frames = max(1, self.config.staging_bytes_per_pool // (biggest + 64))
             self.actors[kind] = PoolActor(
                 kind, codecs, store, self.fingerprint, staging_frames=frames,
-                queue_depth=self.config.queue_depth, latency=self.latency, thread_limiter=self._limiter,
+                queue_depth=self.config.queue_depth, latency=self.latency, threads=self._threads,
                 inline_bytes=self.config.inline_copy_bytes, fence_timeout_s=self.config.fence_timeout_s,
                 in_place=self.config.in_place,
                 in_place_min_bytes=self.config.in_place_min_bytes, copies=None if copies is None else copies.get(kind),
@@ -242,7 +243,10 @@ class DataPlane:
             await self.close()
         assert self._tg is not None
         tg, self._tg = self._tg, None
-        return await tg.__aexit__(*exc)
+        try:
+            return await tg.__aexit__(*exc)
+        finally:
+            self._threads.close()  # every actor has ended: no copy is in flight
 
     @property
     def running(self) -> bool:

@@ -29,7 +29,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -176,11 +175,11 @@ class PoolActor(DeviceTransfers):
 
         async def pack_async(k: int) -> list[torch.Tensor]:
             if self.copies is None:
-                return await anyio.to_thread.run_sync(pack, k, limiter=self.limiter)
-            ev = await anyio.to_thread.run_sync(gather, k, limiter=self.limiter)
+                return await self.threads.run(pack, k)
+            ev = await self.threads.run(gather, k)
             # never seal (read) staged bytes before the device copy into them finished
             await wait_fence(ev, timeout_s=self.fence_timeout_s)
-            return await anyio.to_thread.run_sync(seal, k, limiter=self.limiter)
+            return await self.threads.run(seal, k)
 
         async def put(k: int, frames: list[torch.Tensor]) -> None:
             lo, hi = batches[k]
@@ -261,7 +260,7 @@ class PoolActor(DeviceTransfers):
                 return self.copies.record() if self.copies is not None else None
 
         async def land(k: int, results: list[GetResult]) -> None:
-            ev = await anyio.to_thread.run_sync(unpack, k, results, limiter=self.limiter)
+            ev = await self.threads.run(unpack, k, results)
             # landed only once the device copies finished; the staging half is reused after
             await wait_fence(ev, timeout_s=self.fence_timeout_s)
 

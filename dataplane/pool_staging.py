@@ -29,6 +29,7 @@ from ..stores.base import (
     supports_rows,
     supports_scatter,
 )
+from ..stores.worker_threads import WorkerThreads
 from .device import DeviceCopies, copies_for
 from .tracing import trace
 from .transfer_codec import PoolCodec
@@ -143,7 +144,7 @@ class PoolStaging:
         *,
         staging_frames: int,
         latency: LatencyMonitor,
-        thread_limiter: anyio.CapacityLimiter,
+        threads: WorkerThreads,
         inline_bytes: int = 1 << 20,
         fence_timeout_s: float | None = None,
         in_place: bool = True,
@@ -233,7 +234,7 @@ class PoolStaging:
             for region in {id(t): t for c in moved for t in c.regions()}.values():
                 store.register(region)
         self.latency = latency
-        self.limiter = thread_limiter
+        self.threads = threads  # the data plane's copy threads (hashing, staging copies)
         self.inline_bytes = inline_bytes
         self.fence_timeout_s = fence_timeout_s
         self._c = dict(objects_offloaded=0, objects_already_stored=0, bytes_offloaded=0,

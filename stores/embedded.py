@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
-import anyio.to_thread
 import numpy as np
 import structlog
 import torch
@@ -63,6 +62,7 @@ from .frame_copies import (
 from .framing import HEADER_BYTES
 from .rows import RowBatch, RowResults
 from .slabs import SizeClass
+from .worker_threads import WorkerThreads
 
 T = TypeVar("T")
 
@@ -150,7 +150,7 @@ class EmbeddedStore(RowTransfers):
         self._chunk_bytes = min(chunk_bytes, max(SLOT_ALIGN, capacity_bytes))
         self._thread_threshold = thread_threshold_bytes
         self._max_workers = max_workers
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._workers: WorkerThreads | None = None  # started with the first threaded copy
         self._capabilities = StoreCapabilities(name=name, touch=True, remove=True, zero_copy=False,
                                                scatter=True, checksums=True, rows=True)
 
@@ -374,6 +374,8 @@ class EmbeddedStore(RowTransfers):
                 self._class_of.clear()
                 self._used = 0
                 self._allocated = 0
+            if self._workers is not None:
+                self._workers.close()
 
     # ---- introspection (tests, benchmarks) ---------------------------------------------------
 
@@ -563,9 +565,9 @@ class EmbeddedStore(RowTransfers):
         try:
             if nbytes <= self._thread_threshold:
                 return True, copy()
-            if self._limiter is None:
-                self._limiter = anyio.CapacityLimiter(self._max_workers)
-            return True, await anyio.to_thread.run_sync(copy, limiter=self._limiter)
+            if self._workers is None:
+                self._workers = WorkerThreads(self._max_workers, "embedded-store-copy")
+            return True, await self._workers.run(copy)
         except Exception:
             _log.exception("embedded store copy failed", nbytes=nbytes)
             return False, None

@@ -230,15 +230,20 @@ def _slot_views(size_class: SizeClass, slots: list[int]) -> list[np.ndarray]:
     return [grids[s // per][s % per] for s in slots]  # type: ignore[index]
 
 
-def _by_chunk(size_class: SizeClass, slots: list[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(chunk grid, local slot numbers, positions in ``slots``) per chunk the slots lie in."""
+def _by_chunk(size_class: SizeClass, slots: list[int]) -> list[tuple[np.ndarray, np.ndarray, slice]]:
+    """(chunk grid, local slot numbers, positions in ``slots``) per run of ``slots`` in one
+    chunk. Slots are taken a chunk at a time, ascending (:meth:`SizeClass.take`), so a batch is
+    a few runs: a handful of NumPy calls per batch, slicing per run."""
+    if not slots:
+        return []
     chunks, local = np.divmod(np.asarray(slots, dtype=np.int64), size_class.slots_per_chunk)
+    cuts = [0, *(np.flatnonzero(chunks[1:] != chunks[:-1]) + 1).tolist(), len(slots)]
+    first = chunks[cuts[:-1]].tolist()
     out = []
-    for c in np.unique(chunks).tolist():
-        sel = np.flatnonzero(chunks == c)
+    for c, lo, hi in zip(first, cuts[:-1], cuts[1:]):
         grid = size_class.grids[c]
         assert grid is not None, "slot in a released chunk"
-        out.append((grid, local[sel], sel))
+        out.append((grid, local[lo:hi], slice(lo, hi)))
     return out
 
 
