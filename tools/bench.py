@@ -10,7 +10,7 @@ printed; ``--json PATH`` writes one object::
                     "in_place_gbps", "staged_gbps", "raw_gbps", "memcpy_gbps", "torch_copy_gbps",
                     "runtime_vs_raw", "runtime_vs_memcpy", "raw_vs_memcpy", "runtime_median_gbps",
                     "raw_median_gbps",
-                    "runtime_vs_raw_median", "rounds", "load_average"}...],
+                    "runtime_vs_raw_median", "rounds", "rounds_lost", "load_average"}...],
      "key_hashing": {...},
      "python_calls": [{"shape", "object_bytes", "segments", "objects", "offload_calls_per_object",
                        "load_calls_per_object", "verify_all_load_calls_per_object", ...}...],
@@ -315,6 +315,7 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
                 paths: dict[str, Callable[[], Any]] = {v: functools.partial(_rt, **kw) for v, kw in variants.items()}
                 samples: dict[str, dict[str, list[float]]] = {
                     p: {"put": [], "get": []} for p in ("raw", "memcpy", "torch_copy", *paths)}
+                lost = dict.fromkeys(paths, 0)  # rounds a variant did not restore every object in
                 load_before = os.getloadavg()[0]
                 order = ["raw", *paths]
                 for k in range(rounds):
@@ -327,12 +328,17 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
                                 samples["torch_copy"][d].append(r["memcpy_gbps"])
                         else:
                             got = anyio.run(paths[p])
+                            if got.get("restored_fraction", 1.0) < 1.0:  # a loss, not a figure
+                                lost[p] += 1
+                                print(f"bench: {name} {object_bytes} B x {segments}, {p}: round lost "
+                                      f"(restored {got['restored_fraction']:.3f} of the objects)")
+                                continue
                             for d in ("put", "get"):
                                 samples[p][d].append(got[d])
                 load_after = os.getloadavg()[0]
                 for direction in ("put", "get"):
-                    best = {p: max(v[direction]) for p, v in samples.items()}
-                    med = {p: float(np.median(v[direction])) for p, v in samples.items()}
+                    best = {p: max(v[direction], default=0.0) for p, v in samples.items()}
+                    med = {p: float(np.median(v[direction])) if v[direction] else 0.0 for p, v in samples.items()}
                     row: dict[str, Any] = {"store": name, "object_bytes": object_bytes, "segments": segments,
                                            "objects": n, "direction": direction}
                     for v in variants:
@@ -347,6 +353,7 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
                     row["raw_median_gbps"] = round(med["raw"], 2)
                     row["raw_vs_memcpy"] = round(best["raw"] / best["memcpy"], 3) if best["memcpy"] else None
                     row["rounds"] = rounds
+                    row["rounds_lost"] = sum(lost.values())
                     row["load_average"] = [round(load_before, 2), round(load_after, 2)]
                     rows.append(row)
     return rows
@@ -376,7 +383,7 @@ def _print_data_path(rows: list[dict[str, Any]], variants: dict[str, dict[str, A
         f"{v}_vs_raw{m}" for m in ("", "_median") for v in variants]
     ratios += [f"{v}_vs_memcpy" for v in variants] + ["raw_vs_memcpy"]
     print(format_table(rows, ["store", "object_bytes", "segments", "direction", *(f"{v}_gbps" for v in variants),
-                              "raw_gbps", "memcpy_gbps", *ratios, "load_average"]))
+                              "raw_gbps", "memcpy_gbps", *ratios, "rounds_lost", "load_average"]))
 
 
 # ---- synchronous facade ----------------------------------------------------------------

@@ -61,6 +61,8 @@ async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
         assert load is not None
         restored = await lk.commit(load)
         t_get = time.perf_counter() - t0
-        assert restored == n_objects * page, restored
         await lk.release(r)
-    return {"put": nbytes / t_put / 1e9, "get": nbytes / t_get / 1e9}
+    # a round the store failed in part (an offload or a load lost) times less than it claims:
+    # the caller reports it as a loss and keeps it out of the figures
+    return {"put": nbytes / t_put / 1e9, "get": nbytes / t_get / 1e9,
+            "restored_fraction": restored / (n_objects * page)}
