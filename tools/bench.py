@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -280,6 +281,7 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
     from .bench_store import measure_raw_vs_memcpy
 
     rows: list[dict[str, Any]] = []
+    runs = itertools.count()  # each runtime round's keys are its own
     total = (128 if quick else 256) << 20
     with contextlib.ExitStack() as stack:
         setups: list[tuple[str, Callable[[int], Any]]] = [("embedded", lambda cap: EmbeddedStore(cap))]
@@ -306,7 +308,8 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
                     store = await _maybe_await(make(total * 8))
                     try:
                         await fault_in(store, object_bytes, n)
-                        return await runtime_transfer(store, object_bytes, n, segments=segments, **options)
+                        return await runtime_transfer(store, object_bytes, n, segments=segments,
+                                                      run=f"-{next(runs)}", **options)
                     finally:
                         await store.close()
 

@@ -19,19 +19,21 @@ from ..stores.base import Store
 
 async def runtime_transfer(store: Store, object_bytes: int, n_objects: int,
                            in_place: bool = True, in_place_min_bytes: int | None = None,
-                           integrity: str = "checksum", segments: int = 1) -> dict[str, float]:
+                           integrity: str = "checksum", segments: int = 1, run: str = "") -> dict[str, float]:
     """Offload then load ``n_objects`` KV page objects through the whole runtime (GB/s);
     ``in_place=False`` forces the staged path (stage, checksum, scatter) for comparison,
     ``in_place_min_bytes=0`` the in-place path at every size; None keeps the default;
     ``integrity``: ``LinkerConfig.integrity``; ``segments``: the object's payload in that many
-    layers (one segment each, equal rows)."""
+    layers (one segment each, equal rows); ``run``: a tag that gives this call keys of its own
+    (a store that outlives the call, e.g. a remote Mooncake segment, would otherwise answer a
+    later round's puts ``EXISTS`` and time nothing)."""
     from ..stores.framing import HEADER_BYTES
 
     page = 64
     payload = object_bytes - HEADER_BYTES
     row = payload // page // segments
     layout = ModelLayout.create(page_size=page, full_layers=list(range(segments)), kv_row_shape=[row],
-                                kv_dtype="uint8", model_name=f"bench-{object_bytes}-{segments}")
+                                kv_dtype="uint8", model_name=f"bench-{object_bytes}-{segments}{run}")
     pools = HybridPools(layout, kv_pages=n_objects + 1)
     tokens = np.random.default_rng(object_bytes).integers(1, 50000, n_objects * page + 1)
     cfg = LinkerConfig(touch=False, latency_high_ms=1e6, latency_low_ms=1e5,
