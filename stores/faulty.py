@@ -64,7 +64,16 @@ from .embedded import InflightCalls, check_keys
 from .fault_plan import _FAULT_COUNTERS, FaultPlan, FaultStatistics
 from .frame_copies import check_parts, check_sealed
 from .framing import HEADER_BYTES
-from .rows import CODE, OUTCOMES, RowBatch, RowResults, check_batch, headers, source_offsets
+from .rows import (
+    CODE,
+    OUTCOMES,
+    RowBatch,
+    RowResults,
+    check_batch,
+    headers,
+    payload_sums,
+    source_offsets,
+)
 
 T = TypeVar("T")
 
@@ -194,18 +203,21 @@ class FaultyStore:
         objects that were not failed."""
         check_batch(batch)
         damaging = bool(self._plan.torn or self._plan.corrupt)
-        objects = _row_objects(batch, checksum_unset=True)
+        # an inner store that does not checksum (Mooncake): the damaged objects are sealed here,
+        # from the rows before the damage, and go through put_parts
+        own_sums = damaging and hashed and not supports_checksums(self._inner)
+        objects = _row_objects(batch, checksum_unset=True, sums=payload_sums(batch) if own_sums else None)
         where = {id(o): i for i, o in enumerate(objects)}
         inner_rows = self._parts_call("put_rows")
 
         async def send(keys: list[str], objs: list[Sequence[torch.Tensor]]) -> list[Outcome]:
             if damaging:
-                return list(await self._parts_call("put_sealed" if hashed else "put_parts")(keys, objs))
+                return list(await self._parts_call("put_sealed" if hashed and not own_sums else "put_parts")(keys, objs))
             idx = [where[id(o)] for o in objs]
             codes = await inner_rows(batch.select(idx), hashed)
             return [OUTCOMES[c] for c in codes.tolist()]
 
-        outcomes = await self._put_objects(batch.keys, objects, hashed, send)
+        outcomes = await self._put_objects(batch.keys, objects, hashed and not own_sums, send)
         return np.asarray([CODE[o] for o in outcomes], dtype=np.int8)
 
     async def get_rows(self, batch: RowBatch, hashed: bool) -> RowResults:
@@ -519,10 +531,13 @@ def _landed_checksum(payload: Sequence[torch.Tensor], nbytes: int) -> int:
     return h.intdigest()
 
 
-def _row_objects(batch: RowBatch, checksum_unset: bool) -> list[Sequence[torch.Tensor]]:
+def _row_objects(batch: RowBatch, checksum_unset: bool,
+                 sums: Sequence[int] | None = None) -> list[Sequence[torch.Tensor]]:
     """Each object of a row-described batch as buffers: its header (the batch's landing row for
-    a get, a fresh one for a put) and a view of each segment's rows."""
-    heads = batch.heads if batch.heads is not None and not checksum_unset else headers(batch, [0] * len(batch.keys))
+    a get, a fresh one for a put, with ``sums`` as its checksums when given) and a view of each
+    segment's rows."""
+    heads = (batch.heads if batch.heads is not None and not checksum_unset
+             else headers(batch, sums if sums is not None else [0] * len(batch.keys)))
     widths = [batch.unit * rb for rb in batch.row_bytes]
     out: list[Sequence[torch.Tensor]] = []
     for i, offs in enumerate(source_offsets(batch)):

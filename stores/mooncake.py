@@ -12,6 +12,11 @@ Data path. Buffers that lie inside a region passed to :meth:`MooncakeStore.regis
 copied through an internal registered bounce buffer, so correctness never depends on the
 caller registering. Batches are cut into ``max_batch`` keys per client call.
 
+Row-described calls. ``put_rows`` / ``get_rows`` (``capabilities.rows``, on unless
+``MooncakeConfig.row_calls=False``) move a sub-batch given as pool rows through the same
+multi-buffer calls, pointers computed with NumPy and headers in a registered arena of the
+store's; how, and where that differs from the embedded store: :mod:`hylinker.stores.mooncake_rows`.
+
 Threads. Every client call is synchronous (it releases the GIL) and runs in a worker thread
 bounded by a ``CapacityLimiter``; the event loop never blocks. A cancelled put or get waits
 for its call's thread to return before the cancellation lands, so its buffers are never
@@ -74,6 +79,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import torch
 
 from .base import (
@@ -99,6 +105,8 @@ from .mooncake_client import (
     split_address,
 )
 from .mooncake_master import port_accepts
+from .mooncake_rows import MooncakeRows, count_rows
+from .rows import CODE, RowBatch, RowResults, check_batch
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +127,11 @@ class MooncakeStore:
         device_memory, self.device_memory_reason = device_memory_support(config)
         self._capabilities = StoreCapabilities(
             name="mooncake", touch=True, remove=True, zero_copy=True, max_batch=config.max_batch,
-            scatter=True, device_memory=device_memory,
+            scatter=True, device_memory=device_memory, rows=config.row_calls,
         )
         self._limiter = anyio.CapacityLimiter(config.workers)
         self._batches = MooncakeBatches(client, config)  # the worker-thread side
+        self._rows = MooncakeRows(self._batches)  # ... of the row-described calls
         self._closed = False
         self._client_closed = False
         self._in_flight = 0
@@ -310,6 +319,33 @@ class MooncakeStore:
         count_gets(self._counters, results)
         return results
 
+    async def put_rows(self, batch: RowBatch, hashed: bool) -> np.ndarray:
+        """Store a row-described sub-batch (:class:`~hylinker.stores.base.RowStore`; how and
+        where Mooncake differs: :mod:`hylinker.stores.mooncake_rows`)."""
+        check_batch(batch)
+        self._check_open()
+        if not batch.keys:
+            return np.zeros(0, dtype=np.int8)
+        try:
+            codes = await self._run(self._rows.put, batch, hashed)
+        except MasterUnreachable:
+            codes = np.full(len(batch.keys), CODE[Outcome.UNREACHABLE], dtype=np.int8)
+        count_rows(self._counters, codes, batch.object_bytes, put=True)
+        return codes
+
+    async def get_rows(self, batch: RowBatch, hashed: bool) -> RowResults:
+        """Read a row-described sub-batch into its rows and ``batch.heads``."""
+        check_batch(batch, get=True)
+        self._check_open()
+        if not batch.keys:
+            return RowResults.of(0, Outcome.OK)
+        try:
+            res = await self._run(self._rows.get, batch, hashed)
+        except MasterUnreachable:
+            res = RowResults.of(len(batch.keys), Outcome.UNREACHABLE)
+        count_rows(self._counters, res.codes, res.nbytes, put=False)
+        return res
+
     async def replica_endpoints(self, keys: Sequence[str]) -> list[str | None]:
         """Where each object's first memory replica lives: the transport endpoint
         (``host:port``) of the segment holding it, None when absent. An object whose endpoint
@@ -371,9 +407,14 @@ class MooncakeStore:
                 await anyio.sleep(0.002)
             client, self._client = self._client, None
             self._client_closed = True
+
+            def shut() -> None:
+                self._rows.arenas.release()  # the header arenas, while the client is open
+                client.close()
+
             with anyio.CancelScope(shield=True):  # never leave a half-closed client behind
                 try:
-                    await anyio.to_thread.run_sync(client.close)
+                    await anyio.to_thread.run_sync(shut)
                 except Exception:
                     log.warning("mooncake client close raised", exc_info=True)
             self._batches.set_regions([])

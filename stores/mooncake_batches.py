@@ -85,7 +85,7 @@ class MooncakeBatches:
         self.gate()
         codes: list[int] = []
         for chunk in self.chunks(len(keys)):
-            codes.extend(int(c) for c in self.client.batch_is_exist([keys[i] for i in chunk]))
+            codes.extend([int(c) for c in self.client.batch_is_exist([keys[i] for i in chunk])])
         self.note(codes)
         return codes
 
@@ -169,13 +169,10 @@ class MooncakeBatches:
         present = self.is_exist(keys)
         if RPC_FAIL in present:
             return outcomes, None
-        todo = []
-        for i, code in enumerate(present):
-            if code == 1:
-                outcomes[i] = Outcome.EXISTS
-            else:
-                todo.append(i)
-        return outcomes, todo
+        if 1 not in present:  # the common case: nothing stored yet
+            return outcomes, list(range(len(keys)))
+        exists = Outcome.EXISTS
+        return [exists if code == 1 else None for code in present], [i for i, code in enumerate(present) if code != 1]
 
     def put(self, keys: list[str], buffers: list[torch.Tensor]) -> list[Outcome]:
         self.gate()

@@ -128,6 +128,9 @@ class MooncakeConfig:
     #: whether the client reads and writes GPU memory (device pools registered and moved in
     #: place); None: found out from the client's build (:func:`device_memory_support`)
     device_memory: bool | None = None
+    #: row-described sub-batches (``put_rows`` / ``get_rows``, :mod:`hylinker.stores.mooncake_rows`,
+    #: ``capabilities.rows``); False: the data plane moves in place by ``put_parts`` / ``get_parts``
+    row_calls: bool = True
 
     def __attrs_post_init__(self) -> None:
         split_address(self.master_address)

@@ -168,6 +168,23 @@ def scatter(batch: RowBatch, slots: Sequence[np.ndarray], hashed: bool) -> list[
     return sums
 
 
+def payload_sums(batch: RowBatch, idx: Sequence[int] | None = None) -> list[int]:
+    """XXH3-64 of each object's payload (of the objects ``idx``; default all), from its rows: its
+    row range of every segment, in segment order, streamed into one hash (no copy; for a store
+    that does not copy the bytes itself, e.g. Mooncake, or a wrapper that seals for it)."""
+    offsets = source_offsets(batch)
+    widths = [batch.unit * rb for rb in batch.row_bytes]
+    segs = batch.segments
+    new = xxhash.xxh3_64
+    sums: list[int] = []
+    for offs in offsets if idx is None else [offsets[i] for i in idx]:
+        h = new()
+        for seg, o, w in zip(segs, offs, widths):
+            h.update(seg[o:o + w].data)
+        sums.append(h.intdigest())
+    return sums
+
+
 def headers(batch: RowBatch, checksums: Sequence[int]) -> np.ndarray:
     """The ``[n, 64]`` headers of the batch: the template, each digest and checksum."""
     n = len(batch.keys)
