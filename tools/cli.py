@@ -38,6 +38,8 @@ PASSED_ON: dict[str, tuple[str, str]] = {
     "bench-hash-overlap": ("bench_hash_overlap", "a checksummed Mooncake offload's floor, with no runtime around it"),
     "bench-keys": ("bench_keys", "the cost of hashing a prompt into chained page keys"),
     "bench-rows": ("bench_rows", "the row-described copy routine against plain per-object copies"),
+    "bench-calls": ("bench_calls", "Python calls per object through the synchronous data plane, on the embedded store "
+                                   "or Mooncake (--store mooncake [--no-rows])"),
 }
 
 
