@@ -77,8 +77,12 @@ class MooncakeBatches:
             log.warning("mooncake master %s unreachable (code -900)", self.config.master_address)
             self.master_down = True
 
-    def chunks(self, n: int) -> list[range]:
+    def chunks(self, n: int, buffers: int = 0) -> list[range]:
+        """Client calls for ``n`` objects: ``max_batch`` keys each, and for a call that moves
+        ``buffers`` buffers per object, at most ``transfer_queue // workers`` buffers."""
         step = self.config.max_batch
+        if buffers:
+            step = max(1, min(step, self.config.transfer_queue // self.config.workers // buffers))
         return [range(i, min(i + step, n)) for i in range(0, n, step)]
 
     def is_exist(self, keys: list[str]) -> list[int]:
@@ -182,7 +186,7 @@ class MooncakeBatches:
         inside = [self.in_region(buffers[i]) for i in todo]
         direct = [i for i, yes in zip(todo, inside) if yes]
         bounced = [i for i, yes in zip(todo, inside) if not yes]
-        for chunk in self.chunks(len(direct)):
+        for chunk in self.chunks(len(direct), 1):
             idx = [direct[j] for j in chunk]
             codes = self.client.batch_put_from(
                 [keys[i] for i in idx],
@@ -194,7 +198,7 @@ class MooncakeBatches:
             with self.bounce_lock:
                 self.ensure_bounce(max(_aligned(buffers[i].numel()) for i in bounced))
                 for group in self.bounce_groups(bounced, buffers):
-                    for chunk in self.chunks(len(group)):
+                    for chunk in self.chunks(len(group), 1):
                         idx = [group[j] for j in chunk]
                         ptrs = self._stage(idx, buffers, copy_in=True)
                         codes = self.client.batch_put_from(
@@ -229,14 +233,14 @@ class MooncakeBatches:
                 results[i] = GetResult(outcome, code if outcome is Outcome.OK else 0)
             return codes
 
-        for chunk in self.chunks(len(direct)):
+        for chunk in self.chunks(len(direct), 1):
             idx = [direct[j] for j in chunk]
             read(idx, [buffers[i].data_ptr() for i in idx])
         if bounced:
             with self.bounce_lock:
                 self.ensure_bounce(max(_aligned(buffers[i].numel()) for i in bounced))
                 for group in self.bounce_groups(bounced, buffers):
-                    for chunk in self.chunks(len(group)):
+                    for chunk in self.chunks(len(group), 1):
                         idx = [group[j] for j in chunk]
                         ptrs = self._stage(idx, buffers, copy_in=False)
                         codes = read(idx, ptrs)
@@ -249,7 +253,7 @@ class MooncakeBatches:
         if todo is None:
             return [Outcome.UNREACHABLE] * len(keys)
         direct, ptrs, sizes, joined = self.part_spans(todo, parts)
-        for chunk in self.chunks(len(direct)):
+        for chunk in self.chunks(len(direct), max(map(len, ptrs), default=1)):
             idx = [direct[j] for j in chunk]
             codes = self.client.batch_put_from_multi_buffers(
                 [keys[i] for i in idx], ptrs[chunk.start:chunk.stop], sizes[chunk.start:chunk.stop])
@@ -265,7 +269,7 @@ class MooncakeBatches:
         self.gate()
         results: list[GetResult | None] = [None] * len(keys)
         direct, ptrs, sizes, joined = self.part_spans(range(len(keys)), parts)
-        for chunk in self.chunks(len(direct)):
+        for chunk in self.chunks(len(direct), max(map(len, ptrs), default=1)):
             idx = [direct[j] for j in chunk]
             args = ([keys[i] for i in idx], ptrs[chunk.start:chunk.stop], sizes[chunk.start:chunk.stop])
             codes = [int(c) for c in self.client.batch_get_into_multi_buffers(*args)]

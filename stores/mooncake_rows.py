@@ -154,7 +154,7 @@ class MooncakeRows:
         heads = headers(sub, payload_sums(sub) if hashed else [0] * len(todo))
         ptrs = pointers(sub)
         sizes = [HEADER_BYTES, *(batch.unit * rb for rb in batch.row_bytes)]
-        for chunk in b.chunks(len(todo)):
+        for chunk in b.chunks(len(todo), len(sizes)):
             lo, hi = chunk.start, chunk.stop
             arena = self.arenas.take(hi - lo)
             try:
@@ -189,7 +189,7 @@ class MooncakeRows:
         ptrs = pointers(batch)
         sizes = [HEADER_BYTES, *(batch.unit * rb for rb in batch.row_bytes)]
         short: list[int] = []
-        for chunk in b.chunks(n):
+        for chunk in b.chunks(n, len(sizes)):
             lo, hi = chunk.start, chunk.stop
             arena = self.arenas.take(hi - lo)
             try:

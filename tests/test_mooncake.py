@@ -8,10 +8,12 @@ touch refreshing eviction recency.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ from hylinker.stores.base import (
 from hylinker.stores.mooncake import MooncakeConfig, MooncakeStore
 from hylinker.stores.mooncake_client import get_outcome, put_outcome
 from hylinker.stores.mooncake_master import MooncakeMaster, free_port
+from hylinker.stores.rows import CODE, RowBatch, digests_of
 
 pytestmark = pytest.mark.mooncake
 
@@ -86,6 +89,8 @@ def test_config_rejects_bad_values() -> None:
         MooncakeConfig(master_address="127.0.0.1:1", workers=0)
     with pytest.raises(ValueError):
         MooncakeConfig(master_address="127.0.0.1:1", segment_bytes=-1)
+    with pytest.raises(ValueError, match="transfer_queue"):
+        MooncakeConfig(master_address="127.0.0.1:1", workers=4, transfer_queue=3)
 
 
 # -- against the session master ------------------------------------------------------------
@@ -263,6 +268,74 @@ async def test_chunked_batches_and_bounce_growth(mooncake_master: MooncakeMaster
             framing.verify(out, r.nbytes, key, LAYOUT)
         assert await store.exists([*keys, p + "none"]) == [True] * len(keys) + [False]
         assert await store.remove(keys) == len(keys)
+    finally:
+        await store.close()
+
+
+class BufferCount:
+    """Wraps the client: the buffers each data call hands the transfer engine."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.calls: list[tuple[str, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._client, name)
+        if not name.startswith(("batch_put_from", "batch_get_into")):
+            return real
+
+        def call(keys: list[str], ptrs: list[Any], sizes: list[Any], *rest: Any) -> Any:
+            many = name.endswith("multi_buffers")
+            self.calls.append((name, sum(map(len, ptrs)) if many else len(ptrs)))
+            return real(keys, ptrs, sizes, *rest)
+        return call
+
+
+@pytest.mark.parametrize("parts", [1, 3, 25])
+async def test_calls_stay_within_the_transfer_queue(mooncake_master: MooncakeMaster, parts: int) -> None:
+    """No client call carries more than ``transfer_queue // workers`` buffers (Mooncake's TCP
+    lanes reject the excess: a 2,400-buffer call to a peer's segment lost every object), for
+    plain, multi-buffer and row-described calls alike, and every object still round-trips."""
+    store = await open_store(mooncake_master, transfer_queue=60)  # workers=2: 30 per call
+    spy = BufferCount(store._batches.client)
+    store._batches.client = spy
+    try:
+        p, n, row = prefix(), 40, 512
+        keys = [f"{p}{i}" for i in range(n)]
+        region = torch.zeros(2 * n * (64 + parts * row), dtype=torch.uint8)
+        store.register(region)
+        frames = [framed(k, parts * row, i) for i, k in enumerate(keys)]
+        assert await store.put(keys[:n // 2], frames[:n // 2]) == [Outcome.OK] * (n // 2)
+        half = region[: n * (64 + parts * row)]
+        pieces = []
+        for i in range(n // 2, n):
+            at = i * (64 + parts * row)
+            half[at:at + frames[i].numel()].copy_(frames[i])
+            cuts = [at, at + 64, *(at + 64 + (j + 1) * row for j in range(parts))]
+            pieces.append([half[a:b] for a, b in itertools.pairwise(cuts)])
+        assert await store.put_parts(keys[n // 2:], pieces) == [Outcome.OK] * (n // 2)
+        outs = [torch.zeros(f.numel(), dtype=torch.uint8) for f in frames]
+        got = await store.get(keys, outs)
+        assert [r.outcome for r in got] == [Outcome.OK] * n
+        assert all(torch.equal(a, b) for a, b in zip(outs, frames))
+        dest = region[n * (64 + parts * row):]
+        back = [[dest[i * 64:(i + 1) * 64], *(dest[n * 64 + (i * parts + j) * row:][:row] for j in range(parts))]
+                for i in range(n)]
+        res = await store.get_parts(keys, back)
+        assert [r.outcome for r in res] == [Outcome.OK] * n
+        assert all(torch.equal(torch.cat(b), f) for b, f in zip(back, frames))
+        # row-described: each segment a pool of n rows of `row` bytes
+        pool = [torch.randint(0, 256, (n * row,), dtype=torch.uint8) for _ in range(parts)]
+        for t in pool:
+            store.register(t)
+        segs = [t.numpy() for t in pool]
+        rkeys = [f"{p}r{i}" for i in range(n)]
+        tmpl = framing.header_template(LAYOUT, parts * row, framing.Integrity.CHECKSUM)
+        rb = RowBatch(rkeys, digests_of(rkeys), segs, [row] * parts, 1, np.arange(n, dtype=np.int64), tmpl, None)
+        assert (await store.put_rows(rb, True)).tolist() == [CODE[Outcome.OK]] * n
+        assert max(b for _, b in spy.calls) <= 30
+        per = parts + 1  # header and parts
+        assert sum(b for _, b in spy.calls) == n // 2 + n // 2 * per + n + n * per + n * per  # each moved once
     finally:
         await store.close()
 
