@@ -3,6 +3,7 @@ infinite-cache bound on the prefix hit rate."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from collections import defaultdict
@@ -61,6 +62,9 @@ def test_read_trace_fields_and_time_scale(tmp_path: Path) -> None:
     first = read_mooncake_trace(path, first_n=2, time_scale=1.0)
     assert [r.arrival_s for r in first] == [0.0, 1.5]
     assert read_mooncake_trace(path, first_n=0) == []
+    packed = tmp_path / "trace.jsonl.gz"
+    packed.write_bytes(gzip.compress(Path(path).read_bytes()))
+    assert read_mooncake_trace(packed, time_scale=0.5) == reqs
 
 
 @pytest.mark.parametrize(

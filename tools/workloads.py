@@ -13,6 +13,7 @@ Token ids lie in ``[1, vocab_size)``: id 0 (often padding) never occurs.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -228,7 +229,7 @@ def read_mooncake_trace(
     (the trace's hash ids are already prefix-chained); the last block is cut to
     ``input_length``. ``arrival_s = timestamp / 1000 * time_scale`` (``time_scale=0.1`` replays
     ten times faster; 0 makes every request arrive at once). ``first_n`` keeps only the first
-    ``n`` requests. Blank lines are skipped; a malformed line raises :class:`TraceFormatError`
+    ``n`` requests. A path ending in ``.gz`` is read through gzip. Blank lines are skipped; a malformed line raises :class:`TraceFormatError`
     naming its line number. Request ids are ``mc-{index}`` in file order.
     """
     if first_n is not None and first_n < 0:
@@ -240,7 +241,8 @@ def read_mooncake_trace(
     requests: list[Request] = []
     if first_n == 0:
         return requests
-    with open(path, encoding="utf-8") as f:
+    opener: Any = gzip.open if os.fspath(path).endswith(".gz") else open  # the shipped copy is gzipped
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
