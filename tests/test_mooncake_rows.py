@@ -250,7 +250,8 @@ async def test_bad_descriptions_raise_and_write_nothing(mooncake_store: Mooncake
 
 async def test_header_arenas_are_registered_once_grown_reused_and_released(mooncake_master: MooncakeMaster) -> None:
     store = await MooncakeStore.open(MooncakeConfig(master_address=mooncake_master.address, segment_bytes=64 * MIB,
-                                                    workers=2, max_batch=2048))
+                                                    workers=2, max_batch=2048,
+                                                    transfer_queue=2 * 2048 * 3))  # calls cut by max_batch alone
     try:
         page = 16
         pool = Pool(store, 2, 3000 * page // 16, seed=7)  # 3000 objects of one row each
