@@ -71,8 +71,8 @@ from .rows import (
     RowResults,
     check_batch,
     headers,
+    object_buffers,
     payload_sums,
-    source_offsets,
 )
 
 T = TypeVar("T")
@@ -538,9 +538,4 @@ def _row_objects(batch: RowBatch, checksum_unset: bool,
     segment's rows."""
     heads = (batch.heads if batch.heads is not None and not checksum_unset
              else headers(batch, sums if sums is not None else [0] * len(batch.keys)))
-    widths = [batch.unit * rb for rb in batch.row_bytes]
-    out: list[Sequence[torch.Tensor]] = []
-    for i, offs in enumerate(source_offsets(batch)):
-        pieces = [torch.from_numpy(seg[o:o + w]) for seg, o, w in zip(batch.segments, offs, widths)]
-        out.append([torch.from_numpy(heads[i]), *pieces])
-    return out
+    return list(object_buffers(batch, heads))

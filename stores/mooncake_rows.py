@@ -62,7 +62,7 @@ from .base import GetResult, Outcome
 from .framing import HEADER_BYTES
 from .mooncake_batches import MooncakeBatches
 from .mooncake_client import LEASE_EXPIRED, get_outcome, put_outcome
-from .rows import CODE, OK, RowBatch, RowResults, headers, payload_sums, source_offsets
+from .rows import CODE, OK, RowBatch, RowResults, headers, object_buffers, payload_sums
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class MooncakeRows:
     def _put_parts(self, batch: RowBatch, hashed: bool) -> np.ndarray:
         """The rows are not all registered: one buffer list per object through ``put_parts``."""
         heads = headers(batch, payload_sums(batch) if hashed else [0] * len(batch.keys))
-        got = self.batches.put_parts(list(batch.keys), object_parts(batch, heads))
+        got = self.batches.put_parts(list(batch.keys), object_buffers(batch, heads))
         return np.asarray([CODE[o] for o in got], dtype=np.int8)
 
     # ---- get -----------------------------------------------------------------------------
@@ -216,9 +216,7 @@ class MooncakeRows:
         if short:
             self._short_objects(batch, short, res)
         if hashed:
-            whole = np.flatnonzero((res.codes == OK) & (res.nbytes == batch.object_bytes)).tolist()
-            if whole:
-                res.checksums[whole] = payload_sums(batch, whole)
+            _landed_sums(batch, res)
         return res
 
     def _short_objects(self, batch: RowBatch, idx: list[int], res: RowResults) -> None:
@@ -248,12 +246,10 @@ class MooncakeRows:
         (its header buffer a view of ``batch.heads[i]``)."""
         heads = batch.heads
         assert heads is not None
-        got = self.batches.get_parts(list(batch.keys), object_parts(batch, heads))
+        got = self.batches.get_parts(list(batch.keys), object_buffers(batch, heads))
         res = results_of(got)
         if hashed:
-            whole = np.flatnonzero((res.codes == OK) & (res.nbytes == batch.object_bytes)).tolist()
-            if whole:
-                res.checksums[whole] = payload_sums(batch, whole)
+            _landed_sums(batch, res)
         return res
 
     # ---- shared ------------------------------------------------------------------------------
@@ -302,13 +298,11 @@ def mapped(raw: Sequence[int] | np.ndarray, mapping: Callable[[int], Outcome]) -
     return out
 
 
-def object_parts(batch: RowBatch, heads: np.ndarray) -> list[list[torch.Tensor]]:
-    """Each object as buffers (the slow path): header row ``heads[i]``, then a view of each
-    segment's rows."""
-    widths = [batch.unit * rb for rb in batch.row_bytes]
-    return [[torch.from_numpy(heads[i]), *(torch.from_numpy(seg[o:o + w])
-                                           for seg, o, w in zip(batch.segments, offs, widths))]
-            for i, offs in enumerate(source_offsets(batch))]
+def _landed_sums(batch: RowBatch, res: RowResults) -> None:
+    """The checksums of the whole objects that landed (OK, full size), from their rows."""
+    whole = np.flatnonzero((res.codes == OK) & (res.nbytes == batch.object_bytes)).tolist()
+    if whole:
+        res.checksums[whole] = payload_sums(batch, whole)
 
 
 def results_of(got: Sequence[GetResult]) -> RowResults:

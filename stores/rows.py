@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import attrs
 import numpy as np
+import torch
 import xxhash
 
 from .base import Outcome, bad_key
@@ -183,6 +184,15 @@ def payload_sums(batch: RowBatch, idx: Sequence[int] | None = None) -> list[int]
             h.update(seg[o:o + w].data)
         sums.append(h.intdigest())
     return sums
+
+
+def object_buffers(batch: RowBatch, heads: np.ndarray) -> list[list[torch.Tensor]]:
+    """Each object of the batch as buffers, for the parts calls: header row ``heads[i]``, then a
+    view of each segment's rows (no copy)."""
+    widths = [batch.unit * rb for rb in batch.row_bytes]
+    return [[torch.from_numpy(heads[i]), *(torch.from_numpy(seg[o:o + w])
+                                           for seg, o, w in zip(batch.segments, offs, widths))]
+            for i, offs in enumerate(source_offsets(batch))]
 
 
 def headers(batch: RowBatch, checksums: Sequence[int]) -> np.ndarray:
