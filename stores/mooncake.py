@@ -10,7 +10,8 @@ Open one with::
 Data path. Buffers that lie inside a region passed to :meth:`MooncakeStore.register` go to
 ``batch_put_from`` / ``batch_get_into`` as raw pointers (zero-copy). Any other buffer is
 copied through an internal registered bounce buffer, so correctness never depends on the
-caller registering. Batches are cut into ``max_batch`` keys per client call.
+caller registering. Batches are cut into ``max_batch`` keys per client call, and a data call
+into at most ``transfer_queue // workers`` buffers (Mooncake's TCP lanes reject the excess).
 
 Row-described calls. ``put_rows`` / ``get_rows`` (``capabilities.rows``, on unless
 ``MooncakeConfig.row_calls=False``) move a sub-batch given as pool rows through the same

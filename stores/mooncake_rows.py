@@ -6,7 +6,8 @@ without a tensor or view per object: per segment ``j`` the base address (``seg.c
 plus ``starts * row_bytes[j]``, ``unit * row_bytes[j]`` bytes long, and one 64-byte header slot
 per object in a registered header arena. The ``[n, 1 + S]`` pointer array is built with NumPy and
 turned into lists once per client call (``.tolist()``); the size list is the same for every
-object. One client call per chunk of ``max_batch`` objects, as the other batch calls.
+object. One client call per chunk of objects, cut as the other batch calls are: at most
+``max_batch`` keys and ``MooncakeConfig.transfer_queue // workers`` buffers.
 
 Registration. Mooncake wants every pointer inside a registered region. The span of rows a batch
 touches is checked once per segment per call (one bisect each, not one per object). The header
