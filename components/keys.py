@@ -1,6 +1,7 @@
 """Page keys: a chained cryptographic hash per whole page.
 
-``k_{-1} = H(fingerprint ‖ salt)``, ``k_i = H(k_{i-1} ‖ tokens of page i)`` with BLAKE2b-128
+``k_{-1} = H(fingerprint ‖ salt ‖ identity)`` (identity: the weights, ``model_revision``, the
+integrity level; ``components/identity.py``), ``k_i = H(k_{i-1} ‖ tokens of page i)`` with BLAKE2b-128
 over little-endian int32 token ids. Two prompts share ``k_i`` exactly when they share the
 first ``i + 1`` pages, the model layout and the tenant salt, so requests with different salts
 never share a key. An *object key* names one pool's object for one page on one rank:
@@ -60,14 +61,19 @@ def _salt_bytes(salt: object, field: str) -> bytes:
     raise TypeError(f"{field} must be a str or bytes (or None), got {type(salt).__name__}")
 
 
-def namespace_seed(layout: ModelLayout, salt: bytes | str | None = None) -> bytes:
-    """``k_{-1}``: the layout fingerprint, mixed with an optional tenant salt."""
+def namespace_seed(layout: ModelLayout, salt: bytes | str | None = None, *, identity: bytes = b"") -> bytes:
+    """``k_{-1}``: the layout fingerprint, mixed with an optional tenant salt and the
+    deployment's ``identity`` (:func:`~hylinker.components.identity.namespace_term`: the
+    weights' fingerprint, ``model_revision``, the integrity level; the ``Linker`` always
+    passes one)."""
     raw = _salt_bytes(salt, "salt")
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     h.update(layout.fingerprint)
     if raw:
         h.update(b"\x00salt\x00")
         h.update(raw)
+    if identity:
+        h.update(_term(b"identity", identity))
     return h.digest()
 
 

@@ -90,6 +90,17 @@ def page_keys(tokens: Sequence[int], page_size: int = 1, *, extra_key: str | Non
     return list(get_storage_hash_str(key, None, page_size=page_size))
 
 
+class _Overlay:
+    """``inner`` (SGLang's read-only ServerArgs) with some attributes answered otherwise."""
+
+    def __init__(self, inner: Any, **values: Any) -> None:
+        self._inner, self._values = inner, values
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__["_values"]
+        return values[name] if name in values else getattr(self.__dict__["_inner"], name)
+
+
 @attrs.frozen
 class CacheSpec:
     """Geometry of the SGLang cache the harness builds."""
@@ -108,6 +119,9 @@ class CacheSpec:
     #: tree caches that one (page sizes above 1 need it)
     mamba_extra_buffer: bool = False
     enable_metrics: bool = False  # SGLang's --enable-metrics (the plugin then registers its metrics)
+    model_path: str = "dummy"  # SGLang's --model-path as the plugin sees it (it fingerprints a local checkpoint)
+    #: SGLang's resolved --lora-paths as (name, path): the start-up adapters the plugin digests
+    lora_paths: tuple[tuple[str, str], ...] = ()
     #: decode-context parallelism as SGLang runs it: ``get_parallel()`` publishes
     #: ``attn_dcp_size``/``attn_dcp_rank``, the paged allocator's pages (the tree page) are
     #: ``page_size * dcp_size`` widened locs over ``dcp_size`` times the pool's rows, and this
@@ -211,6 +225,11 @@ class SGLangCache:
             unified_cache_external_linker_backend=backend if linker_config is not None else None,
             unified_cache_external_linker_config=linker_config, enable_metrics=spec.enable_metrics)
         server_args._mamba_cache_chunk_size = max(64, W)
+        if spec.lora_paths:  # as SGLang's LoRA argument hook leaves them (without loading any)
+            from sglang.srt.lora.lora_registry import LoRARef
+
+            server_args.lora_paths = [LoRARef(lora_id=LoRARef.deterministic_id(n, p), lora_name=n, lora_path=p)
+                                      for n, p in spec.lora_paths]
         set_global_server_args_for_scheduler(server_args)
         self.server_args = server_args
         self.publish_dcp()
@@ -295,8 +314,9 @@ class SGLangCache:
                 get_startup_linker_config,
             )
 
+            # the plugin sees spec.model_path (SGLang itself would read a real model's config there)
             self.cache.init_cache_linker(create_unified_cache_linker(
-                server_args, self.params, backend=backend, config=get_startup_linker_config(),
+                _Overlay(server_args, model_path=spec.model_path), self.params, backend=backend, config=get_startup_linker_config(),
                 components=set(self.cache.components), forward_stream=None))
             self.linker = self.cache.linker.cache_linker
             self.kvcache.register_layer_transfer_counter(self.cache.linker.layer_done_counter)

@@ -69,6 +69,9 @@ class PluginConfig:
     segment_mb: int = attrs.field(default=256, validator=_non_negative)  # Mooncake memory this engine contributes; 0 = none
     capacity_mb: int = attrs.field(default=1024, validator=_positive)  # embedded store capacity
     salt: str = ""  # tenant salt: objects of different salts never match
+    #: the operator's name for the weights served (part of every key; components/identity.py):
+    #: change it to retire every stored object of the model, e.g. after an update in place
+    model_revision: str = ""
     faults: str = ""  # a fault plan (the `stress --faults` syntax) wrapped around the store
     fault_seed: int = 0  # seed of the fault plan's random draws
     protocol: str = "tcp"  # Mooncake transfer protocol: "tcp" | "rdma"

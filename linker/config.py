@@ -76,6 +76,13 @@ class LinkerConfig:
     #: what a stored object's frame proves: ``"checksum"`` (header and a payload checksum) or
     #: ``"header"`` (key, layout, length; no payload hash); ``DataPlaneConfig.integrity``
     integrity: Integrity = attrs.field(default=Integrity.CHECKSUM, converter=_integrity)
+    #: the checkpoint served (a local directory or a hub name; None: the layout's
+    #: ``model_name``), fingerprinted once at start-up into every key (``components/identity.py``)
+    model_path: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.instance_of(str)))
+    #: the operator's name for the weights served, also in every key: change it to retire every
+    #: stored object of the model (e.g. after an update in place the fingerprint cannot see)
+    model_revision: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
     #: restores that pay for themselves (``dataplane/restore_cost.py``): a lookup declines a store
     #: hit whose load, at the bandwidth observed so far, would take longer than ``restore_margin``
     #: times recomputing its tokens. Off by default

@@ -38,6 +38,7 @@ import torch
 
 from ..components.admission import CheckpointPolicy, EndOfPrefill, Prefill
 from ..components.eviction import EvictionPolicy
+from ..components.identity import model_identity, namespace_term
 from ..components.keys import (
     MultimodalSpan,
     as_tokens,
@@ -72,6 +73,16 @@ from .tree_writer import PoolExhaustedError, TreeWriter
 
 #: the families the Linker exports itself; its data plane exports ``PLANE_KEYS``
 LINKER_KEYS = tuple(f.key for f in FAMILIES if f.key not in PLANE_KEYS)
+
+
+def deployment_seed(layout: ModelLayout, config: LinkerConfig | None = None,
+                    salt: bytes | str | None = None) -> bytes:
+    """``k_{-1}`` of a :class:`Linker`'s requests (before a request's own salt and adapter): the
+    layout, the deployment ``salt`` and the identity of ``config.model_path`` (else
+    ``layout.model_name``), ``config.model_revision`` and ``config.integrity``."""
+    c = config or LinkerConfig()
+    model = model_identity(c.model_path if c.model_path is not None else layout.model_name, c.model_revision)
+    return namespace_seed(layout, salt, identity=namespace_term(model, c.integrity.value))
 
 
 class Linker:
@@ -109,7 +120,7 @@ class Linker:
         self.page = layout.tree_page  # tokens per tree page (page_size x dcp_size)
         self.grid = layout.grid
         self.grid_pages = self.grid // self.page
-        self._default_seed = namespace_seed(layout, salt)
+        self._default_seed = deployment_seed(layout, self.config, salt)
         #: where prefills donate states (:meth:`checkpoint_depths`); the device tree's eviction order
         self.checkpoints: CheckpointPolicy = checkpoints if checkpoints is not None else EndOfPrefill()
         self.tree = TreeWriter(layout, pools, self._default_seed, eviction)

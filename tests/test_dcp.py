@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from hylinker import dcp_fold
-from hylinker.components.keys import namespace_seed, page_keys
+from hylinker.components.keys import page_keys
 from hylinker.components.layout import LayoutError, MambaLayerSpec, ModelLayout, PoolKind
 from hylinker.components.pool_rules import FoldedPages, pool_rules
 from hylinker.components.pool_view import PoolSet, PoolViewError, stacked_kv_view
@@ -40,7 +40,7 @@ from hylinker.harness.dcp import (
     logical_page,
 )
 from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker, Request
+from hylinker.linker.facade import Linker, Request, deployment_seed
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import GatedStore
@@ -176,7 +176,7 @@ async def test_dcp_ranks_hold_different_bytes_and_cannot_swap() -> None:
                    for call in rks[1].store.keys["exists"] for k in call)
         await rks[1].linker.release(req)
         # the two ranks' shares of a page differ (the test would catch a swap)
-        key = page_keys(tokens, 8, namespace_seed(layouts[0]), max_pages=1)[0]
+        key = page_keys(tokens, 8, deployment_seed(layouts[0]), max_pages=1)[0]
         full = logical_page(key, 2, 8, (2, 4), 1)
         assert not torch.equal(full[:, 0::2], full[:, 1::2])
         await restore(rks[0], tokens, "restore0", depth)
@@ -216,7 +216,7 @@ async def test_one_ranks_missing_shard_shortens_only_that_ranks_hit() -> None:
     async with ranks(layouts, inner) as rks:
         depth = {await prefill(rk, tokens, f"donor{rk.r}") for rk in rks}.pop()
         missing = [k for k in put_keys(rks[1], PoolKind.FULL)
-                   if k.startswith(page_keys(tokens, 8, namespace_seed(layouts[1]))[3].hex())]
+                   if k.startswith(page_keys(tokens, 8, deployment_seed(layouts[1]))[3].hex())]
         assert len(missing) == 1 and await inner.remove(missing) == 1
         await restore(rks[0], tokens, "restore0", depth)
         await restore(rks[1], tokens, "restore1", 3 * 8)

@@ -18,10 +18,11 @@ import torch
 pytest.importorskip("transformers")
 
 from hylinker import HybridPools, Linker, ModelLayout, MultimodalSpan, PoolKind
-from hylinker.components.keys import as_tokens, namespace_seed, object_keys, page_keys, request_seed
+from hylinker.components.keys import as_tokens, object_keys, page_keys, request_seed
 from hylinker.components.mamba import restorable_ceiling
 from hylinker.harness.reference import ExtendResult, ReferenceEngine, build_model
 from hylinker.harness.reference.runtime_engine import LinkedEngine, PrefillResult
+from hylinker.linker.facade import deployment_seed
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 
@@ -62,7 +63,7 @@ def _image(h: bytes) -> tuple[MultimodalSpan]:
 
 def _objects(layout: ModelLayout, prompt: list[int], kw: dict[str, Any]) -> list[str]:
     """The KV object keys a request under ``kw`` stores for the prompt's restorable pages."""
-    seed = request_seed(namespace_seed(layout), salt=kw.get("salt"), adapter=kw.get("adapter"))
+    seed = request_seed(deployment_seed(layout), salt=kw.get("salt"), adapter=kw.get("adapter"))
     pages = restorable_ceiling(len(prompt), layout.grid) // PAGE
     return object_keys(page_keys(as_tokens(prompt), PAGE, seed, max_pages=pages), PoolKind.FULL, layout)
 

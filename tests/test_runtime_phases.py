@@ -40,9 +40,9 @@ def prompt(n: int, seed: int = 0) -> np.ndarray:
 
 
 def okey(tokens: np.ndarray, page: int, kind: PoolKind, layout: ModelLayout = LAYOUT) -> str:
-    from hylinker.components.keys import namespace_seed
+    from hylinker.linker.facade import deployment_seed
 
-    keys = page_keys(tokens, layout.page_size, namespace_seed(layout), max_pages=page + 1)
+    keys = page_keys(tokens, layout.page_size, deployment_seed(layout), max_pages=page + 1)
     return object_key(keys[page], kind, layout)
 
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from hylinker.components.keys import namespace_seed, object_key, page_keys
+from hylinker.components.keys import object_key, page_keys
 from hylinker.components.layout import LayoutError, MambaLayerSpec, ModelLayout, PoolKind
 from hylinker.components.pool_view import PoolSet, PoolViewError, stacked_kv_view, state_view
 from hylinker.components.pools import HybridPools
 from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
+from hylinker.linker.facade import Linker, deployment_seed
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.testing.content import SyntheticContent
@@ -46,7 +46,7 @@ def prompt(n: int, seed: int = 0) -> np.ndarray:
 
 
 def okey(tokens: np.ndarray, page: int) -> str:
-    keys = page_keys(tokens, LAYOUT.page_size, namespace_seed(LAYOUT), max_pages=page + 1)
+    keys = page_keys(tokens, LAYOUT.page_size, deployment_seed(LAYOUT), max_pages=page + 1)
     return object_key(keys[page], PoolKind.MAMBA, LAYOUT)
 
 

@@ -130,17 +130,17 @@ def test_keys_do_not_follow_vllms_per_process_hash_seed(monkeypatch: pytest.Monk
 
 
 # ---- the connector's scheduler side, with an embedded store's index fed by worker reports ----
-def scheduler() -> HylinkerConnector:
+def scheduler(model: str = "tiny", **extra: Any) -> HylinkerConnector:
     spec = {"block_size": BS, "num_kv_heads": 1, "head_size": 64, "dtype": torch.bfloat16}
     groups = [KVCacheGroupSpec(["model.layers.0.attn"], FullAttentionSpec(**spec)),
               KVCacheGroupSpec(["model.layers.1.linear_attn"],
                                MambaSpec(block_size=BS, shapes=((4, 64),), dtypes=(torch.float32,)))]
     ktc = KVTransferConfig(kv_connector="HylinkerConnector", kv_connector_module_path="hylinker.integrations.vllm",
                            kv_role="kv_both", kv_load_failure_policy="recompute",
-                           kv_connector_extra_config={"store": "embedded"})
+                           kv_connector_extra_config={"store": "embedded", **extra})
     config = VllmConfig(cache_config=CacheConfig(block_size=BS), kv_transfer_config=ktc)
     # the scheduler side reads the model's name and dtype only; a model config needs a checkpoint
-    object.__setattr__(config, "model_config", SimpleNamespace(model="tiny", dtype=torch.bfloat16))
+    object.__setattr__(config, "model_config", SimpleNamespace(model=model, dtype=torch.bfloat16))
     return HylinkerConnector(config, KVConnectorRole.SCHEDULER,
                              KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups))
 
@@ -192,6 +192,30 @@ def test_an_adapter_retrained_in_place_does_not_meet_its_old_blocks(adapters: di
     (a1 / "adapter_model.safetensors").write_bytes(b"\x09" * 64)  # new weights, same name and path
     vllm_request_keys._ADAPTER_DIGESTS.clear()  # as a restarted engine (the store outlives it)
     assert hit(c, make(lora_request=LoRARequest("a1", 1, str(a1)))) == 0
+
+
+def test_the_checkpoint_revision_and_integrity_level_are_in_the_keys(tmp_path: Path) -> None:
+    """Same files: the same seed in another connector; a changed config or weight file, another
+    ``model_revision`` or integrity level: another seed (a store written before misses)."""
+    root = tmp_path / "model"
+    root.mkdir()
+    (root / "config.json").write_text('{"hidden_size": 64}')
+    (root / "model.safetensors").write_bytes(b"\x01" * 9000)
+    base = scheduler(str(root))
+    assert base.seed != scheduler("tiny").seed
+    saved = compute_and_save(base, make())
+    assert hit(base, make()) == 8 * BS
+    assert scheduler(str(root)).seed == base.seed
+    (root / "model.safetensors").write_bytes(b"\x01" * 9001)  # updated in place
+    assert scheduler(str(root)).seed != base.seed
+    (root / "model.safetensors").write_bytes(b"\x01" * 9000)
+    (root / "config.json").write_text('{"hidden_size": 64, "tie_word_embeddings": true}')
+    assert scheduler(str(root)).seed != base.seed
+    (root / "config.json").write_text('{"hidden_size": 64}')
+    assert scheduler(str(root)).seed == base.seed
+    for other in (scheduler(str(root), integrity="header"), scheduler(str(root), model_revision="v2")):
+        assert other.seed != base.seed
+        assert not set(saved) & set(compute_and_save(other, make()))
 
 
 @pytest.mark.parametrize("case", ["unknown-extra-key-kind", "salt-not-a-string", "adapter-not-a-directory",

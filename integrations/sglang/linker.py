@@ -65,6 +65,7 @@ from ...dataplane.tracing import enable_trace_logging, trace
 from ...stores.base import Store, StoreError
 from ...stores.resilient import ResilientStore
 from .config import SGLangLinkerConfig
+from .identity import deployment_term
 from .loads import AllEvents, LoadBatch, LoadBatchHooks
 from .metrics import create_metrics
 from .placement import engine_pools, key_suffix, writes
@@ -138,8 +139,9 @@ class HylinkerLinker(UnifiedCacheLinker):
         cp_rank, pp_rank = int(getattr(params, "attn_cp_rank", 0) or 0), int(getattr(params, "pp_rank", 0) or 0)
         model = str(getattr(server_args, "model_path", "") or "")
         dcp = f"|dcp={self.dcp_size}" if self.dcp_size > 1 else ""
+        identity = deployment_term(server_args, self.config.model_revision, self.config.integrity)
         self.fingerprint = views.fingerprint(
-            f"sglang|model={model}|page={self.page_size}{dcp}|salt={self.config.salt}")
+            f"sglang|model={model}|page={self.page_size}{dcp}|salt={self.config.salt}|id={identity.hex()}")
         ns = hashlib.blake2b(self.fingerprint, digest_size=8).hexdigest()
         self._suffix = {kind: key_suffix(kind, p, ns, tp_rank, self.dcp_rank, cp_rank, pp_rank)
                         for kind, p in pools.items()}

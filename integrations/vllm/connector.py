@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ...components.identity import model_identity, namespace_term
 from ...dataplane.tracing import enable_trace_logging, trace
 from .. import store_host
 from . import metrics as vllm_metrics
@@ -175,7 +176,9 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             self.lookup = StoreProbe(self.host, self.layout)
         self.incarnation = uuid.uuid4().hex
         geometry = cache_geometry(vllm_config, kv_cache_config)
-        self.seed = namespace_seed(str(vllm_config.model_config.model), geometry, self.config.salt)
+        model = str(vllm_config.model_config.model)
+        self.seed = namespace_seed(model, geometry, self.config.salt, namespace_term(
+            model_identity(model, self.config.model_revision), self.config.integrity))
         self.counters: dict[str, int] = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         # scheduler side
         self._requests: dict[str, _Tracked] = {}

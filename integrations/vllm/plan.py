@@ -35,13 +35,17 @@ import numpy as np
 from ...components.keys import KEY_BYTES, as_tokens, page_keys
 
 
-def namespace_seed(model: str, geometry: str, salt: str) -> bytes:
-    """``k_{-1}``: the model, the cache geometry (dtype, block size, page bytes per group) and
-    the tenant salt. Engines agree on keys exactly when they agree on all three."""
+def namespace_seed(model: str, geometry: str, salt: str, identity: bytes = b"") -> bytes:
+    """``k_{-1}``: the model, the cache geometry (dtype, block size, page bytes per group), the
+    tenant salt and ``identity`` (:func:`~hylinker.components.identity.namespace_term`: the
+    weights' fingerprint, ``model_revision``, the integrity level). Engines agree on keys exactly
+    when they agree on all four."""
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     for part in (model, geometry, salt):
         h.update(part.encode())
         h.update(b"\x00")
+    if identity:
+        h.update(identity)
     return h.digest()
 
 

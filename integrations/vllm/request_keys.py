@@ -27,13 +27,11 @@ without the store (counted, logged), never under a key that could match another 
 
 from __future__ import annotations
 
-import hashlib
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
+from ...components.identity import directory_digest
 from .plan import BlockExtras, BlockKeys, UnkeyableRequest, encode_extra_keys, request_seed
 
 if TYPE_CHECKING:
@@ -43,26 +41,18 @@ _ADAPTER_DIGESTS: dict[tuple[str, str], bytes] = {}
 
 
 def adapter_digest(name: str, path: str) -> bytes:
-    """SHA-256 over the adapter directory's files (relative names, sizes, contents), computed once
+    """:func:`~hylinker.components.identity.directory_digest` of the adapter's files, computed once
     per (name, path) in a process. Raises :class:`UnkeyableRequest` where ``path`` is not a
     readable local directory."""
     known = _ADAPTER_DIGESTS.get((name, path))
     if known is not None:
         return known
-    root = Path(path)
-    if not path or not root.is_dir():
-        raise UnkeyableRequest(f"LoRA adapter {name!r}: path {path!r} is not a local directory")
-    h = hashlib.sha256()
     try:
-        for file in sorted(p for p in root.rglob("*") if p.is_file()):
-            rel = file.relative_to(root).as_posix().encode()
-            h.update(len(rel).to_bytes(8, "little") + rel + os.path.getsize(file).to_bytes(8, "little"))
-            with open(file, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
+        digest = directory_digest(path)
+    except NotADirectoryError:
+        raise UnkeyableRequest(f"LoRA adapter {name!r}: path {path!r} is not a local directory") from None
     except OSError as exc:
         raise UnkeyableRequest(f"LoRA adapter {name!r}: cannot read {path!r}: {exc}") from exc
-    digest = h.digest()
     _ADAPTER_DIGESTS[(name, path)] = digest
     return digest
 
