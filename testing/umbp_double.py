@@ -18,7 +18,8 @@ named in brackets.
   recently used objects are evicted, oldest first, until the used pages are at or below the low
   watermark (70 %) — the object just stored included [test_capacity_is_counted_in_pages,
   test_an_object_above_the_low_watermark_is_evicted_at_once].
-* **Reads refresh recency, ``exists`` does not** [test_reads_refresh_recency_exists_does_not].
+* **Reads refresh recency, ``exists`` does not**; a ranged read of a few bytes is a read
+  [test_reads_refresh_recency_exists_does_not, test_a_ranged_read_of_a_header_refreshes_recency].
 * **First writer wins, silently**: a put of a key already stored answers ``True`` and writes
   nothing; the same key twice in one batch answers ``[True, False]``, the first kept
   [test_first_writer_wins, test_the_same_key_twice_in_one_batch].

@@ -84,6 +84,15 @@ def test_reads_refresh_recency_exists_does_not(client: Any) -> None:
     assert client.batch_exists(keys[:2]) == [True, False]
 
 
+def test_a_ranged_read_of_a_header_refreshes_recency(client: Any) -> None:
+    keys = keys_(30)
+    src, head = buf(1000, 1), buf(16)
+    for key in keys:
+        assert client.batch_put_from_ptr([key], [src.data_ptr()], [1000]) == [True]
+        assert client.batch_get_ranges_into_ptr([keys[0]], [[head.data_ptr()]], [[16]], [[0]]) == [True]
+    assert client.batch_exists(keys[:2]) == [True, False]
+
+
 def test_first_writer_wins(client: Any) -> None:
     (key,) = keys_(1)
     a, b, out = buf(64, 1), buf(64, 2), buf(64)

@@ -4,11 +4,14 @@ hooks (call counts, stored bytes, evicting one key) use the double in both."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from hylinker.testing.umbp_double import (
     real_client_wanted,
     umbp_test_client,
 )
+from hylinker.tools.cli import main
 
 TIER = 16 * PAGE_BYTES
 
@@ -87,10 +91,10 @@ def test_a_tier_too_small_for_one_object_is_refused_up_front() -> None:
         UmbpStore(client=UMBPClientDouble(capacity_bytes=PAGE_BYTES), capacity_bytes=PAGE_BYTES)
 
 
-async def test_capabilities_say_no_remove_no_touch() -> None:
+async def test_capabilities_say_no_remove_and_touch_by_reading() -> None:
     store = store_over()
     caps = store.capabilities
-    assert (caps.name, caps.touch, caps.remove, caps.zero_copy) == ("umbp", False, False, True)
+    assert (caps.name, caps.touch, caps.remove, caps.zero_copy) == ("umbp", True, False, True)
     with pytest.raises(UnsupportedStoreOperation, match="no per-key delete"):
         await store.remove(keys_(1))
     with pytest.raises(NotImplementedError):
@@ -261,9 +265,58 @@ async def test_standalone_process_mode_refuses_torch_regions() -> None:
     await store.close()
 
 
-async def test_touch_is_a_no_op() -> None:
+async def test_touch_reads_headers_and_keeps_objects_alive() -> None:
+    # 16 pages: 8 hot objects, then 40 cold puts with a touch of the hot ones every 4 puts;
+    # without the touches the cold puts evict them all
+    async def hot_left(touch: bool) -> int:
+        store = store_over()
+        hot = keys_(8)
+        for key in hot:
+            await store.put([key], [obj(1, 1000)])
+        for i, key in enumerate(keys_(40)):
+            await store.put([key], [obj(2, 1000)])
+            if touch and i % 4 == 0:
+                await store.touch([*hot, *keys_(1)])  # a missing key is harmless
+        left = sum(await store.exists(hot))
+        await store.close()
+        return left
+
+    assert (await hot_left(False), await hot_left(True)) == (0, 8)
+
+
+async def test_touch_is_one_small_read() -> None:
     client = UMBPClientDouble(capacity_bytes=TIER)
     store = UmbpStore(client=client, capacity_bytes=TIER)
-    await store.touch(keys_(2))
-    assert sum(client.calls.values()) == 0
+    await store.touch(keys_(3))
+    assert client.calls == {"batch_get_ranges_into_ptr": 1}
+    await store.touch([])
+    assert sum(client.calls.values()) == 1
     await store.close()
+
+
+def _stress(tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / "stress.json"
+    rc = main(["stress", "--no-progress", "--json", str(out), "--store", "umbp", "--requests", "60",
+               "--synthetic-scale", "0.1", "--kv-pages", "1024", "--mamba-slots", "24",
+               "--store-capacity-mb", "64", "--no-soak"])
+    summary: dict[str, Any] = json.loads(out.read_text())
+    assert rc == 0, summary
+    return summary
+
+
+@pytest.mark.skipif(not real_client_wanted(), reason="the real client (just test-umbp)")
+def test_short_stress_on_the_real_umbp_client(tmp_path: Path) -> None:
+    s = _stress(tmp_path)
+    assert (s["restore_mismatches"], s["leaked_rows"], s["leaked_slots"], s["locked_nodes_at_end"]) == (0, 0, 0, 0)
+    assert s["store_hit_tokens"] > 0 and s["restores_verified"] > 0
+
+
+def test_stress_on_umbp_without_mori_is_a_clear_error(tmp_path: Path) -> None:
+    try:
+        import mori.umbp  # noqa: F401
+    except (ImportError, OSError):
+        pass
+    else:
+        pytest.skip("mori loads here (test_short_stress_on_the_real_umbp_client runs instead)")
+    with pytest.raises(StoreUnavailableError, match="amd-mori"):
+        _stress(tmp_path)
