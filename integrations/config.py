@@ -155,7 +155,7 @@ class PluginConfig:
         elif self.store == "umbp":
             from ..stores.umbp import UmbpStore
 
-            store = UmbpStore()
+            store = UmbpStore(capacity_bytes=self.capacity_mb * MIB)
         else:
             from ..stores.mooncake import MooncakeConfig, MooncakeStore
 

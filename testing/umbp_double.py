@@ -1,94 +1,129 @@
-"""A protocol double of AMD mori's ``mori.umbp.UMBPClient`` for machines without ROCm.
+"""A protocol double of AMD mori's ``mori.umbp.UMBPClient`` (amd-mori 1.2.4, the default
+in-process client) for machines without its environment.
 
-It reads and writes raw host memory through ``ctypes`` at the addresses and sizes it is
-given, exactly as the real client's pointer API does, and keeps the objects in its own
-``bytearray`` per key (a test double; the real client keeps a DRAM tier).
+It reads and writes raw host memory through ``ctypes`` at the addresses and sizes it is given,
+as the real client's pointer API does, and keeps each object in a ``bytearray`` (the real client
+keeps a DRAM tier of 64 KiB pages).
 
-Documented behaviours it follows, and where they are written down (all in the public
-``ROCm/mori`` repository):
+Every rule below is pinned by a test in ``tests/test_umbp_client.py``, which runs unchanged
+against this double (the main suite) and against the real client (``just test-umbp``, in
+``.venv-umbp``; see ``docs/umbp.md``), so the two cannot drift. The test pinning each rule is
+named in brackets.
 
-* **Method names and arguments** — ``put_from_ptr(key, src, size)``,
-  ``get_into_ptr(key, dst, size)``, ``exists(key)``, ``batch_put_from_ptr(keys, ptrs,
-  sizes)``, ``batch_put_from_ptr_with_depth(keys, ptrs, sizes, depths)``,
-  ``batch_get_into_ptr(keys, ptrs, sizes)``, ``batch_exists(keys)``,
-  ``batch_exists_consecutive(keys)``, ``clear()``, ``flush()``, ``is_distributed()``,
-  ``register_memory(ptr, size)``, ``deregister_memory(ptr)``; the constructor takes an
-  optional ``config`` (``UMBPConfig``). Source: ``src/pybind/pybind_umbp.cpp`` (the
-  ``py::class_<IUMBPClient>(m, "UMBPClient")`` binding); exported by
-  ``python/mori/umbp/__init__.py``. The binding has **no** ``remove`` and **no** ``close``
-  (an older binding had ``remove``; the current ``IUMBPClient`` interface in
-  ``src/umbp/include/umbp/umbp_client.h`` has no per-key delete — only ``Clear()``).
-* **Pointer based, zero copy**: "All methods are zero-copy and pointer-based"
-  (``umbp_client.h``, class comment). Put copies ``size`` bytes from ``src``; get copies into
-  ``dst``.
-* **Batch results are per key booleans** (``std::vector<bool>``; ``umbp_client.h``).
-* **First writer wins**: a put of a key that exists returns ``true`` without writing
-  (``src/umbp/local/standalone_client.cpp``: ``if (index_.MayExist(key)) return true;`` in
-  ``Put`` and ``BatchPut``). The caller cannot tell "stored" from "already there".
-* **A get needs the exact size**: a read whose ``size`` differs from the stored size fails
-  ("Reject if caller's buffer size does not match the stored block size";
-  ``src/umbp/local/tiers/dram_tier.cpp``, ``DRAMTier::ReadIntoPtr``). A missing key fails
-  too; the two are indistinguishable to the caller.
-* **Reads refresh LRU recency** (``TouchLRU(key)`` after a successful ``ReadIntoPtr``,
-  ``dram_tier.cpp``); there is no separate touch call.
-* **When DRAM is full the least recently used entries are evicted** to make room (last-resort
-  eviction in ``LocalStorageManager::Write``, ``src/umbp/local/tiers/local_storage_manager.cpp``);
-  a put fails (``false``) only when the object cannot fit at all. Modelled only when
-  ``capacity_bytes`` is given (no SSD tier here).
-* **Registration is a no-op returning true in standalone mode** ("Standalone mode needs no
-  registration (CPU-local memcpy), so the default implementation is a no-op returning true";
-  ``umbp_client.h``).
-* ``batch_exists_consecutive`` "Returns the number of keys that exist consecutively from
-  index 0" (``umbp_client.h``).
+* **Capacity is counted in pages** of :data:`PAGE_BYTES` (64 KiB): an object takes
+  ``ceil(size / page)`` pages, at least one [test_capacity_is_counted_in_pages].
+* **A put needs free pages now**: it does not evict to make room; a put that does not fit the
+  free pages answers ``False`` [test_a_put_that_does_not_fit_is_refused].
+* **Eviction after a put**: once the used pages pass the high watermark (90 %), the least
+  recently used objects are evicted, oldest first, until the used pages are at or below the low
+  watermark (70 %) — the object just stored included [test_capacity_is_counted_in_pages,
+  test_an_object_above_the_low_watermark_is_evicted_at_once].
+* **Reads refresh recency, ``exists`` does not**; a ranged read of a few bytes is a read
+  [test_reads_refresh_recency_exists_does_not, test_a_ranged_read_of_a_header_refreshes_recency].
+* **First writer wins, silently**: a put of a key already stored answers ``True`` and writes
+  nothing; the same key twice in one batch answers ``[True, False]``, the first kept
+  [test_first_writer_wins, test_the_same_key_twice_in_one_batch].
+* **A get needs the exact size**: a size that differs answers ``False``, like a miss
+  [test_a_get_needs_the_exact_size].
+* **Ranged I/O**: ``batch_put_ranges_from_ptr`` builds one object of ``object_size`` bytes from
+  several (pointer, size, offset) ranges; ``batch_get_ranges_into_ptr`` reads ranges of an
+  object; a range past the object's end answers ``False``, a shorter one reads a prefix
+  [test_ranged_reads].
+* **Bad batches answer ``False`` per key, never raise**: lists of different lengths answer all
+  ``False`` (the real client logs a line); a size-0 put answers ``False``
+  [test_lists_of_different_lengths_answer_all_false, test_a_size_zero_put_is_refused].
+* **The default mode is the embedded pool client**: ``is_distributed()`` is True;
+  ``register_memory(ptr, size, loc, device)`` accepts host memory and answers True
+  [test_the_default_client_is_the_embedded_pool_client].
+* **``clear()`` answers True and then every put fails** for :data:`CLEAR_BLACKOUT_S` seconds
+  (seen for at least 7.5 s on 1.2.4; fixed in mori's nightly) [test_after_clear_puts_fail].
+* **No ``remove``, no ``close``, no ``touch``** [test_the_client_has_no_remove_close_or_touch].
 
-Where the real client's behaviour on misuse is undefined (mismatched list lengths, null
-pointers), the double raises ``ValueError`` so tests notice. Test hooks (not part of the
-real API): :meth:`UMBPClientDouble.drop` (an eviction by the client's own policy),
-:attr:`UMBPClientDouble.calls` (call counts per method) and
-:meth:`UMBPClientDouble.stored_bytes`.
+Test hooks (not part of the real API): :meth:`UMBPClientDouble.drop` (an eviction by the
+client's own policy), :attr:`UMBPClientDouble.calls` (call counts per method),
+:meth:`UMBPClientDouble.stored_bytes` and :attr:`UMBPClientDouble.registered_regions`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
+import math
+import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from typing import Any
+
+PAGE_BYTES = 64 << 10
+"""The DRAM tier's page: the unit of capacity (``UMBP_EMBEDDED_DRAM_PAGE_SIZE`` in 1.2.4)."""
+HIGH_WATERMARK = 0.9
+LOW_WATERMARK = 0.7
+DEFAULT_CAPACITY_BYTES = 4 << 30  # 1.2.4's default DRAM tier (the double allocates nothing up front)
+CLEAR_BLACKOUT_S = 7.5
+REAL_CLIENT_ENV = "HYLINKER_UMBP_REAL"
+"""Set to 1 (``just test-umbp`` does) to run the UMBP tests against the real mori client."""
+
+
+def real_client_wanted() -> bool:
+    return os.environ.get(REAL_CLIENT_ENV) == "1"
+
+
+def umbp_test_client(capacity_bytes: int = 64 << 20) -> Any:
+    """A UMBP client of ``capacity_bytes`` for a test: the real ``mori.umbp.UMBPClient`` when
+    ``HYLINKER_UMBP_REAL=1`` (an environment that cannot load it fails the test, never skips
+    it), the double otherwise."""
+    if real_client_wanted():
+        from ..stores.umbp import new_umbp_client
+
+        return new_umbp_client(capacity_bytes)
+    return UMBPClientDouble(capacity_bytes=capacity_bytes)
+
+
+class DeploymentMode(enum.Enum):
+    """``mori.umbp.UMBPDeploymentMode``'s members."""
+
+    Local = 0
+    StandaloneProcess = 1
+    Distributed = 2
 
 
 class UMBPClientDouble:
-    """In-memory stand-in for ``mori.umbp.UMBPClient`` (standalone mode, DRAM tier only)."""
+    """In-memory stand-in for ``mori.umbp.UMBPClient`` (embedded pool client, DRAM tier)."""
 
-    def __init__(self, config: object | None = None, *, capacity_bytes: int | None = None) -> None:
-        if capacity_bytes is not None and capacity_bytes <= 0:
+    def __init__(
+        self,
+        config: object | None = None,
+        *,
+        capacity_bytes: int | None = None,
+        mode: DeploymentMode = DeploymentMode.Distributed,
+    ) -> None:
+        if capacity_bytes is None:
+            dram = getattr(config, "dram", None)
+            capacity_bytes = int(getattr(dram, "capacity_bytes", DEFAULT_CAPACITY_BYTES))
+        if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.config = config
-        self._capacity = capacity_bytes
+        self._pages_total = capacity_bytes // PAGE_BYTES
+        self._mode = mode
         self._objects: OrderedDict[str, bytearray] = OrderedDict()  # LRU order, oldest first
-        self._used = 0
+        self._pages_used = 0
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}
+        self._puts_refused_until = 0.0
         self.calls: Counter[str] = Counter()
 
     # ---- core KV ---------------------------------------------------------------------------
 
     def put_from_ptr(self, key: str, src: int, size: int) -> bool:
-        self.calls["put_from_ptr"] += 1
-        _check_one(key, src, size)
-        with self._lock:
-            return self._put(key, src, size)
+        return self.batch_put_from_ptr([key], [src], [size])[0]
 
     def get_into_ptr(self, key: str, dst: int, size: int) -> bool:
-        self.calls["get_into_ptr"] += 1
-        _check_one(key, dst, size)
-        with self._lock:
-            return self._get(key, dst, size)
+        return self.batch_get_into_ptr([key], [dst], [size])[0]
 
     def exists(self, key: str) -> bool:
-        self.calls["exists"] += 1
-        _check_key(key)
-        with self._lock:
-            return key in self._objects
+        return self.batch_exists([key])[0]
 
     # ---- batch ----------------------------------------------------------------------------
 
@@ -96,35 +131,67 @@ class UMBPClientDouble:
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[bool]:
         self.calls["batch_put_from_ptr"] += 1
-        _check_batch(keys, ptrs, sizes)
+        if not _same_lengths(keys, ptrs, sizes):
+            return [False] * len(keys)
         with self._lock:
-            return [self._put(k, p, s) for k, p, s in zip(keys, ptrs, sizes, strict=True)]
+            seen: set[str] = set()
+            out = []
+            for key, ptr, size in zip(keys, ptrs, sizes):
+                out.append(key not in seen and self._put(key, size, [(ptr, size, 0)]))
+                seen.add(key)
+            return out
 
-    def batch_put_from_ptr_with_depth(
+    def batch_put_ranges_from_ptr(
         self,
         keys: Sequence[str],
-        ptrs: Sequence[int],
-        sizes: Sequence[int],
-        depths: Sequence[int],
+        object_sizes: Sequence[int],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        dst_offsets: Sequence[Sequence[int]],
     ) -> list[bool]:
-        """Depth only steers the real client's eviction priority; plain LRU here."""
-        self.calls["batch_put_from_ptr_with_depth"] += 1
-        _check_batch(keys, ptrs, sizes)
+        self.calls["batch_put_ranges_from_ptr"] += 1
+        if not _same_lengths(keys, object_sizes, ptrs, sizes, dst_offsets):
+            return [False] * len(keys)
         with self._lock:
-            return [self._put(k, p, s) for k, p, s in zip(keys, ptrs, sizes, strict=True)]
+            seen: set[str] = set()
+            out = []
+            for i, key in enumerate(keys):
+                ranges = list(zip(ptrs[i], sizes[i], dst_offsets[i]))
+                fits = len(ranges) == len(ptrs[i]) == len(sizes[i]) == len(dst_offsets[i]) and all(
+                    off >= 0 and n >= 0 and off + n <= object_sizes[i] for _, n, off in ranges)
+                out.append(key not in seen and fits and self._put(key, object_sizes[i], ranges))
+                seen.add(key)
+            return out
 
     def batch_get_into_ptr(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[bool]:
         self.calls["batch_get_into_ptr"] += 1
-        _check_batch(keys, ptrs, sizes)
+        if not _same_lengths(keys, ptrs, sizes):
+            return [False] * len(keys)
         with self._lock:
-            return [self._get(k, p, s) for k, p, s in zip(keys, ptrs, sizes, strict=True)]
+            out = []
+            for key, ptr, size in zip(keys, ptrs, sizes):
+                data = self._objects.get(key)
+                out.append(data is not None and len(data) == size and self._read(key, [(ptr, size, 0)]))
+            return out
+
+    def batch_get_ranges_into_ptr(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        src_offsets: Sequence[Sequence[int]],
+    ) -> list[bool]:
+        self.calls["batch_get_ranges_into_ptr"] += 1
+        if not _same_lengths(keys, ptrs, sizes, src_offsets):
+            return [False] * len(keys)
+        with self._lock:
+            return [self._read(key, list(zip(ptrs[i], sizes[i], src_offsets[i])))
+                    for i, key in enumerate(keys)]
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         self.calls["batch_exists"] += 1
-        for key in keys:
-            _check_key(key)
         with self._lock:
             return [key in self._objects for key in keys]
 
@@ -142,17 +209,24 @@ class UMBPClientDouble:
         self.calls["clear"] += 1
         with self._lock:
             self._objects.clear()
-            self._used = 0
+            self._pages_used = 0
+            self._puts_refused_until = time.monotonic() + CLEAR_BLACKOUT_S
         return True
 
     def flush(self) -> bool:
         self.calls["flush"] += 1
         return True
 
-    def is_distributed(self) -> bool:
-        return False
+    def supports_ranged_io(self) -> bool:
+        return True
 
-    def register_memory(self, ptr: int, size: int) -> bool:
+    def is_distributed(self) -> bool:
+        return self._mode is DeploymentMode.Distributed
+
+    def get_deployment_mode(self) -> DeploymentMode:
+        return self._mode
+
+    def register_memory(self, ptr: int, size: int, loc: object = None, device: int = -1) -> bool:
         self.calls["register_memory"] += 1
         if not isinstance(ptr, int) or not isinstance(size, int) or ptr == 0 or size < 0:
             raise ValueError(f"register_memory needs a non-null int address and size, got {ptr}, {size}")
@@ -171,7 +245,7 @@ class UMBPClientDouble:
             data = self._objects.pop(key, None)
             if data is None:
                 return False
-            self._used -= len(data)
+            self._pages_used -= _pages(len(data))
             return True
 
     def stored_bytes(self, key: str) -> bytes | None:
@@ -186,51 +260,41 @@ class UMBPClientDouble:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _put(self, key: str, src: int, size: int) -> bool:
+    def _put(self, key: str, size: int, ranges: list[tuple[int, int, int]]) -> bool:
         if key in self._objects:
             return True  # first writer wins; the put reports success
-        if self._capacity is not None:
-            if size > self._capacity:
-                return False
-            while self._used + size > self._capacity:
-                _, victim = self._objects.popitem(last=False)
-                self._used -= len(victim)
+        if size <= 0 or time.monotonic() < self._puts_refused_until:
+            return False
+        need = _pages(size)
+        if self._pages_used + need > self._pages_total:
+            return False
         data = bytearray(size)
-        if size:
-            ctypes.memmove((ctypes.c_char * size).from_buffer(data), src, size)
+        view = (ctypes.c_char * size).from_buffer(data)
+        for ptr, n, off in ranges:
+            if n:
+                ctypes.memmove(ctypes.addressof(view) + off, ptr, n)
         self._objects[key] = data
-        self._used += size
+        self._pages_used += need
+        if self._pages_used > HIGH_WATERMARK * self._pages_total:
+            while self._objects and self._pages_used > LOW_WATERMARK * self._pages_total:
+                _, victim = self._objects.popitem(last=False)
+                self._pages_used -= _pages(len(victim))
         return True
 
-    def _get(self, key: str, dst: int, size: int) -> bool:
+    def _read(self, key: str, ranges: list[tuple[int, int, int]]) -> bool:
         data = self._objects.get(key)
-        if data is None or len(data) != size:
+        if data is None or not ranges or any(off < 0 or n <= 0 or off + n > len(data) for _, n, off in ranges):
             return False
-        if size:
-            ctypes.memmove(dst, (ctypes.c_char * size).from_buffer(data), size)
+        view = (ctypes.c_char * len(data)).from_buffer(data)
+        for ptr, n, off in ranges:
+            ctypes.memmove(ptr, ctypes.addressof(view) + off, n)
         self._objects.move_to_end(key)
         return True
 
 
-def _check_key(key: object) -> None:
-    if not isinstance(key, str):
-        raise TypeError(f"UMBP keys are str, got {type(key).__name__}")
+def _pages(size: int) -> int:
+    return max(1, math.ceil(size / PAGE_BYTES))
 
 
-def _check_one(key: object, ptr: object, size: object) -> None:
-    _check_key(key)
-    if not isinstance(ptr, int) or not isinstance(size, int):
-        raise TypeError(f"UMBP pointers and sizes are ints, got {ptr!r}, {size!r}")
-    if size < 0:
-        raise ValueError(f"negative size {size}")
-    if ptr == 0 and size > 0:
-        raise ValueError(f"null pointer for key {key!r}")
-
-
-def _check_batch(keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
-    if not len(keys) == len(ptrs) == len(sizes):
-        raise ValueError(
-            f"batch lists differ in length: {len(keys)} keys, {len(ptrs)} ptrs, {len(sizes)} sizes"
-        )
-    for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
-        _check_one(key, ptr, size)
+def _same_lengths(*lists: Sequence[object]) -> bool:
+    return len({len(x) for x in lists}) == 1

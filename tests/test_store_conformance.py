@@ -1,6 +1,7 @@
 """One conformance suite, run unchanged against every store backend.
 
-Backends: ``embedded``; ``umbp`` (the adapter over :class:`UMBPClientDouble`); ``faulty``
+Backends: ``embedded``; ``umbp`` (the adapter over :class:`UMBPClientDouble`, or over the real
+mori client under ``just test-umbp``); ``faulty``
 (:class:`FaultyStore` at rate 0 over an embedded store); ``resilient`` (:class:`ResilientStore`,
 retries and breaker, over a fault-free faulty store over an embedded store); ``mooncake`` (the ``mooncake_store``
 fixture from ``conftest.py``: an opened Mooncake store on a loopback master, or a skip).
@@ -32,7 +33,7 @@ from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.stores.framing import FrameError, framed_size, payload_view, seal, verify
 from hylinker.stores.resilient import ResilientStore
 from hylinker.stores.umbp import UmbpStore
-from hylinker.testing.umbp_double import UMBPClientDouble
+from hylinker.testing.umbp_double import umbp_test_client
 
 LAYOUT = hashlib.sha256(b"store-conformance-layout").digest()
 STORE_NAMES = ["embedded", "umbp", "faulty", "resilient", pytest.param("mooncake", marks=pytest.mark.mooncake)]
@@ -51,7 +52,7 @@ async def embedded_store() -> AsyncIterator[Store]:
 
 @pytest.fixture
 async def umbp_store() -> AsyncIterator[Store]:
-    store = UmbpStore(client=UMBPClientDouble())
+    store = UmbpStore(client=umbp_test_client(64 << 20), capacity_bytes=64 << 20)
     yield store
     await store.close()
 
@@ -91,8 +92,9 @@ def _faulty_with_capacity(capacity: int) -> Store:
     return FaultyStore(EmbeddedStore(capacity, chunk_bytes=2 * OBJECT), FaultPlan(), seed=2)
 
 
-# Backends whose capacity a test can set. umbp: the adapter takes a client built elsewhere
-# (its DRAM capacity is UMBP's config), mooncake: the master's segment is the fixture's.
+# Backends whose capacity a test can set and that evict just enough to fit. umbp: its tier is
+# counted in 64 KiB pages and evicts down to 70 % in one go (tests/test_umbp_store.py and
+# tests/test_umbp_client.py pin that), mooncake: the master's segment is the fixture's.
 CAPACITY_STORES: dict[str, Callable[[int], Store]] = {
     "embedded": _embedded_with_capacity,
     "faulty": _faulty_with_capacity,

@@ -442,6 +442,10 @@ async def open_store(args: argparse.Namespace) -> tuple[Store, Any]:
         from ..stores.embedded import EmbeddedStore
 
         inner = EmbeddedStore(capacity)
+    elif args.store == "umbp":
+        from ..stores.umbp import UmbpStore
+
+        inner = UmbpStore(capacity_bytes=capacity)
     else:
         from ..stores.mooncake import MooncakeConfig, MooncakeStore
 

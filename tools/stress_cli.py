@@ -53,7 +53,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
                    help="device-cache eviction: least recently used / recency + compute saved per byte")
     s = parser.add_argument_group("store")
-    s.add_argument("--store", choices=("embedded", "mooncake"), default="embedded")
+    s.add_argument("--store", choices=("embedded", "mooncake", "umbp"), default="embedded",
+                   help="umbp: AMD mori's UMBP client with a DRAM tier of --store-capacity-mb "
+                        "(needs amd-mori; on a CPU machine run it in .venv-umbp, docs/umbp.md)")
     s.add_argument("--store-capacity-mb", type=int, default=2048)
     s.add_argument("--mooncake-master", default=None,
                    help="HOST:PORT of a running mooncake_master (default: start one on loopback)")
