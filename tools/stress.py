@@ -33,6 +33,7 @@ from ..linker.tree_writer import PoolExhaustedError
 from ..stores.base import Store
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
 from ..testing.content import SyntheticContent, preset_layout
+from .eviction_returns import TraceClock, eviction_returns
 from .replay import Demand, QueueFullError, WaitingQueue, pages_for
 from .report import percentiles, progress_bar
 from .workloads import (
@@ -118,9 +119,11 @@ class StressRun:
     calls the linker in the same order (the ordering rule, ``linker/agreement.py``)."""
 
     def __init__(self, cfg: StressConfig, store: Store, requests: list[WorkloadRequest],
-                 agreement: Agreement | None = None) -> None:
+                 agreement: Agreement | None = None, clock: TraceClock | None = None) -> None:
         self.cfg = cfg
         self.store = store
+        #: trace time (the latest arrival started), which the embedded store stamps evictions with
+        self.clock = clock if clock is not None else TraceClock()
         self.requests = requests
         self.agreement = agreement if agreement is not None else SingleRank()
         self.layout = preset_layout(cfg.preset, cfg.page_size, cfg.chunk_size, tp_rank=self.agreement.rank,
@@ -263,6 +266,7 @@ class StressRun:
 
     async def _serve(self, lk: Linker, wr: WorkloadRequest, attempts: _Attempts) -> bool:
         """One try at serving ``wr``; False when the device pools ran out (it is retried)."""
+        self.clock.reached(wr.arrival_s)  # admitted: the replay has reached its arrival
         tokens = wr.token_ids()
         P = self.layout.page_size
         async with lk.session(wr.request_id, tokens) as req:
@@ -412,7 +416,10 @@ class StressRun:
             "bytes_offloaded": per_pool("bytes_offloaded"),
             "bytes_loaded": per_pool("bytes_loaded"),
             "store": {"name": self.store.capabilities.name, "used_bytes": sstats.used_bytes,
-                      "capacity_bytes": sstats.capacity_bytes, "evictions": sstats.evictions},
+                      "capacity_bytes": sstats.capacity_bytes, "evictions": sstats.evictions,
+                      "put_bytes": sstats.put_bytes, "evicted_probed_again": sstats.evicted_probed_again,
+                      "evicted_touched_again": sstats.evicted_touched_again},
+            "eviction_returns": eviction_returns(self.store, sstats.evictions),
             "latency_ms": {"lookup": ms(self.lat["lookup"]), "load": ms(self.lat["load"]),
                            "commit": ms(self.lat["commit"]), "ttft": ms(self.lat["ttft"]),
                            "ttft_store": ms(self.lat["ttft_store"])},
@@ -433,15 +440,16 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     return reqs
 
 
-async def open_store(args: argparse.Namespace) -> tuple[Store, Any]:
-    """The store the run uses, and an object to close after it (a master we started)."""
+async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) -> tuple[Store, Any]:
+    """The store the run uses, and an object to close after it (a master we started);
+    ``clock`` stamps the embedded store's evictions (trace time)."""
     capacity = args.store_capacity_mb * MIB
     inner: Store
     extra: Any = None
     if args.store == "embedded":
         from ..stores.embedded import EmbeddedStore
 
-        inner = EmbeddedStore(capacity)
+        inner = EmbeddedStore(capacity) if clock is None else EmbeddedStore(capacity, clock=clock)
     else:
         from ..stores.mooncake import MooncakeConfig, MooncakeStore
 
@@ -477,10 +485,11 @@ def stress_config(args: argparse.Namespace) -> StressConfig:
 
 
 async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) -> StressResult:
-    store, (master, inner) = await open_store(args)
+    clock = TraceClock()
+    store, (master, inner) = await open_store(args, clock)
     cfg = stress_config(args)
     try:
-        return await StressRun(cfg, store, requests).run(show_progress=not args.no_progress)
+        return await StressRun(cfg, store, requests, clock=clock).run(show_progress=not args.no_progress)
     finally:
         await store.close()
         if inner is not None:
