@@ -435,6 +435,11 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
         if not args.trace.exists():
             raise SystemExit(f"stress: trace file not found: {args.trace}")
         reqs = read_mooncake_trace(args.trace, first_n=args.requests, time_scale=1.0)
+    elif getattr(args, "workload", "agentic") == "production":
+        from .production_workload import production_agentic, production_shape
+
+        shape = production_shape(getattr(args, "workload_param", []), scale=args.synthetic_scale)
+        reqs = production_agentic(args.requests or 2000, seed=args.seed, shape=shape)
     else:
         reqs = synthetic_agentic(args.requests or 2500, seed=args.seed, scale=args.synthetic_scale)
     return reqs
@@ -477,6 +482,10 @@ def stress_config(args: argparse.Namespace) -> StressConfig:
         block_tokens=MOONCAKE_BLOCK_TOKENS if args.trace is not None else 0,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         linker=LinkerConfig(mamba_backpressure=not args.no_mamba_backpressure,
+                            # TOUCH's interval is trace time: a replay compressed by time_scale
+                            # compresses it too
+                            touch_interval_s=max(1e-3, LinkerConfig().touch_interval_s * args.time_scale)
+                            if args.time_scale > 0 else LinkerConfig().touch_interval_s,
                             kv_backpressure_share=args.kv_backpressure_share,
                             resilience=None if args.no_retries else ResiliencePolicy(),
                             decline_slow_restores=args.decline_slow_restores,
