@@ -321,6 +321,8 @@ def format_stress_summary(s: Mapping[str, Any]) -> str:
          "value": f"{s['alloc_retries']} / {s['alloc_failures']} / {s['never_fit']} / {s['rejected']}"},
         {"metric": "loads: allocation misses / dropped -> recomputed",
          "value": f"{s['load_misses']} / {s['dropped_loads']}"},
+        {"metric": "states waiting for their offload, most at once / state slots",
+         "value": f"{s.get('states_pending_offload_peak', 0)} / {s['mamba_slots']}"},
         {"metric": "offloads (skipped / dropped / failed)",
          "value": f"{s['offloads']} ({s['offloads_skipped_mamba']} / {s['offloads_dropped']} / {s['offload_failures']})"},
         *resilience_rows(s),

@@ -146,6 +146,8 @@ class StressRun:
             "restore_mismatches", "alloc_retries", "alloc_failures", "never_fit", "rejected",
             "causal_waits", "checkpoints_donated", "recomputed_loads", "completed")}
         self.hits_over_time: list[tuple[float, float]] = []
+        #: the most states waiting for their offload at once (sampled every 5 ms)
+        self.states_pending_peak = 0
         self.lags: list[float] = []
         #: (request id, tokens the request stood on after LOOKUP/LOAD/COMMIT), in serving order
         self.decisions: list[tuple[str, int]] = []
@@ -176,10 +178,13 @@ class StressRun:
             self.linker = lk
 
             async def ticker() -> None:
+                mamba = lk.actors.get(PoolKind.MAMBA)
                 while not done.is_set():
                     t0 = time.perf_counter()
                     await anyio.sleep(0.005)
                     self.lags.append(max(0.0, (time.perf_counter() - t0) * 1e3 - 5.0))
+                    if mamba is not None:  # state slots held by offloads not yet settled
+                        self.states_pending_peak = max(self.states_pending_peak, mamba.pending_states)
 
             async def client(i: int, wr: WorkloadRequest) -> None:
                 try:
@@ -387,6 +392,7 @@ class StressRun:
             "max_waiting": self.queue.max_depth,
             "alloc_retries": self.c["alloc_retries"],
             "alloc_failures": self.c["alloc_failures"],
+            "states_pending_offload_peak": self.states_pending_peak,
             "never_fit": self.c["never_fit"],
             "rejected": self.c["rejected"],
             "load_misses": stats.load_misses,
