@@ -36,12 +36,11 @@ from ..testing.content import SyntheticContent, preset_layout
 from .eviction_returns import TraceClock, eviction_returns
 from .replay import Demand, QueueFullError, WaitingQueue, pages_for
 from .report import percentiles, progress_bar
+from .stress_inputs import load_workload, open_store
 from .workloads import (
     MOONCAKE_BLOCK_TOKENS,
     bound_hit_rate,
     causal_parents,
-    read_mooncake_trace,
-    synthetic_agentic,
 )
 from .workloads import Request as WorkloadRequest
 
@@ -53,7 +52,7 @@ SLOTS_PER_REQUEST = 3
 #: a request whose allocation still fails (offloads in flight lock rows) goes back to the
 #: queue this many times before it is dropped and counted as an allocation failure
 MAX_ATTEMPTS = 50
-__all__ = ["MIB", "POLICIES", "StressConfig", "StressResult", "StressRun", "load_workload", "run_stress", "stress_config"]
+__all__ = ["MIB", "POLICIES", "StressConfig", "StressResult", "StressRun", "load_workload", "open_store", "run_stress", "stress_config"]
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -435,49 +434,6 @@ class StressRun:
 
 
 # ---- CLI ----------------------------------------------------------------------------------
-
-def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
-    if args.trace is not None:
-        if not args.trace.exists():
-            raise SystemExit(f"stress: trace file not found: {args.trace}")
-        reqs = read_mooncake_trace(args.trace, first_n=args.requests, time_scale=1.0)
-    elif getattr(args, "workload", "agentic") == "production":
-        from .production_workload import production_agentic, production_shape
-
-        shape = production_shape(getattr(args, "workload_param", []), scale=args.synthetic_scale)
-        reqs = production_agentic(args.requests or 2000, seed=args.seed, shape=shape)
-    else:
-        reqs = synthetic_agentic(args.requests or 2500, seed=args.seed, scale=args.synthetic_scale)
-    return reqs
-
-
-async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) -> tuple[Store, Any]:
-    """The store the run uses, and an object to close after it (a master we started);
-    ``clock`` stamps the embedded store's evictions (trace time)."""
-    capacity = args.store_capacity_mb * MIB
-    inner: Store
-    extra: Any = None
-    if args.store == "embedded":
-        from ..stores.embedded import EmbeddedStore
-
-        inner = EmbeddedStore(capacity) if clock is None else EmbeddedStore(capacity, clock=clock)
-    else:
-        from ..stores.mooncake import MooncakeConfig, MooncakeStore
-
-        address = args.mooncake_master
-        if address is None:
-            from ..stores.mooncake_master import MooncakeMaster
-
-            extra = MooncakeMaster().start()
-            address = extra.address
-        inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
-    if args.faults or args.fault_rate > 0:
-        from ..stores.faulty import FaultPlan, FaultyStore
-
-        plan = FaultPlan.parse(args.faults) if args.faults else FaultPlan.uniform(args.fault_rate)
-        return FaultyStore(inner, plan, seed=args.seed), (extra, inner)
-    return inner, (extra, None)
-
 
 def stress_config(args: argparse.Namespace) -> StressConfig:
     return StressConfig(
