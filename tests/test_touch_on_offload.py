@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hylinker.components.keys import namespace_seed, object_key, page_keys
+from hylinker.components.keys import object_keys
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
 from hylinker.linker.config import LinkerConfig
@@ -23,11 +23,6 @@ LAYOUT = small_hybrid_layout()
 _ids = itertools.count()
 
 
-def kv_names(tokens: np.ndarray, pages: range) -> list[str]:
-    keys = page_keys(tokens, LAYOUT.page_size, namespace_seed(LAYOUT), max_pages=pages.stop)
-    return [object_key(keys[i], PoolKind.FULL, LAYOUT) for i in pages]
-
-
 @pytest.mark.parametrize("touch_on_offload", [True, False])
 async def test_a_prefix_is_refreshed_when_an_offload_below_it_settles(touch_on_offload: bool) -> None:
     tokens = np.random.default_rng(44).integers(1, 30000, size=50).astype(np.int32)
@@ -38,12 +33,13 @@ async def test_a_prefix_is_refreshed_when_an_offload_below_it_settles(touch_on_o
         content = SyntheticContent(pools)
         for n in (17, 49):  # A: pages 0..3 stored first; then B: pages 0..11 (A's answer EXISTS)
             req = lk.request(f"r{next(_ids)}", tokens[:n])
+            names = object_keys(req.page_keys(n // LAYOUT.page_size), PoolKind.FULL, LAYOUT)
             await lk.lookup(req)
             await synthetic_prefill(lk, content, req)
             await lk.release(req)
             await lk.drain()
             lk.flush_device()  # no device hit (and its TOUCH): B finds A in the store only
-        prefix, tail = kv_names(tokens, range(0, 4)), kv_names(tokens, range(4, 12))
+        prefix, tail = names[:4], names[4:]
         await wait_until(lambda: lk.toucher.pending == 0 and store.statistics().touches == lk.toucher.keys_sent)
         order = {k: i for i, k in enumerate(store.lru_keys())}
         newest_tail = max(order[k] for k in tail)
