@@ -66,6 +66,10 @@ class PoolRule:
         """Object keys that keep ``node``'s path restorable (TOUCH)."""
         raise NotImplementedError
 
+    def stored_names(self, nodes: Sequence[Node]) -> list[str]:
+        """Object keys of this pool's data that ``nodes`` hold in the store, in path order."""
+        raise NotImplementedError
+
     def stored_by_commit(self, adopted_pages: bool, adopted_state: bool) -> bool:
         """Whether a COMMIT that adopted pages / a state from the store leaves this pool stored."""
         raise NotImplementedError
@@ -98,6 +102,9 @@ class AllPages(PoolRule):
 
     def touch_names(self, path_keys: Sequence[bytes], node: Node) -> list[str]:
         return object_keys(list(path_keys), self.kind, self.layout)
+
+    def stored_names(self, nodes: Sequence[Node]) -> list[str]:
+        return object_keys([k for n in nodes if self.kind in n.stored for k in n.keys], self.kind, self.layout)
 
     def stored_by_commit(self, adopted_pages: bool, adopted_state: bool) -> bool:
         return adopted_pages
@@ -143,6 +150,9 @@ class TrailingState(PoolRule):
         if node.mamba_slot is None or not path_keys:
             return []
         return [object_key(path_keys[-1], self.kind, self.layout)]
+
+    def stored_names(self, nodes: Sequence[Node]) -> list[str]:
+        return [object_key(n.keys[-1], self.kind, self.layout) for n in nodes if self.kind in n.stored]
 
     def stored_by_commit(self, adopted_pages: bool, adopted_state: bool) -> bool:
         return adopted_state

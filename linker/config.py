@@ -47,6 +47,9 @@ class LinkerConfig:
     #: send TOUCH for a device-hit node at most once per interval
     touch: bool = True
     touch_interval_s: float = attrs.field(default=5.0, validator=_positive)  # that interval
+    #: after an offload settles, TOUCH what its path already held in the store, so a path's
+    #: prefix is never older than its tail in the store's own recency (linker/offload_room.py)
+    touch_on_offload: bool = True
     #: a device fence still pending after this long fails its offload (FenceError)
     fence_timeout_s: float = attrs.field(default=60.0, validator=_positive)
     #: objects per page/state, each holding a run of layers: a load lands (and reports) the

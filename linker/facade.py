@@ -163,7 +163,7 @@ class Linker:
         self.lookups = LookupRoom(self.context, self.toucher)  # LOOKUP + TOUCH (linker/lookup_room.py)
         self.restores = RestoreRoom(self.context)  # LOAD, COMMIT, ABORT, partial restores (linker/restore_room.py)
         #: offload planning, backpressure and settlement (linker/offload_room.py)
-        self.offloads = OffloadRoom(self.context)
+        self.offloads = OffloadRoom(self.context, self.toucher)
 
     @property
     def actors(self) -> dict[PoolKind, PoolActor]:

@@ -25,6 +25,7 @@ from .request import LinkerRoom
 if TYPE_CHECKING:
     from .context import LinkerContext
     from .request import Request
+    from .touch_room import TouchBatcher
 
 _WRITES = "writes"  # a settlement report's entry: which pools the reporting rank writes
 
@@ -42,8 +43,10 @@ class OffloadRoom(LinkerRoom):
     the linker's task group.
     """
 
-    def __init__(self, ctx: LinkerContext) -> None:
+    def __init__(self, ctx: LinkerContext, toucher: TouchBatcher | None = None) -> None:
         super().__init__(ctx)
+        #: TOUCH of the path an offload settles below (``LinkerConfig.touch_on_offload``)
+        self.toucher = toucher
         self.pools = ctx.pools
         self._spawn = ctx.spawn
         self.in_flight = 0  # offloads submitted and not yet settled
@@ -194,6 +197,7 @@ class OffloadRoom(LinkerRoom):
                 self._settle(kind, job_id, end, where, stored)
             if outcome is not None and outcome.faults:
                 trace("offload.error", request_id=request_id, faults=outcome.faults)
+            self._touch_path(end)
         finally:
             if failed:
                 self._c["offload_failures"] += 1  # one result per offload, not one per pool
@@ -273,6 +277,24 @@ class OffloadRoom(LinkerRoom):
         if len(present) != len(names):
             return [False] * len(names)
         return [bool(here) for here in present]
+
+    def _touch_path(self, end: Node) -> None:
+        """TOUCH what ``end``'s path already held in the store, once its new objects settled.
+
+        An offload writes only what the path lacks, so without this the prefix a conversation
+        keeps extending is the *oldest* part of it in the store's recency order, and a store
+        that evicts by its own LRU drops the prefix first, leaving the newer pages below it
+        unrestorable. Touched after the put, tail first, the path's objects are more recent the
+        nearer they are to the root: the store's LRU evicts a path from its tail."""
+        if self.toucher is None or not (self.config.touch and self.config.touch_on_offload
+                                        and self.store.capabilities.touch):
+            return
+        # tail first, root last: the store's LRU then evicts this path from its tail
+        names = [name for n in reversed(end.path()) for rule in self.rules.values()
+                 for name in reversed(rule.stored_names([n]))]
+        if names:
+            self._c["touch_keys"] += len(names)
+            self.toucher.add(names)
 
     def _settle(self, kind: PoolKind, job_id: int, end: Node, where: dict[int, int],
                 stored: list[bool] | None) -> None:

@@ -31,7 +31,10 @@ class TouchBatcher:
     def add(self, keys: list[str]) -> None:
         if self._stopped:
             return
-        self._pending.update(dict.fromkeys(keys))
+        pending = self._pending
+        for key in keys:  # a key touched again moves to the end: the store sees the latest order
+            pending.pop(key, None)
+            pending[key] = None
         self._wake.set()
 
     def stop(self) -> None:

@@ -95,6 +95,10 @@ class StoreStatistics:
     touches: int = 0
     removes: int = 0
     evictions: int = 0
+    #: evicted objects a later probe (exists, get) asked for before anything put them again
+    evicted_probed_again: int = 0
+    #: evicted objects a later TOUCH named (a device hit on a prefix the store had dropped)
+    evicted_touched_again: int = 0
     objects: int = 0
     used_bytes: int = 0
     capacity_bytes: int = 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -49,6 +50,7 @@ from .base import (
     new_counters,
 )
 from .embedded_rows import RowTransfers
+from .eviction_memory import EvictionMemory
 from .frame_copies import (
     Frame,
     check_parts,
@@ -126,7 +128,8 @@ class EmbeddedStore(RowTransfers):
     ``capacity_bytes``: the most object bytes held (slot-rounded, see the module docstring).
     ``chunk_bytes``: slab chunk size; a chunk holds at least one slot and never more than
     the capacity. ``thread_threshold_bytes``: batches moving more bytes copy in a worker
-    thread. ``max_workers``: worker threads copying at once.
+    thread. ``max_workers``: worker threads copying at once. ``clock``: the time the eviction
+    memory (:attr:`evictions_memory`) stamps evictions with (a replay passes its trace time).
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class EmbeddedStore(RowTransfers):
         thread_threshold_bytes: int = DEFAULT_THREAD_THRESHOLD_BYTES,
         max_workers: int = 2,
         name: str = "embedded",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -166,6 +170,8 @@ class EmbeddedStore(RowTransfers):
         self._calls = InflightCalls(name)
         self._stats = new_counters()
         self._on_evict: Callable[[list[str]], None] | None = None
+        #: evicted keys asked for again (``evicted_probed_again`` / ``evicted_touched_again``)
+        self.evictions_memory = EvictionMemory(clock)
 
     # ---- protocol -------------------------------------------------------------------------
 
@@ -193,7 +199,11 @@ class EmbeddedStore(RowTransfers):
         try:
             with self._lock:
                 self._stats["exists_calls"] += 1
-                return [key in self._index for key in keys]
+                present = [key in self._index for key in keys]
+                for key, held in zip(keys, present):
+                    if not held:
+                        self._stats["evicted_probed_again"] += self.evictions_memory.asked(key)
+                return present
         finally:
             self._calls.exit()
 
@@ -338,6 +348,8 @@ class EmbeddedStore(RowTransfers):
                     if key in self._index:
                         self._index.move_to_end(key)
                         self._stats["touches"] += 1
+                    else:
+                        self._stats["evicted_touched_again"] += self.evictions_memory.asked(key, touched=True)
         finally:
             self._calls.exit()
 
@@ -431,6 +443,7 @@ class EmbeddedStore(RowTransfers):
                 del self._pending[key]
                 if copied:
                     self._index[key] = loc
+                    self.evictions_memory.stored(key)
                     self._stats["puts"] += 1
                     self._stats["put_bytes"] += loc[2]
                 else:
@@ -502,6 +515,7 @@ class EmbeddedStore(RowTransfers):
         for key in victims:
             self._drop(self._index.pop(key))
             self._stats["evictions"] += 1
+        self.evictions_memory.evicted(victims)
         if self._on_evict is not None and victims:
             self._on_evict(victims)
         return True
@@ -529,6 +543,7 @@ class EmbeddedStore(RowTransfers):
                 loc = self._index.get(key)
                 if loc is None:
                     self._stats["get_misses"] += 1
+                    self._stats["evicted_probed_again"] += self.evictions_memory.asked(key)
                     continue
                 if loc[2] > buf.numel():
                     results[i] = GetResult(Outcome.TOO_SMALL, 0)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from .base import Outcome
+from .eviction_memory import EvictionMemory
 from .framing import HEADER_BYTES
 from .rows import CODE, OK, RowBatch, RowResults, check_batch, gather, headers, scatter
 from .slabs import SizeClass
@@ -46,6 +47,7 @@ class RowTransfers:
     _allocated: int
     _stats: dict[str, int]
     _calls: InflightCalls
+    evictions_memory: EvictionMemory
 
     if TYPE_CHECKING:  # EmbeddedStore's own methods
         def _class_for(self, slot_bytes: int) -> int: ...
@@ -188,6 +190,8 @@ class RowTransfers:
                 del pending[key]
             if copied:
                 self._index.update(zip(keys, locs))
+                for key in keys:
+                    self.evictions_memory.stored(key)
                 self._stats["puts"] += len(locs)
                 self._stats["put_bytes"] += len(locs) * locs[0][2]
                 return
@@ -207,6 +211,7 @@ class RowTransfers:
                     loc = index[key]
                 except KeyError:
                     misses += 1
+                    self._stats["evicted_probed_again"] += self.evictions_memory.asked(key)
                     continue
                 if loc[2] > size:
                     codes[i] = _TOO_SMALL

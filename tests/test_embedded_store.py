@@ -279,3 +279,25 @@ async def test_eviction_churn_keeps_the_free_lists_bounded() -> None:
     assert all(r.outcome is Outcome.OK for r in results)
     assert all(torch.equal(o, obj(i + 7)) for i, o in enumerate(outs))
     await store.close()
+
+
+async def test_evicted_objects_asked_for_again_are_counted_once_with_their_delay() -> None:
+    now = [100.0]
+    store = EmbeddedStore(2 * OBJ, chunk_bytes=OBJ, clock=lambda: now[0])
+    a, b, c, d = (f"{k}:kv:0" for k in keys_(4))
+    await put_each(store, [a, b, c, d])  # evicts a, then b, at t=100
+    now[0] = 160.0
+    assert await store.exists([a, c]) == [False, True]
+    assert await store.exists([a]) == [False]  # asked again: counted once per eviction
+    await store.touch([b])
+    got = await store.get([d, a], [obj(0), obj(0)])
+    assert [r.outcome for r in got] == [Outcome.OK, Outcome.MISSING]
+    stats = store.statistics()
+    assert (stats.evictions, stats.evicted_probed_again, stats.evicted_touched_again) == (2, 1, 1)
+    assert sorted(store.evictions_memory.returns) == [(a, 60.0, False), (b, 60.0, True)]
+    assert store.evictions_memory.evicted_by_suffix == {"kv:0": 2}
+    # a key put again is forgotten: evicting and asking for it again counts anew
+    await put_each(store, [a])  # evicts c
+    assert await store.exists([c, a]) == [False, True]
+    assert store.statistics().evicted_probed_again == 2
+    await store.close()

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "mooncake": "mooncake_cli",
     "fleet": "fleet",
     "config-doc": "config_doc",
+    "plan": "plan",
 }
 # subcommand -> (module under hylinker.tools, one-line help); the arguments after the subcommand go to
 # the module's main(argv) as they are

@@ -289,6 +289,16 @@ def resilience_rows(s: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def eviction_return_rows(s: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Evicted objects asked for again (probe or TOUCH), per pool, and how soon (trace time)."""
+    rows = []
+    for pool, r in s.get("eviction_returns", {}).get("pools", {}).items():
+        rows.append({"metric": f"evicted {pool} asked again (by touch) / share / median s / within 5 min",
+                     "value": f"{r['asked_again']:,} ({r['by_touch']:,}) / {r['asked_again_share']:.1%} / "
+                              f"{r['median_delay_s']} / {r['within_soon_share']:.1%}"})
+    return rows
+
+
 def format_stress_summary(s: Mapping[str, Any]) -> str:
     """The stress tool's printed table: the hit rate beside its bound, then every loss."""
     of_bound = _of_bound(s)
@@ -311,11 +321,14 @@ def format_stress_summary(s: Mapping[str, Any]) -> str:
          "value": f"{s['alloc_retries']} / {s['alloc_failures']} / {s['never_fit']} / {s['rejected']}"},
         {"metric": "loads: allocation misses / dropped -> recomputed",
          "value": f"{s['load_misses']} / {s['dropped_loads']}"},
+        {"metric": "states waiting for their offload, most at once / state slots",
+         "value": f"{s.get('states_pending_offload_peak', 0)} / {s['mamba_slots']}"},
         {"metric": "offloads (skipped / dropped / failed)",
          "value": f"{s['offloads']} ({s['offloads_skipped_mamba']} / {s['offloads_dropped']} / {s['offload_failures']})"},
         *resilience_rows(s),
         {"metric": "checkpoints donated", "value": s["checkpoints_donated"]},
         {"metric": "store evictions", "value": s["store"]["evictions"]},
+        *eviction_return_rows(s),
         {"metric": "MB offloaded kv / mamba / draft",
          "value": " / ".join(f"{v / _MIB:.1f}" for v in s["bytes_offloaded"].values())},
         {"metric": "MB loaded kv / mamba / draft",

@@ -33,14 +33,14 @@ from ..linker.tree_writer import PoolExhaustedError
 from ..stores.base import Store
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
 from ..testing.content import SyntheticContent, preset_layout
+from .eviction_returns import TraceClock, eviction_returns
 from .replay import Demand, QueueFullError, WaitingQueue, pages_for
 from .report import percentiles, progress_bar
+from .stress_inputs import load_workload, open_store
 from .workloads import (
     MOONCAKE_BLOCK_TOKENS,
     bound_hit_rate,
     causal_parents,
-    read_mooncake_trace,
-    synthetic_agentic,
 )
 from .workloads import Request as WorkloadRequest
 
@@ -52,7 +52,7 @@ SLOTS_PER_REQUEST = 3
 #: a request whose allocation still fails (offloads in flight lock rows) goes back to the
 #: queue this many times before it is dropped and counted as an allocation failure
 MAX_ATTEMPTS = 50
-__all__ = ["MIB", "POLICIES", "StressConfig", "StressResult", "StressRun", "load_workload", "run_stress", "stress_config"]
+__all__ = ["MIB", "POLICIES", "StressConfig", "StressResult", "StressRun", "load_workload", "open_store", "run_stress", "stress_config"]
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -118,9 +118,11 @@ class StressRun:
     calls the linker in the same order (the ordering rule, ``linker/agreement.py``)."""
 
     def __init__(self, cfg: StressConfig, store: Store, requests: list[WorkloadRequest],
-                 agreement: Agreement | None = None) -> None:
+                 agreement: Agreement | None = None, clock: TraceClock | None = None) -> None:
         self.cfg = cfg
         self.store = store
+        #: trace time (the latest arrival started), which the embedded store stamps evictions with
+        self.clock = clock if clock is not None else TraceClock()
         self.requests = requests
         self.agreement = agreement if agreement is not None else SingleRank()
         self.layout = preset_layout(cfg.preset, cfg.page_size, cfg.chunk_size, tp_rank=self.agreement.rank,
@@ -143,6 +145,8 @@ class StressRun:
             "restore_mismatches", "alloc_retries", "alloc_failures", "never_fit", "rejected",
             "causal_waits", "checkpoints_donated", "recomputed_loads", "completed")}
         self.hits_over_time: list[tuple[float, float]] = []
+        #: the most states waiting for their offload at once (sampled every 5 ms)
+        self.states_pending_peak = 0
         self.lags: list[float] = []
         #: (request id, tokens the request stood on after LOOKUP/LOAD/COMMIT), in serving order
         self.decisions: list[tuple[str, int]] = []
@@ -173,10 +177,13 @@ class StressRun:
             self.linker = lk
 
             async def ticker() -> None:
+                mamba = lk.actors.get(PoolKind.MAMBA)
                 while not done.is_set():
                     t0 = time.perf_counter()
                     await anyio.sleep(0.005)
                     self.lags.append(max(0.0, (time.perf_counter() - t0) * 1e3 - 5.0))
+                    if mamba is not None:  # state slots held by offloads not yet settled
+                        self.states_pending_peak = max(self.states_pending_peak, mamba.pending_states)
 
             async def client(i: int, wr: WorkloadRequest) -> None:
                 try:
@@ -263,6 +270,7 @@ class StressRun:
 
     async def _serve(self, lk: Linker, wr: WorkloadRequest, attempts: _Attempts) -> bool:
         """One try at serving ``wr``; False when the device pools ran out (it is retried)."""
+        self.clock.reached(wr.arrival_s)  # admitted: the replay has reached its arrival
         tokens = wr.token_ids()
         P = self.layout.page_size
         async with lk.session(wr.request_id, tokens) as req:
@@ -383,6 +391,7 @@ class StressRun:
             "max_waiting": self.queue.max_depth,
             "alloc_retries": self.c["alloc_retries"],
             "alloc_failures": self.c["alloc_failures"],
+            "states_pending_offload_peak": self.states_pending_peak,
             "never_fit": self.c["never_fit"],
             "rejected": self.c["rejected"],
             "load_misses": stats.load_misses,
@@ -412,7 +421,10 @@ class StressRun:
             "bytes_offloaded": per_pool("bytes_offloaded"),
             "bytes_loaded": per_pool("bytes_loaded"),
             "store": {"name": self.store.capabilities.name, "used_bytes": sstats.used_bytes,
-                      "capacity_bytes": sstats.capacity_bytes, "evictions": sstats.evictions},
+                      "capacity_bytes": sstats.capacity_bytes, "evictions": sstats.evictions,
+                      "put_bytes": sstats.put_bytes, "evicted_probed_again": sstats.evicted_probed_again,
+                      "evicted_touched_again": sstats.evicted_touched_again},
+            "eviction_returns": eviction_returns(self.store, sstats.evictions),
             "latency_ms": {"lookup": ms(self.lat["lookup"]), "load": ms(self.lat["load"]),
                            "commit": ms(self.lat["commit"]), "ttft": ms(self.lat["ttft"]),
                            "ttft_store": ms(self.lat["ttft_store"])},
@@ -423,47 +435,6 @@ class StressRun:
 
 # ---- CLI ----------------------------------------------------------------------------------
 
-def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
-    if args.trace is not None:
-        if not args.trace.exists():
-            raise SystemExit(f"stress: trace file not found: {args.trace}")
-        reqs = read_mooncake_trace(args.trace, first_n=args.requests, time_scale=1.0)
-    else:
-        reqs = synthetic_agentic(args.requests or 2500, seed=args.seed, scale=args.synthetic_scale)
-    return reqs
-
-
-async def open_store(args: argparse.Namespace) -> tuple[Store, Any]:
-    """The store the run uses, and an object to close after it (a master we started)."""
-    capacity = args.store_capacity_mb * MIB
-    inner: Store
-    extra: Any = None
-    if args.store == "embedded":
-        from ..stores.embedded import EmbeddedStore
-
-        inner = EmbeddedStore(capacity)
-    elif args.store == "umbp":
-        from ..stores.umbp import UmbpStore
-
-        inner = UmbpStore(capacity_bytes=capacity)
-    else:
-        from ..stores.mooncake import MooncakeConfig, MooncakeStore
-
-        address = args.mooncake_master
-        if address is None:
-            from ..stores.mooncake_master import MooncakeMaster
-
-            extra = MooncakeMaster().start()
-            address = extra.address
-        inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
-    if args.faults or args.fault_rate > 0:
-        from ..stores.faulty import FaultPlan, FaultyStore
-
-        plan = FaultPlan.parse(args.faults) if args.faults else FaultPlan.uniform(args.fault_rate)
-        return FaultyStore(inner, plan, seed=args.seed), (extra, inner)
-    return inner, (extra, None)
-
-
 def stress_config(args: argparse.Namespace) -> StressConfig:
     return StressConfig(
         preset=args.preset, page_size=args.page_size, chunk_size=args.chunk_size,
@@ -473,6 +444,10 @@ def stress_config(args: argparse.Namespace) -> StressConfig:
         block_tokens=MOONCAKE_BLOCK_TOKENS if args.trace is not None else 0,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         linker=LinkerConfig(mamba_backpressure=not args.no_mamba_backpressure,
+                            # TOUCH's interval is trace time: a replay compressed by time_scale
+                            # compresses it too
+                            touch_interval_s=max(1e-3, LinkerConfig().touch_interval_s * args.time_scale)
+                            if args.time_scale > 0 else LinkerConfig().touch_interval_s,
                             kv_backpressure_share=args.kv_backpressure_share,
                             resilience=None if args.no_retries else ResiliencePolicy(),
                             decline_slow_restores=args.decline_slow_restores,
@@ -481,10 +456,11 @@ def stress_config(args: argparse.Namespace) -> StressConfig:
 
 
 async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) -> StressResult:
-    store, (master, inner) = await open_store(args)
+    clock = TraceClock()
+    store, (master, inner) = await open_store(args, clock)
     cfg = stress_config(args)
     try:
-        return await StressRun(cfg, store, requests).run(show_progress=not args.no_progress)
+        return await StressRun(cfg, store, requests, clock=clock).run(show_progress=not args.no_progress)
     finally:
         await store.close()
         if inner is not None:

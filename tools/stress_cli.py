@@ -33,6 +33,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                    help="start a request that continues an earlier one (the next turn of a "
                         "conversation) only after that one completed")
+    w.add_argument("--workload", choices=("agentic", "production"), default="agentic",
+                   help="without --trace: the synthetic agentic workload, or the production-regime "
+                        "agentic trace (tools/production_workload.py)")
+    w.add_argument("--workload-param", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a ProductionShape field for --workload production, e.g. hours=2 (repeatable)")
     w.add_argument("--synthetic-scale", type=float, default=0.25,
                    help="size multiplier of the synthetic workload's prompts")
     w.add_argument("--seed", type=int, default=0)

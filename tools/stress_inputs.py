@@ -1,0 +1,65 @@
+"""What a stress run replays and against which store: the workload from the command line
+(a trace, the synthetic agentic workload or the production-regime one) and the store it opens
+(embedded, Mooncake or UMBP, under a fault plan if one is given)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..stores.base import Store
+from .eviction_returns import TraceClock
+from .workloads import Request as WorkloadRequest
+from .workloads import read_mooncake_trace, synthetic_agentic
+
+MIB = 1 << 20
+
+
+def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
+    if args.trace is not None:
+        if not args.trace.exists():
+            raise SystemExit(f"stress: trace file not found: {args.trace}")
+        reqs = read_mooncake_trace(args.trace, first_n=args.requests, time_scale=1.0)
+    elif getattr(args, "workload", "agentic") == "production":
+        from .production_workload import production_agentic, production_shape
+
+        shape = production_shape(getattr(args, "workload_param", []), scale=args.synthetic_scale)
+        reqs = production_agentic(args.requests or 2000, seed=args.seed, shape=shape)
+    else:
+        reqs = synthetic_agentic(args.requests or 2500, seed=args.seed, scale=args.synthetic_scale)
+    return reqs
+
+
+async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) -> tuple[Store, Any]:
+    """The store the run uses, and an object to close after it (a master we started);
+    ``clock`` stamps the embedded store's evictions (trace time)."""
+    capacity = args.store_capacity_mb * MIB
+    inner: Store
+    extra: Any = None
+    if args.store == "embedded":
+        from ..stores.embedded import EmbeddedStore
+
+        inner = EmbeddedStore(capacity) if clock is None else EmbeddedStore(capacity, clock=clock)
+    elif args.store == "umbp":
+        from ..stores.umbp import UmbpStore
+
+        inner = UmbpStore(capacity_bytes=capacity)
+    else:
+        from ..stores.mooncake import MooncakeConfig, MooncakeStore
+
+        address = args.mooncake_master
+        if address is None:
+            from ..stores.mooncake_master import MooncakeMaster
+
+            extra = MooncakeMaster().start()
+            address = extra.address
+        inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
+    if args.faults or args.fault_rate > 0:
+        from ..stores.faulty import FaultPlan, FaultyStore
+
+        plan = FaultPlan.parse(args.faults) if args.faults else FaultPlan.uniform(args.fault_rate)
+        return FaultyStore(inner, plan, seed=args.seed), (extra, inner)
+    return inner, (extra, None)
+
+
+__all__ = ["load_workload", "open_store"]
