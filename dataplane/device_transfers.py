@@ -72,7 +72,8 @@ class _Frames:
     def hashed_on_host(self, j: int, nbytes: int, key: str, fingerprint: bytes,
                        integrity: framing.Integrity) -> bool:
         """An XXH3 frame is verified here, in staging, before it lands (raises FrameError)."""
-        framing.verify_array(self.np[j, :self.size], nbytes, key, fingerprint, integrity=integrity)
+        framing.verify_array(self.np[j, :self.size], nbytes, key, fingerprint, integrity=integrity,
+                             room=self.size - _HB)
         return True
 
     def land(self, codec: PoolCodec, index: torch.Tensor, sel: list[int]) -> None:

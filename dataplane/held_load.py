@@ -103,7 +103,7 @@ class HeldLoads(InPlaceTransfers):
             ok: list[bool] = []
             for i, r in zip(which, results):
                 verify = partial(framing.verify_array, frames[i, :size], r.nbytes, job.keys[i], self.fingerprint,
-                                 integrity=self.integrity)
+                                 integrity=self.integrity, room=size - framing.HEADER_BYTES)
                 ok.append(check_landed(r, False, verify, faults, partial(again.append, i) if reread else None)[0])
             return ok
 
