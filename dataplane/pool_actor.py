@@ -315,7 +315,8 @@ class PoolActor(DeviceTransfers):
         for j, (i, r) in enumerate(zip(again, results)):
             verify = partial(framing.verify_array, frames_np[j, :size], r.nbytes, job.keys[i], self.fingerprint,
                              integrity=self.integrity, room=size - framing.HEADER_BYTES)
-            verified.append(check_landed(r, self.store_checksums, verify, faults)[0])
+            verified.append(check_landed(r, self.store_checksums, verify, faults, None,
+                                         self._condemner(job, i, frames_np[j, :framing.HEADER_BYTES]))[0])
         sel = [j for j, v in enumerate(verified) if v]
         if sel:
             pick = torch.tensor(sel, dtype=torch.int64)

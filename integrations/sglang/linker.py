@@ -63,6 +63,7 @@ from ...dataplane.sync_plane import SyncDataPlane, SyncLoad
 from ...dataplane.tickets import TransferOutcome
 from ...dataplane.tracing import enable_trace_logging, trace
 from ...stores.base import Store, StoreError
+from ...stores.condemned import Condemned, remove_condemned
 from ...stores.resilient import ResilientStore
 from .config import SGLangLinkerConfig
 from .loads import AllEvents, LoadBatch, LoadBatchHooks
@@ -103,6 +104,8 @@ _METRIC_OF: dict[str, tuple[str, ...]] = {
     "offloads_failed": ("offloads", "failed"),
     "objects_skipped_restored": ("objects_skipped", "restored"),
     "bad_objects_removed": ("bad_objects_removed",),
+    "bad_objects_rewritten": ("bad_objects_kept", "rewritten"),
+    "failed_objects_kept": ("bad_objects_kept", "unproven"),
 }
 #: the order a load's objects (and their keys) are listed in: pages, then the state
 _ORDER = (PoolKind.FULL, PoolKind.DRAFT, PoolKind.SWA, PoolKind.MAMBA)
@@ -388,23 +391,27 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._count("loads_failed")
         error = LoadFailedError(f"load failed: {outcome.faults if outcome is not None else 'error'}")
         log.error("HylinkerLinker load batch %d: %s", index, error)
-        bad: list[str] = []
-        if outcome is not None and not outcome.cancelled:
+        # only what this load proved bad is removed, as it was read (stores/condemned.py); an
+        # object that failed to arrive proves nothing and stays for every other engine
+        condemned = dict(outcome.condemned) if outcome is not None else {}
+        if outcome is not None:
             verified = [ok for kind in _ORDER for ok in outcome.objects.get(kind, [])]
-            bad = [k for k, ok in zip(keys, verified) if not ok]
-        if not bad or not self.store.capabilities.remove:
+            self._count("failed_objects_kept",
+                        sum(1 for k, ok in zip(keys, verified) if not ok and k not in condemned))
+        if not condemned or not self.store.capabilities.remove:
             self._fail(index, error)
             return
         # gone before the failure reports: the next lookup misses it (a recompute, not a second 503)
-        self._count("bad_objects_removed", len(bad))
-        self.data.call_store(self._remove_then_fail, bad, index, error).add_done_callback(_retrieve)
+        self.data.call_store(self._remove_then_fail, condemned, index, error).add_done_callback(_retrieve)
 
-    async def _remove_then_fail(self, keys: list[str], index: int, error: BaseException) -> None:
+    async def _remove_then_fail(self, condemned: dict[str, Condemned], index: int, error: BaseException) -> None:
         try:
             with anyio.move_on_after(self.config.store_timeout_s):
-                await self.store.remove(keys)
+                removed = await remove_condemned(self.store, condemned)
+                self._count("bad_objects_removed", removed)
+                self._count("bad_objects_rewritten", len(condemned) - removed)
         except StoreError as exc:
-            log.warning("HylinkerLinker could not remove %d damaged objects: %s", len(keys), exc)
+            log.warning("HylinkerLinker could not remove %d damaged objects: %s", len(condemned), exc)
         finally:
             self._fail(index, error)
 
