@@ -89,6 +89,7 @@ log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 _RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
+_CONDEMNED_MEMORY = 1 << 14  # object keys this plugin proved bad, kept out of its lookups
 _KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, swa, mamba, draft
 #: the linker's counters that are also Prometheus metrics: counter -> (family, labels)
 _METRIC_OF: dict[str, tuple[str, ...]] = {
@@ -156,6 +157,10 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._lock = threading.Lock()  # counters and the restored set: scheduler and loop threads
         self._c: collections.Counter[str] = collections.Counter()
         self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: objects a load of this plugin proved bad, by the key lookups probe: a lookup never
+        #: offers them again, even where the store cannot remove them (UMBP) or the removal
+        #: failed or found a rewrite, so one bad object aborts at most one batch (docs/design.md)
+        self._condemned: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
         self._results: collections.deque[concurrent.futures.Future[bool]] = collections.deque()
         self._load_hooks = LoadBatchHooks(complete=self._complete, landed=self._remember,
@@ -235,6 +240,10 @@ class HylinkerLinker(UnifiedCacheLinker):
             log.warning("HylinkerLinker lookup failed (a miss): %r", exc)
             trace("sglang.lookup.error", request_id=rid, error=repr(exc))
             return []
+        if self._condemned:  # read without the lock first: most lookups find nothing remembered
+            with self._lock:
+                for kind, names in probe.items():
+                    present[kind] = [ok and k not in self._condemned for ok, k in zip(present[kind], names)]
         kv_ok = present[PoolKind.FULL]
         if PoolKind.DRAFT in present:
             kv_ok = [a and b for a, b in zip(kv_ok, present[PoolKind.DRAFT])]
@@ -394,6 +403,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         # only what this load proved bad is removed, as it was read (stores/condemned.py); an
         # object that failed to arrive proves nothing and stays for every other engine
         condemned = dict(outcome.condemned) if outcome is not None else {}
+        self._remember_condemned(keys, outcome)
         if outcome is not None:
             verified = [ok for kind in _ORDER for ok in outcome.objects.get(kind, [])]
             self._count("failed_objects_kept",
@@ -414,6 +424,26 @@ class HylinkerLinker(UnifiedCacheLinker):
             log.warning("HylinkerLinker could not remove %d damaged objects: %s", len(condemned), exc)
         finally:
             self._fail(index, error)
+
+    def _remember_condemned(self, keys: list[str], outcome: TransferOutcome | None) -> None:
+        """Keep out of later lookups the objects of ``keys`` (in ``_ORDER``) that ``outcome``
+        proved bad (any of their layer groups)."""
+        if outcome is None or not outcome.condemned:
+            return
+        bad: list[str] = []
+        at = 0
+        for kind in _ORDER:
+            n = len(outcome.objects.get(kind, []))
+            for key in keys[at:at + n]:
+                if any(name in outcome.condemned for name in self.data.plane.store_keys(kind, key)):
+                    bad.append(key)
+            at += n
+        with self._lock:
+            for key in bad:
+                self._condemned[key] = None
+                self._condemned.move_to_end(key)
+            while len(self._condemned) > _CONDEMNED_MEMORY:
+                self._condemned.popitem(last=False)
 
     def _fail(self, index: int, error: BaseException) -> None:
         self.layer_done_counter.fail(index, error)
