@@ -70,8 +70,14 @@ async def remove_condemned(store: Store, condemned: Mapping[str, Condemned]) -> 
     keys = list(condemned)
     if isinstance(store, ConditionalRemoveStore):
         return await store.remove_if(keys, [condemned[k] for k in keys])
-    buffers = [torch.empty(max(condemned[k].nbytes, 1), dtype=torch.uint8) for k in keys]
+    return await compare_then_remove(store, keys, [condemned[k] for k in keys])
+
+
+async def compare_then_remove(store: Store, keys: Sequence[str], condemned: Sequence[Condemned]) -> int:
+    """The non-atomic :meth:`ConditionalRemoveStore.remove_if`: read each object (one get of its
+    condemned size), compare, remove the ones that match (the residual race: module doc)."""
+    buffers = [torch.empty(max(c.nbytes, 1), dtype=torch.uint8) for c in condemned]
     results = await store.get(keys, buffers)
-    same = [k for k, b, r in zip(keys, buffers, results)
-            if r.outcome is Outcome.OK and condemned[k].matches(r.nbytes, b[:HEADER_BYTES].numpy().tobytes())]
+    same = [k for k, c, b, r in zip(keys, condemned, buffers, results, strict=True)
+            if r.outcome is Outcome.OK and c.matches(r.nbytes, b[:HEADER_BYTES].numpy().tobytes())]
     return await store.remove(same) if same else 0
