@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -83,3 +84,48 @@ def test_one_bad_object_aborts_its_batch_once(cache: SGLangCache) -> None:
     loaded, aborted = _load_batch(cache, [p + TAIL[:2] for p in PROMPTS])
     assert aborted == [False] * 4, "the object proved bad took a second batch down"
     assert loaded == [12, 24, 24, 24]  # the first restores the pages below the bad one
+
+
+# ---- a reader whose reads fail removes nothing (issue 42 item 2, the SGLang plugin) ----------
+
+
+@pytest.mark.mooncake
+def test_a_plugin_whose_reads_fail_leaves_every_object_for_the_next_engine(mooncake_master: Any) -> None:
+    """Engines A, B, C share one Mooncake master; B's reads are answered FAILED (a failing
+    link): B's loads fail (SGLang aborts them), and every object stays, so C restores them."""
+    from hylinker.stores.base import GetResult, Outcome
+    from hylinker.stores.rows import RowResults
+
+    spec = CacheSpec(model="dense", kv="mha", page_size=PAGE, num_layers=2)
+    extra = {"store": "mooncake", "master": mooncake_master.address, "segment_mb": 16}
+    made: list[SGLangCache] = []
+    try:
+        a = SGLangCache(spec, {**PLUGIN, "linker_extra_config": extra})
+        made.append(a)
+        for p in PROMPTS:
+            assert not a.serve(p).aborted
+        b = SGLangCache(spec, {**PLUGIN, "linker_extra_config": extra})
+        made.append(b)
+        inner = b.linker.store._inner  # the Mooncake store under the plugin's retry wrapper
+
+        async def failed(keys: Sequence[str], *_: Any) -> list[GetResult]:
+            return [GetResult(Outcome.FAILED)] * len(keys)
+
+        async def failed_rows(batch: Any, _: bool) -> RowResults:
+            return RowResults.of(len(batch.keys), Outcome.FAILED)
+
+        for name in ("get", "get_parts", "get_checked"):
+            setattr(inner, name, failed)
+        inner.get_rows = failed_rows
+        assert all(b.serve(p + TAIL).aborted for p in PROMPTS)  # every load failed: SGLang aborts
+        stats = b.linker.statistics()
+        assert stats.loads_failed == len(PROMPTS) and stats.bad_objects_removed == 0
+        assert stats.failed_objects_kept > 0
+        c = SGLangCache(spec, {**PLUGIN, "linker_extra_config": extra})
+        made.append(c)
+        for p in PROMPTS:
+            served = c.serve(p + TAIL)
+            assert not served.aborted and served.loaded == len(p) and served.restore_mismatches == []
+    finally:
+        for cache in made:
+            cache.close()
