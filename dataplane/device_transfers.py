@@ -72,7 +72,8 @@ class _Frames:
     def hashed_on_host(self, j: int, nbytes: int, key: str, fingerprint: bytes,
                        integrity: framing.Integrity) -> bool:
         """An XXH3 frame is verified here, in staging, before it lands (raises FrameError)."""
-        framing.verify_array(self.np[j, :self.size], nbytes, key, fingerprint, integrity=integrity)
+        framing.verify_array(self.np[j, :self.size], nbytes, key, fingerprint, integrity=integrity,
+                             room=self.size - _HB)
         return True
 
     def land(self, codec: PoolCodec, index: torch.Tensor, sel: list[int]) -> None:
@@ -273,11 +274,18 @@ class DeviceTransfers(HeldLoads):
         on_device: list[tuple[int, int]] = []  # (position, expected device checksum)
         on_host: list[tuple[int, int]] = []  # (position, expected XXH3): registered rows of XXH3 frames
 
+        def condemn(j: int) -> Callable[[GetResult, framing.FrameFault], None] | None:
+            """On a re-read, notes object ``which[j]`` proved bad when it fails again."""
+            return None if reread is not None else self._condemner(job, which[j], landing.header(j))
+
         def reject(j: int, fault: framing.FrameFault) -> None:
             if reread is not None and fault in framing.REREAD_FAULTS:
                 reread(which[j])
-            else:
-                faults[fault.value] = faults.get(fault.value, 0) + 1
+                return
+            faults[fault.value] = faults.get(fault.value, 0) + 1
+            noted = condemn(j)
+            if noted is not None and fault in framing.REREAD_FAULTS:
+                noted(results[j], fault)
 
         def headers() -> list[int]:
             landed: list[int] = []
@@ -292,7 +300,8 @@ class DeviceTransfers(HeldLoads):
                         kind = framing.Checksum.NONE  # verified already
                     return kind, checksum
 
-                usable, got = check_landed(r, False, verify, faults, None if reread is None else partial(reread, i))
+                usable, got = check_landed(r, False, verify, faults, None if reread is None else partial(reread, i),
+                                           condemn(j))
                 if not usable or got is None:
                     continue
                 kind, checksum = got

@@ -339,7 +339,8 @@ class InPlaceTransfers(PoolStaging):
         r = GetResult(OUTCOMES[int(res.codes[j])], int(res.nbytes[j]), int(res.checksums[j]) if hashed else None)
         check = partial(framing.verify_parts, batch.heads[j], r.nbytes, target.pieces(i, codec), job.keys[i],
                         self.fingerprint, integrity=self.integrity)
-        return check_landed(r, hashed, check, faults, reread)[0]
+        condemn = self._condemner(job, i, batch.heads[j]) if reread is None else None
+        return check_landed(r, hashed, check, faults, reread, condemn)[0]
 
     async def _in_place_loaded(self, job: TransferJob, codec: PoolCodec, good: list[list[bool]], again: list[int],
                                faults: dict[str, int], size: int, t0: float) -> LoadResult:
@@ -359,15 +360,18 @@ class InPlaceTransfers(PoolStaging):
 
     def _verify_parts(self, keys: list[str], heads_np: list[np.ndarray], pieces: list[list[torch.Tensor]],
                       results: list[GetResult], faults: dict[str, int],
-                      reread: Callable[[int], None] | None, first: int) -> list[bool]:
+                      reread: Callable[[int], None] | None, first: int,
+                      condemned: tuple[TransferJob, list[int]] | None = None) -> list[bool]:
         """Verify objects read in place (header ``heads_np[i]``, rows ``pieces[i]``); the
-        objects to read again go to ``reread(first + i)``."""
+        objects to read again go to ``reread(first + i)``. ``condemned`` (a re-read): the job
+        and each object's index in it, where an object that fails now is noted proved bad."""
         ok: list[bool] = []
         for i, (key, h, p, r) in enumerate(zip(keys, heads_np, pieces, results)):
             verify = partial(framing.verify_parts, h, r.nbytes, [x.numpy() for x in p], key, self.fingerprint,
                              integrity=self.integrity)
+            condemn = None if condemned is None else self._condemner(condemned[0], condemned[1][i], h)
             ok.append(check_landed(r, self.store_checksums, verify, faults,
-                                   None if reread is None else partial(reread, first + i))[0])
+                                   None if reread is None else partial(reread, first + i), condemn)[0])
         return ok
 
     async def _reread_in_place(self, job: TransferJob, codec: PoolCodec, again: list[int], ok: list[bool],
@@ -383,7 +387,7 @@ class InPlaceTransfers(PoolStaging):
             pieces = [codec.pieces(starts[i]) for i in which]
             keys = [job.keys[i] for i in which]
             results = await self._get_parts(keys, [[h, *p] for h, p in zip(heads, pieces)])
-            verified += self._verify_parts(keys, heads_np, pieces, results, faults, None, 0)
+            verified += self._verify_parts(keys, heads_np, pieces, results, faults, None, 0, (job, which))
         self._reread_outcome(ok, again, verified)
 
 

@@ -63,7 +63,11 @@ FAMILIES: tuple[Family, ...] = (
     _f("loads", "counter", "Loads (restores) by outcome.", "outcome"),
     _f("offloads", "counter", "Offloads by outcome.", "outcome"),
     _f("objects_skipped", "counter", "Objects or offloads not written, by reason.", "reason"),
-    _f("bad_objects_removed", "counter", "Damaged objects removed from the store (rewritten later)."),
+    _f("bad_objects_removed", "counter", "Objects a load proved bad (verification failed after the re-read), "
+       "removed from the store (rewritten later)."),
+    _f("bad_objects_kept", "counter", "Objects that did not land and were left in the store, by reason "
+       "(unproven: the read failed, nothing proved the object bad; rewritten: proved bad, but the store "
+       "held another object by the removal).", "reason"),
     _f("agreement_rounds", "counter", "Rounds the tensor-parallel ranks agreed in."),
     _f("rank_disagreements", "counter", "Lookups, loads and offloads another rank cut short.", "phase"),
     # the data path, per pool

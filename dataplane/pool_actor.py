@@ -237,7 +237,8 @@ class PoolActor(DeviceTransfers):
             rows = index[:, 0].tolist()
             ok: list[bool] = []
             for i, (key, f, r) in enumerate(zip(job.keys[lo:hi], frames, results)):
-                verify = partial(framing.verify_array, f, r.nbytes, key, self.fingerprint, integrity=self.integrity)
+                verify = partial(framing.verify_array, f, r.nbytes, key, self.fingerprint, integrity=self.integrity,
+                                 room=size - framing.HEADER_BYTES)
                 usable, payload = check_landed(r, checksums, verify, faults, partial(again.append, lo + i))
                 if not usable:
                     ok.append(False)
@@ -313,8 +314,9 @@ class PoolActor(DeviceTransfers):
         verified: list[bool] = []
         for j, (i, r) in enumerate(zip(again, results)):
             verify = partial(framing.verify_array, frames_np[j, :size], r.nbytes, job.keys[i], self.fingerprint,
-                             integrity=self.integrity)
-            verified.append(check_landed(r, self.store_checksums, verify, faults)[0])
+                             integrity=self.integrity, room=size - framing.HEADER_BYTES)
+            verified.append(check_landed(r, self.store_checksums, verify, faults, None,
+                                         self._condemner(job, i, frames_np[j, :framing.HEADER_BYTES]))[0])
         sel = [j for j, v in enumerate(verified) if v]
         if sel:
             pick = torch.tensor(sel, dtype=torch.int64)

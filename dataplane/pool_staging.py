@@ -29,6 +29,7 @@ from ..stores.base import (
     supports_rows,
     supports_scatter,
 )
+from ..stores.condemned import Condemned
 from ..stores.worker_threads import WorkerThreads
 from .device import DeviceCopies, copies_for
 from .tracing import trace
@@ -105,7 +106,8 @@ async def pipelined(n: int, first: Callable[[int], Awaitable[X]],
 
 
 def check_landed(result: GetResult, checksums: bool, verify: Callable[[int | None], V],
-                 faults: dict[str, int], reread: Callable[[], None] | None = None) -> tuple[bool, V | None]:
+                 faults: dict[str, int], reread: Callable[[], None] | None = None,
+                 condemn: Callable[[GetResult, framing.FrameFault], None] | None = None) -> tuple[bool, V | None]:
     """Whether an object a get answered for can be used, and what ``verify`` returned for it.
 
     Not OK: counted in ``faults`` under its outcome. A checksumming store that gave no
@@ -114,7 +116,9 @@ def check_landed(result: GetResult, checksums: bool, verify: Callable[[int | Non
     :class:`~hylinker.stores.framing.FrameError` is counted under its fault, or, for a fault a
     damaged transfer can cause (``framing.REREAD_FAULTS``) when ``reread`` is given, not
     counted: ``reread()`` is called so the caller reads the object once more
-    (:meth:`PoolStaging._reread_outcome` counts how that went)."""
+    (:meth:`PoolStaging._reread_outcome` counts how that went). ``condemn`` (given on a re-read
+    only): called with the result and the fault of an object that failed verification again,
+    proved bad (not for ``unhashed``: a frame of the other level is not bad, only not ours)."""
     fault: str
     if result.outcome is not Outcome.OK:
         fault = result.outcome.value
@@ -127,6 +131,8 @@ def check_landed(result: GetResult, checksums: bool, verify: Callable[[int | Non
             if reread is not None and exc.fault in framing.REREAD_FAULTS:
                 reread()
                 return False, None
+            if condemn is not None and exc.fault in framing.REREAD_FAULTS:
+                condemn(result, exc.fault)
             fault = exc.fault.value
     faults[fault] = faults.get(fault, 0) + 1
     return False, None
@@ -240,6 +246,14 @@ class PoolStaging:
         self._c = dict(objects_offloaded=0, objects_already_stored=0, bytes_offloaded=0,
                        offload_failures=0, objects_loaded=0, bytes_loaded=0, load_misses=0,
                        load_failures=0, verify_failures=0, rereads_recovered=0, rereads_failed=0)
+
+    @staticmethod
+    def _condemner(job: TransferJob, i: int, head: np.ndarray) -> Callable[[GetResult, framing.FrameFault], None]:
+        """``check_landed``'s ``condemn`` for object ``i`` of ``job`` whose first bytes landed in
+        ``head``: notes the object as proved bad, as it was read (``stores/condemned.py``)."""
+        def condemn(result: GetResult, fault: framing.FrameFault) -> None:
+            job.condemned[job.keys[i]] = Condemned.of(result.nbytes, head, fault.value)
+        return condemn
 
     def _reread_outcome(self, ok: list[bool], again: list[int], verified: list[bool]) -> None:
         """Record how the second reads of the objects ``again`` (indices into the job's

@@ -16,6 +16,7 @@ import anyio
 import attrs
 
 from ..components.layout import PoolKind
+from ..stores.condemned import Condemned
 from .events import FenceError
 from .tracing import trace
 from .transfer_jobs import CANCELLED, STORED, LoadResult, OffloadResult, TransferJob, cancel_job
@@ -33,6 +34,9 @@ class TransferOutcome:
     objects: dict[PoolKind, list[bool]]
     faults: dict[str, int]  # reason -> objects (load: missing, bad_checksum, ...; offload: full, ...)
     cancelled: bool = False
+    #: load: the objects it proved bad (failed verification after the re-read), by store key;
+    #: the only objects a reader may remove, and only as they were (``stores/condemned.py``)
+    condemned: dict[str, Condemned] = attrs.field(factory=dict)
 
 
 
@@ -87,14 +91,16 @@ class _Ticket:
         objects: dict[PoolKind, list[bool]] = {p: [True] * n for p, n in self._sizes.items()}
         faults: dict[str, int] = {}
         cancelled = False
+        condemned: dict[str, Condemned] = {}
         for pool, _group, job in self.jobs:
+            condemned.update(job.condemned)
             ok, f = self._per_object(pool, job)
             objects[pool] = [a and b for a, b in zip(objects[pool], ok)]
             for k, v in f.items():
                 faults[k] = faults.get(k, 0) + v
             cancelled = cancelled or job.cancelled
         ok_all = not cancelled and all(all(v) for v in objects.values())
-        self._outcome = TransferOutcome(ok_all, objects, faults, cancelled)
+        self._outcome = TransferOutcome(ok_all, objects, faults, cancelled, condemned)
         self._done.set()
         self.plane._ticket_ended(self)
         callbacks, self._done_callbacks = self._done_callbacks, []

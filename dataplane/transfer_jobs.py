@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from ..stores.base import Outcome
+from ..stores.condemned import Condemned
 from .events import DeviceEvent
 
 if TYPE_CHECKING:
@@ -118,6 +119,9 @@ class TransferJob:
     #: segments inside ``staged`` (``in_place.private_rows``)
     staged_rows: RowTarget | None = None
     in_rows: bool = False  # a held job moved in place: its rows hold it, verified, not reported
+    #: objects this load proved bad (verification failed after the re-read), by store key:
+    #: what its reader may remove (``stores/condemned.py``)
+    condemned: dict[str, Condemned] = attrs.field(factory=dict)
 
 
 def cancel_job(job: TransferJob) -> None:

@@ -147,7 +147,7 @@ class Linker:
             "loads", "load_misses", "commits", "dropped_loads", "aborts", "inserts", "offloads",
             "offloads_skipped_mamba", "offloads_dropped", "offload_failures", "touches", "touch_keys",
             "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
-            "bad_objects_removed", "close_timeouts", "partial_loads", "partial_pages_lost",
+            "bad_objects_removed", "bad_objects_rewritten", "failed_objects_kept", "close_timeouts", "partial_loads", "partial_pages_lost",
             "offloads_skipped_breaker", "rank_shortened_lookups", "rank_shortened_loads",
             "rank_unsettled_offloads", "lookup_hits", "declined_lookups", "declined_hit_tokens",
             "decline_probes")}

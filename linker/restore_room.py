@@ -15,6 +15,7 @@ from ..dataplane.plane import Transfer
 from ..dataplane.tickets import LoadTicket, TransferOutcome
 from ..dataplane.tracing import trace
 from ..stores.base import StoreError
+from ..stores.condemned import Condemned, remove_condemned
 from ..stores.framing import FrameFault
 from .agreement import Boundaries
 from .request import LinkerRoom, PhaseError, Request
@@ -318,24 +319,29 @@ class RestoreRoom(LinkerRoom):
             self.tree.free_slot(slot)
 
     def _forget_bad_objects(self, load: LoadHandle) -> None:
-        """Remove what failed to restore (corrupt, torn, unreadable) from the store: puts are
-        first-writer-wins, so a bad object stays bad until removed, and the next offload of
-        those pages writes a good one."""
-        if not self.store.capabilities.remove:
-            return
+        """Remove from the store what this load proved bad (failed verification after the
+        re-read), exactly as it read it (``stores/condemned.py``): puts are first-writer-wins,
+        so a bad object stays bad until removed, and the next offload of those pages writes a
+        good one. An object that only failed to arrive (failed, timed-out, unreachable or
+        cancelled read) proves nothing and stays for everyone else (``failed_objects_kept``)."""
         out = load.outcome
-        if out is None or out.cancelled:
+        if out is None:
             return
-        bad = [name for kind, keys in load.keys.items()
-               for key, ok in zip(keys, out.objects.get(kind, [])) if not ok
-               for name in self.data.store_keys(kind, key)]
-        if bad and self.ctx.running():
-            self._c["bad_objects_removed"] += len(bad)
-            self.ctx.spawn(self._remove_quietly, bad)
+        unproven = sum(1 for kind, keys in load.keys.items()
+                       for key, ok in zip(keys, out.objects.get(kind, [])) if not ok
+                       for name in self.data.store_keys(kind, key) if name not in out.condemned)
+        self._c["failed_objects_kept"] += unproven
+        if out.condemned and self.store.capabilities.remove and self.ctx.running():
+            self.ctx.spawn(self._remove_condemned, dict(out.condemned))
 
-    async def _remove_quietly(self, keys: list[str]) -> None:
+    async def _remove_condemned(self, condemned: dict[str, Condemned]) -> None:
         try:
-            await self.store.remove(keys)
+            removed = await remove_condemned(self.store, condemned)
         except StoreError as exc:
-            trace("remove.store_error", error=str(exc), keys=len(keys))
+            trace("remove.store_error", error=str(exc), keys=len(condemned))
+            return
+        self._c["bad_objects_removed"] += removed
+        self._c["bad_objects_rewritten"] += len(condemned) - removed
+        trace("remove.condemned", removed=removed, kept=len(condemned) - removed,
+              faults=sorted({c.fault for c in condemned.values()}))
 

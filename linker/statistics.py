@@ -32,7 +32,9 @@ class LinkerStatistics:
     dropping: bool
     offloads_skipped_kv: int = 0  # KV backpressure: offload backlog would lock too much of the pool
     offloads_verified_replicas: int = 0  # replicated pools another rank writes, checked in the store
-    bad_objects_removed: int = 0  # objects that failed to restore, removed so they are rewritten
+    bad_objects_removed: int = 0  # objects a load proved bad (verification failed after the re-read), removed
+    bad_objects_rewritten: int = 0  # proved bad, but the store held another object by the removal: kept
+    failed_objects_kept: int = 0  # did not land, not proved bad (failed / timed-out read): left in the store
     close_timeouts: int = 0  # close() gave up waiting for offloads and cut the store's retries
     touch_calls: int = 0  # store.touch calls (touches are batched into these)
     partial_loads: int = 0  # loads that restored a shorter prefix than found (some objects failed)
@@ -60,6 +62,8 @@ def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
         ("objects_skipped", "store_latency"): s.offloads_dropped,
         ("objects_skipped", "breaker_open"): s.offloads_skipped_breaker,
         ("bad_objects_removed",): s.bad_objects_removed,
+        ("bad_objects_kept", "rewritten"): s.bad_objects_rewritten,
+        ("bad_objects_kept", "unproven"): s.failed_objects_kept,
         ("agreement_rounds",): agreement_rounds,
         ("rank_disagreements", "lookup"): s.rank_shortened_lookups,
         ("rank_disagreements", "load"): s.rank_shortened_loads,

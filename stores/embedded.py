@@ -49,6 +49,7 @@ from .base import (
     check_buffers,
     new_counters,
 )
+from .condemned import Condemned
 from .embedded_rows import RowTransfers
 from .eviction_memory import EvictionMemory
 from .frame_copies import (
@@ -354,16 +355,25 @@ class EmbeddedStore(RowTransfers):
             self._calls.exit()
 
     async def remove(self, keys: Sequence[str]) -> int:
+        return self._remove_where(keys, [None] * len(keys))
+
+    async def remove_if(self, keys: Sequence[str], condemned: Sequence[Condemned]) -> int:
+        """Remove each key only while it holds the object ``condemned[i]`` names: compared and
+        removed under the index lock, so a rewrite is never removed
+        (:class:`~hylinker.stores.condemned.ConditionalRemoveStore`)."""
+        return self._remove_where(keys, list(condemned))
+
+    def _remove_where(self, keys: Sequence[str], condemned: Sequence[Condemned | None]) -> int:
         check_keys(keys)
         self._calls.enter()
         try:
             removed = 0
             with self._lock:
-                for key in keys:
-                    loc = self._index.pop(key, None)
-                    if loc is None:
+                for key, c in zip(keys, condemned, strict=True):
+                    loc = self._index.get(key)
+                    if loc is None or (c is not None and not c.matches(loc[2], self._view(loc)[:HEADER_BYTES].tobytes())):
                         continue
-                    self._drop(loc)
+                    self._drop(self._index.pop(key))
                     removed += 1
                 self._stats["removes"] += removed
             return removed

@@ -60,6 +60,7 @@ from .base import (
     supports_rows,
     supports_scatter,
 )
+from .condemned import Condemned, ConditionalRemoveStore, compare_then_remove
 from .embedded import InflightCalls, check_keys
 from .fault_plan import _FAULT_COUNTERS, FaultPlan, FaultStatistics
 from .frame_copies import check_parts, check_sealed
@@ -382,6 +383,16 @@ class FaultyStore:
             self._calls.exit()
 
     async def remove(self, keys: Sequence[str]) -> int:
+        return await self._remove_where(keys, None)
+
+    async def remove_if(self, keys: Sequence[str], condemned: Sequence[Condemned]) -> int:
+        """The inner store's atomic ``remove_if`` (faults as for ``remove``), where it has one;
+        otherwise read, compare and remove through this wrapper (``stores/condemned.py``)."""
+        if not isinstance(self._inner, ConditionalRemoveStore):
+            return await compare_then_remove(self, keys, condemned)
+        return await self._remove_where(keys, list(condemned))
+
+    async def _remove_where(self, keys: Sequence[str], condemned: list[Condemned] | None) -> int:
         check_keys(keys)
         self._calls.enter()
         try:
@@ -392,8 +403,12 @@ class FaultyStore:
                 raise StoreUnavailableError(f"injected {scheduled} failure of remove")
             masked = {k for k in keys if k in self._vanished}
             self._vanished.difference_update(masked)
+            kept = [i for i, k in enumerate(keys) if k not in masked]
+            inner = self._inner
             answer = await self._within_deadline(
-                lambda: self._inner.remove([k for k in keys if k not in masked])
+                (lambda: inner.remove([keys[i] for i in kept])) if condemned is None else
+                (lambda: inner.remove_if([keys[i] for i in kept],  # type: ignore[attr-defined]
+                                         [condemned[i] for i in kept]))
             )
             if answer is None:
                 raise StoreUnavailableError("remove ran past the fault plan's deadline")

@@ -14,7 +14,9 @@ Header (64 bytes, little endian)::
 
 A reader verifies all of it before a single payload byte is used: a truncated, corrupted,
 mis-keyed or other-layout object is rejected with a :class:`FrameError` naming the reason,
-and the runtime turns that into a miss. The payload starts at offset ``HEADER_BYTES`` (64),
+and the runtime turns that into a miss. Its length must equal the room the reader expects for
+the object (the pool's payload bytes, :func:`check_length`) on every path: a short frame with
+an honest header and checksum is refused too, never topped up with whatever its buffers held. The payload starts at offset ``HEADER_BYTES`` (64),
 so payload views stay 64-byte aligned inside an aligned staging arena.
 
 **Integrity levels** (:class:`Integrity`). A writer at ``"checksum"`` (the default) seals
@@ -174,14 +176,19 @@ def seal(frame: torch.Tensor, key: str, layout_fingerprint: bytes,
 
 
 def verify(frame: torch.Tensor, nbytes: int, key: str, layout_fingerprint: bytes,
-           integrity: Integrity = Integrity.CHECKSUM) -> torch.Tensor:
+           integrity: Integrity = Integrity.CHECKSUM, *, room: int | None = None) -> torch.Tensor:
     """Check the first ``nbytes`` of ``frame`` as the object for ``key``; return the payload.
+    ``room``: the payload bytes the reader expects (:func:`check_length`); ``None`` for a
+    reader with no expectation of its own (a store's tests, reading objects of many sizes),
+    which takes the object's own size.
 
     Raises :class:`FrameError` on any mismatch.
     """
     if not isinstance(frame, torch.Tensor) or frame.dtype != torch.uint8 or frame.dim() != 1:
         raise ValueError(f"frames are contiguous uint8 1-D tensors, got {getattr(frame, 'shape', type(frame))}")
-    length = verify_array(_as_numpy(frame), nbytes, key, layout_fingerprint, integrity=integrity).shape[0]
+    expected = nbytes - HEADER_BYTES if room is None else room
+    length = verify_array(_as_numpy(frame), nbytes, key, layout_fingerprint, integrity=integrity,
+                          room=expected).shape[0]
     return frame[HEADER_BYTES: HEADER_BYTES + length]
 
 
@@ -238,21 +245,32 @@ def _payload_checksum(kind: Checksum, pieces: list[np.ndarray], landed_checksum:
     return device_checksum(torch.from_numpy(whole))
 
 
+def check_length(length: int, nbytes: int, room: int, key: str) -> None:
+    """The one length rule of every verifying path: an object is usable only if its header's
+    payload ``length``, the payload the store delivered (``nbytes`` minus the header) and the
+    ``room`` the reader expects (the pool's payload bytes per object, never a size the store
+    reported) are all equal. A shorter object, however self-consistent, is refused: its
+    reader would otherwise use the rest of its buffers as payload (bytes of an earlier load).
+    Raises :class:`FrameError` (``truncated`` when the object is short of the room,
+    ``bad_length`` otherwise)."""
+    if length != nbytes - HEADER_BYTES or length != room:
+        raise FrameError(
+            FrameFault.BAD_LENGTH if nbytes - HEADER_BYTES >= room else FrameFault.TRUNCATED, key,
+            f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}, the reader expects {room}")
+
+
 def verify_array(frame: np.ndarray, nbytes: int, key: str, layout_fingerprint: bytes,
                  landed_checksum: int | None = None,
-                 integrity: Integrity = Integrity.CHECKSUM) -> np.ndarray:
-    """:func:`verify` on a 1-D uint8 NumPy view; returns the payload view. ``landed_checksum``:
-    the payload's checksum as computed by whoever wrote it into ``frame``
-    (:func:`copy_checksummed`); otherwise the payload is hashed here, if the frame says it is
-    hashed. ``integrity``: the reader's level (a ``"checksum"`` reader refuses unhashed frames)."""
+                 integrity: Integrity = Integrity.CHECKSUM, *, room: int) -> np.ndarray:
+    """:func:`verify` on a 1-D uint8 NumPy view; returns the payload view. ``room``: the payload
+    bytes the reader expects (:func:`check_length`). ``landed_checksum``: the payload's checksum
+    as computed by whoever wrote it into ``frame`` (:func:`copy_checksummed`); otherwise the
+    payload is hashed here, if the frame says it is hashed. ``integrity``: the reader's level (a
+    ``"checksum"`` reader refuses unhashed frames)."""
     length, kind, checksum = _header_fields(frame, nbytes, key, layout_fingerprint, integrity)
-    room = frame.shape[0] - HEADER_BYTES
-    if length != nbytes - HEADER_BYTES or length > room:
-        raise FrameError(
-            FrameFault.BAD_LENGTH if length <= room else FrameFault.TRUNCATED,
-            key,
-            f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}",
-        )
+    check_length(length, nbytes, room, key)
+    if length > frame.shape[0] - HEADER_BYTES:
+        raise FrameError(FrameFault.TRUNCATED, key, f"{length} payload bytes in a {frame.shape[0]}-byte frame")
     payload = frame[HEADER_BYTES: HEADER_BYTES + length]
     if kind is Checksum.NONE:  # unhashed frame, "header" reader: the header is all there is
         return payload
@@ -347,10 +365,7 @@ def read_header(header: np.ndarray, nbytes: int, room: int, key: str, layout_fin
     checksum, for whoever verifies the payload (on the host, or on the device where it landed).
     Raises :class:`FrameError`."""
     length, kind, checksum = _header_fields(header, nbytes, key, layout_fingerprint, integrity)
-    if length != nbytes - HEADER_BYTES or length != room:
-        raise FrameError(
-            FrameFault.BAD_LENGTH if nbytes - HEADER_BYTES >= room else FrameFault.TRUNCATED, key,
-            f"header says {length} payload bytes, object has {nbytes - HEADER_BYTES}, rows hold {room}")
+    check_length(length, nbytes, room, key)
     return kind, checksum
 
 

@@ -58,6 +58,7 @@ from .base import (
     supports_rows,
     supports_scatter,
 )
+from .condemned import Condemned, ConditionalRemoveStore, compare_then_remove
 from .rows import CODE, OUTCOMES, RowBatch, RowResults, check_batch
 
 T = TypeVar("T")
@@ -388,12 +389,24 @@ class ResilientStore:
         self._settle_breaker(outcome is not NO_ANSWER)
 
     async def remove(self, keys: Sequence[str]) -> int:
-        self._check_open()
         keys = list(keys)
+        return await self._removal(lambda: self._inner.remove(keys))
+
+    async def remove_if(self, keys: Sequence[str], condemned: Sequence[Condemned]) -> int:
+        """The inner store's atomic ``remove_if`` under the breaker's rule, where it has one;
+        otherwise read, compare and remove through this wrapper (``stores/condemned.py``)."""
+        keys, condemned = list(keys), list(condemned)
+        inner = self._inner
+        if not isinstance(inner, ConditionalRemoveStore):
+            return await compare_then_remove(self, keys, condemned)
+        return await self._removal(lambda: inner.remove_if(keys, condemned))
+
+    async def _removal(self, call: Callable[[], Awaitable[int]]) -> int:
+        self._check_open()
         if self._shutting_down or not self.breaker.admit():
             raise StoreUnavailableError("the store's circuit breaker is open")
         self._c["calls"] += 1
-        answer = await self._probe_guard(self._attempt(lambda: self._inner.remove(keys)))
+        answer = await self._probe_guard(self._attempt(call))
         if isinstance(answer, _NoAnswer):
             self._settle_breaker(False)
             raise StoreUnavailableError("remove got no answer from the store")

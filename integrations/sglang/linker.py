@@ -63,6 +63,7 @@ from ...dataplane.sync_plane import SyncDataPlane, SyncLoad
 from ...dataplane.tickets import TransferOutcome
 from ...dataplane.tracing import enable_trace_logging, trace
 from ...stores.base import Store, StoreError
+from ...stores.condemned import Condemned, remove_condemned
 from ...stores.resilient import ResilientStore
 from .config import SGLangLinkerConfig
 from .identity import deployment_term
@@ -89,6 +90,7 @@ log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 _RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
+_CONDEMNED_MEMORY = 1 << 14  # object keys this plugin proved bad, kept out of its lookups
 _KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, swa, mamba, draft
 #: the linker's counters that are also Prometheus metrics: counter -> (family, labels)
 _METRIC_OF: dict[str, tuple[str, ...]] = {
@@ -104,6 +106,8 @@ _METRIC_OF: dict[str, tuple[str, ...]] = {
     "offloads_failed": ("offloads", "failed"),
     "objects_skipped_restored": ("objects_skipped", "restored"),
     "bad_objects_removed": ("bad_objects_removed",),
+    "bad_objects_rewritten": ("bad_objects_kept", "rewritten"),
+    "failed_objects_kept": ("bad_objects_kept", "unproven"),
 }
 #: the order a load's objects (and their keys) are listed in: pages, then the state
 _ORDER = (PoolKind.FULL, PoolKind.DRAFT, PoolKind.SWA, PoolKind.MAMBA)
@@ -155,6 +159,10 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._lock = threading.Lock()  # counters and the restored set: scheduler and loop threads
         self._c: collections.Counter[str] = collections.Counter()
         self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: objects a load of this plugin proved bad, by the key lookups probe: a lookup never
+        #: offers them again, even where the store cannot remove them (UMBP) or the removal
+        #: failed or found a rewrite, so one bad object aborts at most one batch (docs/design.md)
+        self._condemned: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
         self._results: collections.deque[concurrent.futures.Future[bool]] = collections.deque()
         self._load_hooks = LoadBatchHooks(complete=self._complete, landed=self._remember,
@@ -234,6 +242,10 @@ class HylinkerLinker(UnifiedCacheLinker):
             log.warning("HylinkerLinker lookup failed (a miss): %r", exc)
             trace("sglang.lookup.error", request_id=rid, error=repr(exc))
             return []
+        if self._condemned:  # read without the lock first: most lookups find nothing remembered
+            with self._lock:
+                for kind, names in probe.items():
+                    present[kind] = [ok and k not in self._condemned for ok, k in zip(present[kind], names)]
         kv_ok = present[PoolKind.FULL]
         if PoolKind.DRAFT in present:
             kv_ok = [a and b for a, b in zip(kv_ok, present[PoolKind.DRAFT])]
@@ -390,25 +402,50 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._count("loads_failed")
         error = LoadFailedError(f"load failed: {outcome.faults if outcome is not None else 'error'}")
         log.error("HylinkerLinker load batch %d: %s", index, error)
-        bad: list[str] = []
-        if outcome is not None and not outcome.cancelled:
+        # only what this load proved bad is removed, as it was read (stores/condemned.py); an
+        # object that failed to arrive proves nothing and stays for every other engine
+        condemned = dict(outcome.condemned) if outcome is not None else {}
+        self._remember_condemned(keys, outcome)
+        if outcome is not None:
             verified = [ok for kind in _ORDER for ok in outcome.objects.get(kind, [])]
-            bad = [k for k, ok in zip(keys, verified) if not ok]
-        if not bad or not self.store.capabilities.remove:
+            self._count("failed_objects_kept",
+                        sum(1 for k, ok in zip(keys, verified) if not ok and k not in condemned))
+        if not condemned or not self.store.capabilities.remove:
             self._fail(index, error)
             return
         # gone before the failure reports: the next lookup misses it (a recompute, not a second 503)
-        self._count("bad_objects_removed", len(bad))
-        self.data.call_store(self._remove_then_fail, bad, index, error).add_done_callback(_retrieve)
+        self.data.call_store(self._remove_then_fail, condemned, index, error).add_done_callback(_retrieve)
 
-    async def _remove_then_fail(self, keys: list[str], index: int, error: BaseException) -> None:
+    async def _remove_then_fail(self, condemned: dict[str, Condemned], index: int, error: BaseException) -> None:
         try:
             with anyio.move_on_after(self.config.store_timeout_s):
-                await self.store.remove(keys)
+                removed = await remove_condemned(self.store, condemned)
+                self._count("bad_objects_removed", removed)
+                self._count("bad_objects_rewritten", len(condemned) - removed)
         except StoreError as exc:
-            log.warning("HylinkerLinker could not remove %d damaged objects: %s", len(keys), exc)
+            log.warning("HylinkerLinker could not remove %d damaged objects: %s", len(condemned), exc)
         finally:
             self._fail(index, error)
+
+    def _remember_condemned(self, keys: list[str], outcome: TransferOutcome | None) -> None:
+        """Keep out of later lookups the objects of ``keys`` (in ``_ORDER``) that ``outcome``
+        proved bad (any of their layer groups)."""
+        if outcome is None or not outcome.condemned:
+            return
+        bad: list[str] = []
+        at = 0
+        for kind in _ORDER:
+            n = len(outcome.objects.get(kind, []))
+            for key in keys[at:at + n]:
+                if any(name in outcome.condemned for name in self.data.plane.store_keys(kind, key)):
+                    bad.append(key)
+            at += n
+        with self._lock:
+            for key in bad:
+                self._condemned[key] = None
+                self._condemned.move_to_end(key)
+            while len(self._condemned) > _CONDEMNED_MEMORY:
+                self._condemned.popitem(last=False)
 
     def _fail(self, index: int, error: BaseException) -> None:
         self.layer_done_counter.fail(index, error)

@@ -7,7 +7,8 @@ import attrs
 #: the plugin's own counters (``HylinkerLinker._count``); every other field is summed or copied
 COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_errors", "hit_tokens", "touches",
             "objects_skipped_restored", "loads_refused", "load_batches", "loads_ok", "loads_failed",
-            "loads_cancelled", "bad_objects_removed", "offloads_ok", "offloads_failed")
+            "loads_cancelled", "bad_objects_removed", "bad_objects_rewritten", "failed_objects_kept", "offloads_ok",
+            "offloads_failed")
 #: summed over the data plane's pools (``PoolActorStatistics``)
 POOL_SUMS = ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
              "bytes_loaded", "load_misses", "verify_failures", "offload_failures", "rereads_recovered",
@@ -35,7 +36,9 @@ class SGLangLinkerStatistics:
     loads_ok: int = 0
     loads_failed: int = 0
     loads_cancelled: int = 0
-    bad_objects_removed: int = 0  # objects that failed verification, removed from the store
+    bad_objects_removed: int = 0  # objects a load proved bad (verification failed after the re-read), removed
+    bad_objects_rewritten: int = 0  # proved bad, but the store held another object by the removal: kept
+    failed_objects_kept: int = 0  # did not land, not proved bad (failed / timed-out read): left in the store
     offloads_ok: int = 0
     offloads_failed: int = 0
     # summed over the data plane's pools

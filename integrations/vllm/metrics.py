@@ -70,9 +70,12 @@ WORKER_FIGURES = {
     "saves_failed": ("offloads", "failed"),
     "saves_skipped": ("objects_skipped", "no_staging"),
     "objects_removed": ("bad_objects_removed",),
+    "objects_rewritten": ("bad_objects_kept", "rewritten"),
+    "objects_kept": ("bad_objects_kept", "unproven"),
 }
 #: the families vLLM's frontend registers (the Linker's agreement and decline figures are not here)
-VLLM_KEYS = ("lookups", "hit_tokens", "loads", "offloads", "objects_skipped", "bad_objects_removed", "bytes",
+VLLM_KEYS = ("lookups", "hit_tokens", "loads", "offloads", "objects_skipped", "bad_objects_removed", "bad_objects_kept",
+             "bytes",
              "objects", "verify_failures", "transfer_failures", "queue_depth", "load_seconds", "offload_seconds",
              "store_events", "breaker_open")
 

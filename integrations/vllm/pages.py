@@ -48,6 +48,7 @@ from ...components.layout import PoolKind
 from ...components.pool_view import LayerParts, PoolSet, PoolView
 from ...dataplane.plane import DataPlane, DataPlaneConfig, Transfer
 from ...dataplane.tickets import TransferOutcome
+from ...stores.condemned import remove_condemned
 from ...stores.framing import Integrity
 from ..store_host import StoreHost
 from .block_layout import RawPages
@@ -101,7 +102,7 @@ class PageTransfers:
         slots = max(1, staging_bytes // per_object)
         self.staging = [torch.empty((slots, p), dtype=torch.uint8) for p in pages.page_bytes]
         self._free = list(range(slots - 1, -1, -1))
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # RLock: a removal's count may come back at once (_removed)
         self._loads: dict[str, tuple[TransferPlan, concurrent.futures.Future[TransferOutcome]]] = {}
         self._saves: set[concurrent.futures.Future[TransferOutcome]] = set()
         self._failed_now: set[str] = set()
@@ -171,17 +172,28 @@ class PageTransfers:
         return ok_ids, failed_ids
 
     def _remove_failed(self, plan: TransferPlan, outcome: TransferOutcome) -> None:
-        """Remove the objects that did not land from the store (missing or damaged), so the next
-        lookup misses instead of failing another load on them. Fire and forget: a store that
-        cannot answer now keeps them, and a later load fails (and recomputes) again."""
+        """Forget the objects that did not land (the next lookup asks the store again) and
+        remove from the store those this load proved bad (verification failed after the
+        re-read), exactly as read (``stores/condemned.py``), so a later save rewrites them. An
+        object that failed to arrive proves nothing and stays for every other engine. Fire and
+        forget: a store that cannot answer now keeps them, and a later load fails again."""
         bad = [k for pool, keys in ((PoolKind.FULL, plan.kv_keys), (PoolKind.MAMBA, plan.state_keys))
                for k, ok in zip(keys, outcome.objects.get(pool, [False] * len(keys))) if not ok]
-        if bad:
-            self.counters["objects_removed"] += len(bad)
-            self._dropped.extend(bad)
-            future = self.host.portal.start_task_soon(self.host.store.remove,
-                                                      [self.layout.key(n, self.rank) for n in bad])
-            future.add_done_callback(lambda f: f.exception())  # retrieve it: never logged as unhandled
+        self._dropped.extend(bad)
+        condemned = {key: outcome.condemned[key] for key in (self.layout.key(n, self.rank) for n in bad)
+                     if key in outcome.condemned}
+        self.counters["objects_kept"] += len(bad) - len(condemned)
+        if condemned:
+            future = self.host.portal.start_task_soon(remove_condemned, self.host.store, condemned)
+            future.add_done_callback(functools.partial(self._removed, len(condemned)))
+
+    def _removed(self, condemned: int, future: concurrent.futures.Future[int]) -> None:
+        """Count how a removal went (on the store's thread)."""
+        if future.exception() is not None:  # retrieved: never logged as unhandled
+            return
+        with self._lock:
+            self.counters["objects_removed"] += future.result()
+            self.counters["objects_rewritten"] += condemned - future.result()
 
     def fail_now(self, request_ids: Iterable[str]) -> None:
         """Report loads the scheduler promised but could not plan as failed at the next poll."""
