@@ -58,6 +58,7 @@ from .base import (
     supports_rows,
     supports_scatter,
 )
+from .config_rules import non_negative, number_rule, positive
 from .rows import CODE, OUTCOMES, RowBatch, RowResults, check_batch
 
 T = TypeVar("T")
@@ -73,14 +74,8 @@ NO_ANSWER = _NoAnswer()
 TRANSIENT = frozenset({Outcome.FAILED, Outcome.UNREACHABLE, Outcome.LEASED})
 
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"ResiliencePolicy.{attribute.name} must be positive, got {value!r}")
-
-
-def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"ResiliencePolicy.{attribute.name} must be >= 0, got {value!r}")
+_positive = positive()
+_non_negative = non_negative()
 
 
 @attrs.frozen
@@ -94,7 +89,7 @@ class ResiliencePolicy:
     #: ``backoff_s``); +- ``jitter`` share at random
     backoff_s: float = attrs.field(default=0.001, validator=_non_negative)
     backoff_max_s: float = attrs.field(default=0.1, validator=_non_negative)  # the longest backoff
-    jitter: float = attrs.field(default=0.5, validator=_non_negative)  # share of a backoff drawn at random, in [0, 1]
+    jitter: float = attrs.field(default=0.5, validator=number_rule(at_least=0, at_most=1))  # share of a backoff drawn at random, in [0, 1]
     #: one call to the inner store may take this long; past it its keys are UNREACHABLE
     call_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     #: one transfer (a wrapper call, all its attempts and backoffs) ends by this deadline
@@ -109,8 +104,6 @@ class ResiliencePolicy:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.attempts, int) or not isinstance(self.failure_threshold, int):
             raise ValueError("ResiliencePolicy.attempts and failure_threshold are integers")
-        if self.jitter > 1:
-            raise ValueError(f"ResiliencePolicy.jitter is a share in [0, 1], got {self.jitter}")
 
 
 @attrs.frozen
