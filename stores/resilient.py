@@ -18,7 +18,8 @@ the linker, the data plane and engine plugins get the same behaviour by wrapping
   ``exists`` is retried per key when the inner store can tell a failed key from an absent one
   (:class:`ReportsExistence`: ``exists_outcomes``); otherwise only a whole failed call is.
 * **Circuit breaker.** ``failure_threshold`` consecutive attempts in which the store answered
-  nothing (every key unreachable, the call raised or timed out) open the breaker: calls are
+  nothing (every key unreachable, the call raised or timed out, or the caller cancelled it
+  before it answered: a lookup that waits less than ``call_timeout_s``) open the breaker: calls are
   answered at once without reaching the store (``exists`` -> all absent, ``put``/``get`` ->
   ``UNREACHABLE``, ``touch`` skipped, ``remove`` raises) and counted as ``rejected_calls``.
   After ``probe_interval_s`` the next call is let through as a probe (one at a time); if the
@@ -118,6 +119,7 @@ class ResilienceStatistics:
     exhausted_keys: int  # keys still transient after every attempt or past the deadline
     timeouts: int  # inner calls cut at call_timeout_s
     unavailable: int  # inner calls that raised StoreUnavailableError (or another StoreError)
+    cancelled: int  # inner calls their caller cancelled before an answer (count toward the breaker)
     breaker_trips: int  # closed -> open
     rejected_calls: int  # answered by the open breaker without reaching the store
     probes: int  # calls let through while open
@@ -208,7 +210,7 @@ class ResilientStore:
                                           checksums=supports_checksums(inner),
                                           rows=supports_rows(inner))
         self._c = dict.fromkeys(("calls", "attempts", "retries", "retried_keys", "recovered_keys",
-                                 "exhausted_keys", "timeouts", "unavailable",
+                                 "exhausted_keys", "timeouts", "unavailable", "cancelled",
                                  "cancelled_on_shutdown"), 0)
         self._inflight: set[anyio.CancelScope] = set()
         self._idle = anyio.Event()
@@ -495,6 +497,14 @@ class ResilientStore:
         except StoreError:
             self._c["unavailable"] += 1
             return NO_ANSWER
+        except anyio.get_cancelled_exc_class():
+            # the caller gave up first (a lookup's own, shorter timeout): the store did not
+            # answer in the time it had, which counts toward the breaker like a timeout, so a
+            # store that stops answering opens it however short its callers' deadlines are
+            if not self._shutting_down:
+                self._c["cancelled"] += 1
+                self.breaker.failure()
+            raise
         finally:
             self._inflight.discard(scope)
             if not self._inflight:
