@@ -163,6 +163,10 @@ class CircuitBreaker:
         self.counts["rejected_calls"] += 1
         return False
 
+    def probe_due(self) -> bool:
+        """Whether the next call would be let through as a probe (read-only; ``admit`` decides)."""
+        return self.state == "open" and not self.probing and self.clock() - self.opened_at >= self.interval
+
     def success(self) -> None:
         self.failures = 0
         if self.state != "closed":

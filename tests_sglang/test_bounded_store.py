@@ -69,9 +69,8 @@ def test_dead_store_opens_the_breaker_then_lookups_miss_at_once(caches: list[SGL
     stats = linker.statistics()
     assert stats.lookups_breaker_open == 40 and stats.lookup_errors == THRESHOLD
     assert stats.store_cancelled == THRESHOLD and stats.store_breaker_trips == 1
-    # each of the 40 went out in the background: refused by the breaker, or its one probe
-    wait_for(lambda: linker.store.resilience().rejected_calls + linker.store.resilience().probes - probes == 40)
-    assert store_calls(cache) - calls == linker.store.resilience().probes - probes
+    # only the breaker's probes (one per probe interval, in the background) reached the store
+    assert store_calls(cache) - calls == linker.store.resilience().probes - probes <= 40
 
 
 def test_lookups_share_one_budget_per_scheduler_round(caches: list[SGLangCache]) -> None:

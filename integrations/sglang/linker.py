@@ -273,9 +273,10 @@ class HylinkerLinker(UnifiedCacheLinker):
         ``lookup_timeout_s`` and the budget left. A lookup given up on cancels its store call,
         which counts toward the breaker (``stores/resilient.py``)."""
         if self.store.breaker_open:
-            # the call still goes out: the breaker answers it at once, or lets it through as its
-            # probe (bounded by store_timeout_s) and closes when the store answers again
-            self.data.exists(probe).add_done_callback(_retrieve)
+            # when a probe is due the call goes out in the background (bounded by
+            # store_timeout_s), and the breaker closes when the store answers it
+            if self.store.breaker.probe_due():
+                self.data.exists(probe).add_done_callback(_retrieve)
             self._count("lookups_breaker_open")
             return None
         wait = min(self.config.lookup_timeout_s, self._lookup_budget)
