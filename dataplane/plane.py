@@ -79,6 +79,7 @@ from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView, PoolViewError
 from ..stores import framing
 from ..stores.base import Store, StoreError, bad_key
+from ..stores.config_rules import positive
 from ..stores.resilient import ResilientStore
 from ..stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
@@ -102,6 +103,9 @@ def _integrity(value: framing.Integrity | str) -> framing.Integrity:
     return framing.Integrity.parse(value, "DataPlaneConfig.integrity")
 
 
+_positive = positive()
+
+
 @attrs.frozen
 class DataPlaneConfig:
     """The data path's knobs (``LinkerConfig`` carries the same fields for the Linker)."""
@@ -110,9 +114,9 @@ class DataPlaneConfig:
     staging_bytes_per_pool: int = 16 << 20  # host staging per pool and direction
     copy_threads: int = 2  # threads for gather/scatter copies
     inline_copy_bytes: int = 4 << 20  # host sub-batches up to this size copy on the loop
-    fence_timeout_s: float = 60.0  # an offload fence pending longer fails the offload
-    latency_high_ms: float = 250.0  # store latency EMA watermarks (LatencyMonitor)
-    latency_low_ms: float = 50.0  # the low watermark (offloads resume below it)
+    fence_timeout_s: float = attrs.field(default=60.0, validator=_positive)  # an offload fence pending longer fails the offload
+    latency_high_ms: float = attrs.field(default=250.0, validator=_positive)  # store latency EMA watermarks (LatencyMonitor)
+    latency_low_ms: float = attrs.field(default=50.0, validator=_positive)  # the low watermark (offloads resume below it)
     layer_groups: int = 1  # objects per page/state, each a run of layers (see module doc)
     #: let a scatter-gather store read/write host pool rows in place (checksums over the rows)
     in_place: bool = True
@@ -141,9 +145,8 @@ class DataPlaneConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise ValueError(f"DataPlaneConfig.{f.name} must be an int >= 0, got {v!r}")
                 continue
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"DataPlaneConfig.{f.name} must be positive, got {v!r}")
+            if f.validator is None:  # the float fields carry the shared rule themselves
+                _positive(self, f, getattr(self, f.name))
         if not isinstance(self.layer_groups, int):
             raise ValueError(f"DataPlaneConfig.layer_groups must be an int, got {self.layer_groups!r}")
 

@@ -11,12 +11,13 @@ This module imports no engine and no store client, so it can be checked anywhere
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
 
 from ..stores.base import Store
+from ..stores.config_rules import Validator, non_negative, positive
 from ..stores.faulty import FaultPlan
 from ..stores.framing import Integrity
 
@@ -32,22 +33,15 @@ class PluginConfigError(ValueError):
     """An ``extra_config`` key is unknown or has a bad value."""
 
 
-Validator = Callable[[object, "attrs.Attribute[Any]", float], None]
-
-
 def range_validators(error: type[ValueError], where: str = "") -> tuple[Validator, Validator]:
     """attrs validators ``(positive, non_negative)`` raising ``error`` that names
-    ``where[key]``; both plugins' extra-config parsers use them."""
+    ``where[key]``: the one number rule (``stores/config_rules.py``: finite, then in range);
+    both plugins' extra-config parsers use them."""
 
-    def positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-        if value <= 0:
-            raise error(f"{where}[{attribute.name!r}] must be > 0, got {value!r}")
+    def naming(_: object, attribute: attrs.Attribute[Any]) -> str:
+        return f"{where}[{attribute.name!r}]"
 
-    def non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-        if value < 0:
-            raise error(f"{where}[{attribute.name!r}] must be >= 0, got {value!r}")
-
-    return positive, non_negative
+    return positive(error=error, naming=naming), non_negative(error=error, naming=naming)
 
 
 _positive, _non_negative = range_validators(PluginConfigError)

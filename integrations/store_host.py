@@ -8,6 +8,13 @@ one blocking portal (an anyio loop in a daemon thread) and the store opened on i
 (after the data planes on the portal quiesced). Calls from engine threads go through
 :attr:`StoreHost.portal` and always carry a deadline, so a store that stops answering costs the
 caller that deadline, never a hang.
+
+The scheduler's probes (:meth:`StoreHost.exists`) go through a circuit breaker, the store
+wrapper's (:class:`~hylinker.stores.resilient.CircuitBreaker`, its default threshold and probe
+interval): ``failure_threshold`` probes in a row that failed or ran out of time open it, and
+while it is open a probe is a miss at once. Every ``probe_interval_s`` one probe goes out in the
+background (the caller still gets a miss at once); its answer closes the breaker. So a dead store
+costs the scheduler ``failure_threshold`` deadlines, then nothing.
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import anyio
 import anyio.from_thread
 
 from ..stores.base import Store, StoreError
+from ..stores.resilient import CircuitBreaker, ResiliencePolicy
 from .config import PluginConfig
 
 _HOSTS: dict[PluginConfig, StoreHost] = {}
@@ -41,6 +51,9 @@ class StoreHost:
             raise
         self._users = 0
         self._closed = False
+        policy = ResiliencePolicy()
+        self._breaker_lock = threading.Lock()  # the scheduler's thread and the loop's
+        self.breaker = CircuitBreaker(policy.failure_threshold, policy.probe_interval_s)
 
     @property
     def users(self) -> int:
@@ -48,19 +61,44 @@ class StoreHost:
         return self._users
 
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[bool] | None:
-        """Which keys the store holds, or None when it failed or did not answer in time
-        (a caller treats None as a miss: fail closed)."""
+        """Which keys the store holds, or None when it failed, did not answer in time, or its
+        breaker is open (a caller treats None as a miss: fail closed). See the module doc."""
         if not keys:
             return []
-        future = self.portal.start_task_soon(self.store.exists, list(keys))
+        with self._breaker_lock:
+            admitted = self.breaker.admit()
+            probe = self.breaker.state == "half_open"
+        if not admitted:
+            return None
+        future = self.portal.start_task_soon(self._exists_within, list(keys), timeout_s)
+        if probe:  # the breaker's probe: answered in the background, a miss now
+            future.add_done_callback(_retrieve)
+            return None
         try:
-            present = future.result(timeout_s)
-        except (StoreError, concurrent.futures.TimeoutError, OSError):
+            # the call ends by its own deadline (and settles the breaker there); the margin
+            # covers the hop onto the loop
+            return future.result(timeout_s + 1.0)
+        except concurrent.futures.TimeoutError:  # the loop itself is stuck
             future.cancel()
             return None
-        if len(present) != len(keys):
-            return None
-        return [bool(p) for p in present]
+
+    async def _exists_within(self, keys: list[str], timeout_s: float) -> list[bool] | None:
+        """``store.exists`` within ``timeout_s``, the breaker told how it went (on the loop)."""
+        present: list[bool] | None = None
+        with anyio.move_on_after(timeout_s):
+            try:
+                answer = await self.store.exists(keys)
+            except (StoreError, OSError):
+                pass
+            else:
+                if len(answer) == len(keys):
+                    present = [bool(p) for p in answer]
+        with self._breaker_lock:
+            if present is None:
+                self.breaker.failure()
+            else:
+                self.breaker.success()
+        return present
 
     def on_evict(self, listener: Callable[[list[str]], None]) -> bool:
         """Have the store call ``listener`` with the keys it evicts (see
@@ -83,6 +121,11 @@ class StoreHost:
             self.portal.call(self.store.close)
         finally:
             self._stack.close()
+
+
+def _retrieve(future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: never logged as unhandled
 
 
 def acquire(config: PluginConfig) -> StoreHost:

@@ -6,13 +6,12 @@ from typing import Any
 
 import attrs
 
+from ..stores.config_rules import positive, share
 from ..stores.framing import Integrity
 from ..stores.resilient import ResiliencePolicy
 
-
-def _positive(inst: Any, attr: Any, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"LinkerConfig.{attr.name} must be positive, got {value!r}")
+_positive = positive()
+_share = share()
 
 
 def _size(inst: Any, attr: Any, value: Any) -> None:
@@ -40,7 +39,7 @@ class LinkerConfig:
     offload: bool = True
     #: skip an offload that carries a state while queued states hold >= this share of the pool
     mamba_backpressure: bool = True
-    mamba_backpressure_share: float = attrs.field(default=0.75, validator=_positive)  # that share, in (0, 1]
+    mamba_backpressure_share: float = attrs.field(default=0.75, validator=_share)  # that share, in (0, 1]
     #: drop offloads while the store latency EMA is above ``latency_high_ms``, until below low
     latency_high_ms: float = attrs.field(default=250.0, validator=_positive)
     latency_low_ms: float = attrs.field(default=50.0, validator=_positive)  # offloads resume below this EMA
@@ -67,7 +66,7 @@ class LinkerConfig:
     #: skip an offload while pages locked by queued offloads would pass this share of the KV pool
     #: *and* the pages free or evictable have fallen below that share, or below the largest
     #: request seen if that is more (KV backpressure; docs/design.md §3)
-    kv_backpressure_share: float = attrs.field(default=0.125, validator=_positive)
+    kv_backpressure_share: float = attrs.field(default=0.125, validator=_share)
     #: ``close()`` waits this long for queued offloads before it stops the store's retries and
     #: cancels calls still in flight (after ``resilience.close_grace_s``)
     close_timeout_s: float = attrs.field(default=10.0, validator=_positive)
@@ -92,7 +91,7 @@ class LinkerConfig:
     decline_slow_restores: bool = False
     #: the engine's prefill rate, tokens per second (None: what ``Linker.observe_prefill`` saw)
     prefill_tokens_per_s: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_positive))
+        default=None, validator=positive(optional=True))
     restore_margin: float = attrs.field(default=1.0, validator=_positive)  # load time / recompute time above which a hit is declined
     #: after this many declines in a row the next store hit is taken anyway (a probe): the
     #: bandwidth is measured only by loads, so without probes an estimate made while the store was
@@ -104,7 +103,3 @@ class LinkerConfig:
             raise ValueError(
                 f"LinkerConfig.latency_low_ms={self.latency_low_ms} exceeds "
                 f"latency_high_ms={self.latency_high_ms}")
-        if self.mamba_backpressure_share > 1:
-            raise ValueError("LinkerConfig.mamba_backpressure_share must be in (0, 1]")
-        if self.kv_backpressure_share > 1:
-            raise ValueError("LinkerConfig.kv_backpressure_share must be in (0, 1]")

@@ -8,20 +8,17 @@ from typing import Any, ClassVar
 import attrs
 
 from .base import StoreStatistics
+from .config_rules import non_negative, number_rule
 
 _SCHEDULED = ("failed", "unavailable", "timeout")
 
 
-def _probability(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"fault plan {attribute.name}={value!r}: a probability lies in [0, 1]")
+def _plan_field(_: object, attribute: attrs.Attribute[Any]) -> str:
+    return f"fault plan {attribute.name}"
 
 
-def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
-    if value is None:
-        return
-    if value < 0:
-        raise ValueError(f"fault plan {attribute.name}={value!r} must be >= 0")
+_probability = number_rule(at_least=0, at_most=1, naming=_plan_field)  # a probability lies in [0, 1]
+_non_negative = non_negative(optional=True, naming=_plan_field)
 
 
 def _check_ranges(

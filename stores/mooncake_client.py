@@ -33,6 +33,7 @@ from typing import Any
 import attrs
 
 from .base import Outcome, StoreUnavailableError
+from .config_rules import number_rule, positive
 from .mooncake_master import port_accepts
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class MooncakeConfig:
     #: most ``transfer_queue // workers`` buffers, so the calls in flight stay within it
     transfer_queue: int = 2048
     setup_retries: int = 1  # client connect attempts in setup (~4.4 s each when refused)
-    probe_timeout_s: float = 1.0  # TCP probe of the master after it failed once
+    probe_timeout_s: float = attrs.field(default=1.0, validator=positive())  # TCP probe of the master after it failed once
     detect_exists: bool = True  # check existence before put to report EXISTS
     force_remove: bool = True  # remove even leased objects (see module docstring)
     #: seconds a TCP transfer to a peer's segment may make no progress before it fails
@@ -131,7 +132,7 @@ class MooncakeConfig:
     #: abandoned (the client would still write the caller's buffer), so this, not the store
     #: wrapper's call timeout, bounds a read from a partitioned peer (measured: a 12 s
     #: partition held loads 12.4 s with None, 130 ms with 1)
-    transfer_timeout_s: int | None = None
+    transfer_timeout_s: int | None = attrs.field(default=None, validator=number_rule(at_least=1, optional=True))
     #: whether the client reads and writes GPU memory (device pools registered and moved in
     #: place); None: found out from the client's build (:func:`device_memory_support`)
     device_memory: bool | None = None
@@ -147,8 +148,6 @@ class MooncakeConfig:
             raise ValueError("workers, max_batch and setup_retries must be >= 1")
         if self.transfer_queue < self.workers:
             raise ValueError(f"transfer_queue ({self.transfer_queue}) must be at least workers ({self.workers})")
-        if self.transfer_timeout_s is not None and self.transfer_timeout_s < 1:
-            raise ValueError("transfer_timeout_s must be >= 1 (whole seconds) or None")
         if self.bounce_bytes < 4096:
             raise ValueError("bounce_bytes must be at least 4096")
 

@@ -18,7 +18,8 @@ the linker, the data plane and engine plugins get the same behaviour by wrapping
   ``exists`` is retried per key when the inner store can tell a failed key from an absent one
   (:class:`ReportsExistence`: ``exists_outcomes``); otherwise only a whole failed call is.
 * **Circuit breaker.** ``failure_threshold`` consecutive attempts in which the store answered
-  nothing (every key unreachable, the call raised or timed out) open the breaker: calls are
+  nothing (every key unreachable, the call raised or timed out, or the caller cancelled it
+  before it answered: a lookup that waits less than ``call_timeout_s``) open the breaker: calls are
   answered at once without reaching the store (``exists`` -> all absent, ``put``/``get`` ->
   ``UNREACHABLE``, ``touch`` skipped, ``remove`` raises) and counted as ``rejected_calls``.
   After ``probe_interval_s`` the next call is let through as a probe (one at a time); if the
@@ -59,6 +60,7 @@ from .base import (
     supports_scatter,
 )
 from .condemned import Condemned, ConditionalRemoveStore, compare_then_remove
+from .config_rules import non_negative, number_rule, positive
 from .rows import CODE, OUTCOMES, RowBatch, RowResults, check_batch
 
 T = TypeVar("T")
@@ -74,14 +76,8 @@ NO_ANSWER = _NoAnswer()
 TRANSIENT = frozenset({Outcome.FAILED, Outcome.UNREACHABLE, Outcome.LEASED})
 
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"ResiliencePolicy.{attribute.name} must be positive, got {value!r}")
-
-
-def _non_negative(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"ResiliencePolicy.{attribute.name} must be >= 0, got {value!r}")
+_positive = positive()
+_non_negative = non_negative()
 
 
 @attrs.frozen
@@ -95,7 +91,7 @@ class ResiliencePolicy:
     #: ``backoff_s``); +- ``jitter`` share at random
     backoff_s: float = attrs.field(default=0.001, validator=_non_negative)
     backoff_max_s: float = attrs.field(default=0.1, validator=_non_negative)  # the longest backoff
-    jitter: float = attrs.field(default=0.5, validator=_non_negative)  # share of a backoff drawn at random, in [0, 1]
+    jitter: float = attrs.field(default=0.5, validator=number_rule(at_least=0, at_most=1))  # share of a backoff drawn at random, in [0, 1]
     #: one call to the inner store may take this long; past it its keys are UNREACHABLE
     call_timeout_s: float = attrs.field(default=5.0, validator=_positive)
     #: one transfer (a wrapper call, all its attempts and backoffs) ends by this deadline
@@ -110,8 +106,6 @@ class ResiliencePolicy:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.attempts, int) or not isinstance(self.failure_threshold, int):
             raise ValueError("ResiliencePolicy.attempts and failure_threshold are integers")
-        if self.jitter > 1:
-            raise ValueError(f"ResiliencePolicy.jitter is a share in [0, 1], got {self.jitter}")
 
 
 @attrs.frozen
@@ -126,6 +120,7 @@ class ResilienceStatistics:
     exhausted_keys: int  # keys still transient after every attempt or past the deadline
     timeouts: int  # inner calls cut at call_timeout_s
     unavailable: int  # inner calls that raised StoreUnavailableError (or another StoreError)
+    cancelled: int  # inner calls their caller cancelled before an answer (count toward the breaker)
     breaker_trips: int  # closed -> open
     rejected_calls: int  # answered by the open breaker without reaching the store
     probes: int  # calls let through while open
@@ -168,6 +163,10 @@ class CircuitBreaker:
             return True
         self.counts["rejected_calls"] += 1
         return False
+
+    def probe_due(self) -> bool:
+        """Whether the next call would be let through as a probe (read-only; ``admit`` decides)."""
+        return self.state == "open" and not self.probing and self.clock() - self.opened_at >= self.interval
 
     def success(self) -> None:
         self.failures = 0
@@ -216,7 +215,7 @@ class ResilientStore:
                                           checksums=supports_checksums(inner),
                                           rows=supports_rows(inner))
         self._c = dict.fromkeys(("calls", "attempts", "retries", "retried_keys", "recovered_keys",
-                                 "exhausted_keys", "timeouts", "unavailable",
+                                 "exhausted_keys", "timeouts", "unavailable", "cancelled",
                                  "cancelled_on_shutdown"), 0)
         self._inflight: set[anyio.CancelScope] = set()
         self._idle = anyio.Event()
@@ -515,6 +514,14 @@ class ResilientStore:
         except StoreError:
             self._c["unavailable"] += 1
             return NO_ANSWER
+        except anyio.get_cancelled_exc_class():
+            # the caller gave up first (a lookup's own, shorter timeout): the store did not
+            # answer in the time it had, which counts toward the breaker like a timeout, so a
+            # store that stops answering opens it however short its callers' deadlines are
+            if not self._shutting_down:
+                self._c["cancelled"] += 1
+                self.breaker.failure()
+            raise
         finally:
             self._inflight.discard(scope)
             if not self._inflight:

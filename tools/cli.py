@@ -29,6 +29,8 @@ COMMANDS: dict[str, str] = {
 PASSED_ON: dict[str, tuple[str, str]] = {
     "bench-sglang": ("bench_sglang", "hylinker's SGLang plugin vs SGLang's MooncakeDirectLinker inside SGLang's "
                                      "cache (.venv-sglang)"),
+    "bench-dead-store": ("bench_dead_store", "the SGLang scheduler's time blocked in lookups while the store does "
+                                             "not answer (.venv-sglang)"),
     "bench-vllm": ("bench_vllm", "vLLM CPU build: time to first token restore vs recompute, decode steps (.venv-vllm)"),
     "profile-vllm-restore": ("profile_vllm_restore", "vLLM CPU build: where one restore's time goes (.venv-vllm)"),
     "serve-demo": ("serve_demo", "vLLM's OpenAI server on a tiny hybrid model with and without hylinker (.venv-vllm)"),

@@ -38,6 +38,16 @@ class SGLangLinkerConfig(PluginConfig):
     retry_backoff_ms: float = attrs.field(default=20.0, validator=_non_negative)  # first backoff, doubles
     store_timeout_s: float = attrs.field(default=5.0, validator=_positive)  # longest one store transfer
     touch: bool = True  # refresh store recency of prefixes that hit
+    #: the longest the scheduler thread waits on the store's lookups in one scheduler round,
+    #: all lookups together (each also within ``lookup_timeout_s``); once spent, the round's
+    #: further lookups are misses at once (``lookups_over_budget``)
+    lookup_budget_s: float = attrs.field(default=1.0, validator=_positive)
+    #: offloads accepted and not yet reported back to SGLang (each keeps its node's rows
+    #: locked), and at most half the state pool's slots; beyond it ``offload`` refuses (SGLang
+    #: unlocks the node, which stays on the device unpersisted and is offered again on its next hit)
+    offload_max_inflight: int = attrs.field(default=256, validator=_positive)
+    #: the same bound on the payload bytes those offloads name (one offload alone may pass it)
+    offload_max_inflight_mb: int = attrs.field(default=2048, validator=_positive)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *,

@@ -22,9 +22,15 @@ pool views of SGLang's tensors (``sglang_pools.py``), its store wrapped in a
   failure is reported, so the next lookup recomputes instead of failing again;
 * **transient store errors are retried** per key (``load_retries``, backoff) before a load
   fails — in SGLang a failed load aborts the request (503);
-* **bounded waits**: a lookup waits at most ``lookup_timeout_s``; a store transfer ends within
-  ``store_timeout_s``; after repeated silence the store's circuit breaker answers at once
-  (offloads report False, nodes unlock) until the store answers a probe again;
+* **bounded waits**: a lookup waits at most ``lookup_timeout_s``, and all lookups of one
+  scheduler round at most ``lookup_budget_s``; a store transfer ends within
+  ``store_timeout_s``; after repeated silence (lookups given up on count) the store's circuit
+  breaker answers at once (lookups miss, offloads report False, nodes unlock) until the store
+  answers a probe again;
+* **bounded offloads**: at most ``offload_max_inflight`` offloads (and
+  ``offload_max_inflight_mb`` of payload) accepted and not yet reported back; beyond it
+  ``offload`` refuses, so SGLang unlocks the node at once instead of holding its rows behind a
+  store that does not drain;
 * **no re-offload of restored pages**: what a load just restored is not written back when the
   request's insert offloads it;
 * MHA full-attention pools (SGLang's linker takes MLA only), dense models (component FULL
@@ -69,6 +75,7 @@ from .config import SGLangLinkerConfig
 from .identity import deployment_term
 from .loads import AllEvents, LoadBatch, LoadBatchHooks
 from .metrics import create_metrics
+from .offloads import OffloadBound, named_bytes
 from .placement import engine_pools, key_suffix, writes
 from .pools import (
     PoolLayoutError,
@@ -104,6 +111,7 @@ _METRIC_OF: dict[str, tuple[str, ...]] = {
     "loads_refused": ("loads", "refused"),
     "offloads_ok": ("offloads", "ok"),
     "offloads_failed": ("offloads", "failed"),
+    "offloads_refused": ("offloads", "refused"),
     "objects_skipped_restored": ("objects_skipped", "restored"),
     "bad_objects_removed": ("bad_objects_removed",),
     "bad_objects_rewritten": ("bad_objects_kept", "rewritten"),
@@ -151,6 +159,7 @@ class HylinkerLinker(UnifiedCacheLinker):
                         for kind, p in pools.items()}
         self._writes = {kind: writes(p, tp_rank, self.dcp_size) for kind, p in pools.items()}
         self._pools = pools
+        self._payload = {kind: p.view.payload_bytes for kind, p in pools.items()}
         self.tp_rank = tp_rank
         # SGLang's own switch: with --enable-metrics these appear on the server's /metrics
         self.metrics = create_metrics(bool(getattr(server_args, "enable_metrics", False)), tp_rank,
@@ -164,10 +173,16 @@ class HylinkerLinker(UnifiedCacheLinker):
         #: failed or found a rewrite, so one bad object aborts at most one batch (docs/design.md)
         self._condemned: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
-        self._results: collections.deque[concurrent.futures.Future[bool]] = collections.deque()
+        # accepted offloads' results, in order, and the bound on them (offloads.py); an offload
+        # that carries a state keeps a state slot locked: at most half the slots are
+        limit = self.config.offload_max_inflight
+        if PoolKind.MAMBA in pools:
+            limit = min(limit, max(1, pools[PoolKind.MAMBA].view.capacity // 2))
+        self._offloads = OffloadBound(limit, self.config.offload_max_inflight_mb << 20)
         self._load_hooks = LoadBatchHooks(complete=self._complete, landed=self._remember,
                                           ended=self._load_ended, observe_seconds=self._observe_load)
         self._closed = False
+        self._lookup_budget = self.config.lookup_budget_s  # what this scheduler round has left
         self._device = views.device
         self._on_device = views.device.type != "cpu"
         # staging_mb per pool, for each direction and for the frames a whole load is verified
@@ -233,14 +248,8 @@ class HylinkerLinker(UnifiedCacheLinker):
         if with_state:
             probe[PoolKind.MAMBA] = self.object_keys("mamba", pages)
         self._count("lookups")
-        future = self.data.exists(probe)
-        try:
-            present = future.result(timeout=self.config.lookup_timeout_s)
-        except Exception as exc:  # a store that fails or hangs: a miss (every rank's MIN agrees)
-            future.cancel()
-            self._count("lookup_errors")
-            log.warning("HylinkerLinker lookup failed (a miss): %r", exc)
-            trace("sglang.lookup.error", request_id=rid, error=repr(exc))
+        present = self._ask_store(rid, probe)
+        if present is None:  # a miss (every rank's MIN agrees)
             return []
         if self._condemned:  # read without the lock first: most lookups find nothing remembered
             with self._lock:
@@ -271,6 +280,35 @@ class HylinkerLinker(UnifiedCacheLinker):
         else:
             self._count("lookup_misses")
         return counts
+
+    def _ask_store(self, rid: str, probe: dict[PoolKind, list[str]]) -> dict[PoolKind, list[bool]] | None:
+        """Which of ``probe``'s objects the store holds, or None (a miss): at once while the
+        store's breaker is open or this round's ``lookup_budget_s`` is spent, else within
+        ``lookup_timeout_s`` and the budget left. A lookup given up on cancels its store call,
+        which counts toward the breaker (``stores/resilient.py``)."""
+        if self.store.breaker_open:
+            # when a probe is due the call goes out in the background (bounded by
+            # store_timeout_s), and the breaker closes when the store answers it
+            if self.store.breaker.probe_due():
+                self.data.exists(probe).add_done_callback(_retrieve)
+            self._count("lookups_breaker_open")
+            return None
+        wait = min(self.config.lookup_timeout_s, self._lookup_budget)
+        if wait <= 0:
+            self._count("lookups_over_budget")
+            return None
+        t0 = time.perf_counter()
+        future = self.data.exists(probe)
+        try:
+            return future.result(timeout=wait)
+        except Exception as exc:  # a store that fails or hangs
+            future.cancel()
+            self._count("lookup_errors")
+            log.warning("HylinkerLinker lookup failed (a miss): %r", exc)
+            trace("sglang.lookup.error", request_id=rid, error=repr(exc))
+            return None
+        finally:
+            self._lookup_budget -= time.perf_counter() - t0
 
     def _touch(self, pages: list[str], with_state: bool, swa_pages: int = 0) -> None:
         if not self.config.touch or not self.store.capabilities.touch:
@@ -452,8 +490,14 @@ class HylinkerLinker(UnifiedCacheLinker):
 
     # ---- offload ----------------------------------------------------------------------
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
-        result: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        self._results.append(result)
+        nbytes = named_bytes(transfers, self._payload)
+        if not self._closed and self._offloads.refuses(nbytes):
+            # refused: SGLang unlocks the node, which stays on the device unpersisted
+            self._count("offloads_refused")
+            trace("sglang.offload.refused", session_id=session_id or "",
+                  in_flight=len(self._offloads.results), bytes_in_flight=self._offloads.bytes)
+            return False
+        result = self._offloads.accept(nbytes)
         if self._closed:
             result.set_result(False)
             return True
@@ -480,17 +524,13 @@ class HylinkerLinker(UnifiedCacheLinker):
         result.set_result(ok)
 
     def num_completed_offloads(self) -> int:
-        self.data.pop_completed_offloads()  # ours are the futures in self._results
+        self._lookup_budget = self.config.lookup_budget_s  # called once per scheduler round
+        self.data.pop_completed_offloads()  # ours are the futures in self._offloads
         self._publish_metrics()  # called every scheduler round; publishes at most once a second
-        n = 0
-        for f in self._results:
-            if not f.done():
-                break
-            n += 1
-        return n
+        return self._offloads.completed()
 
     def pop_completed_offload(self) -> bool:
-        return self._results.popleft().result()
+        return self._offloads.pop()
 
     # ---- life cycle -------------------------------------------------------------------
     def reset(self) -> None:
@@ -500,8 +540,8 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._pending.clear()
         if not self._closed:
             self.data.reset()
-        concurrent.futures.wait(list(self._results), timeout=self.config.store_timeout_s * 2)
-        self._results.clear()
+        concurrent.futures.wait(list(self._offloads.results), timeout=self.config.store_timeout_s * 2)
+        self._offloads.clear()
         self.layer_done_counter.reset()
         with self._lock:
             self._restored.clear()
@@ -509,7 +549,7 @@ class HylinkerLinker(UnifiedCacheLinker):
     def close(self) -> None:
         if self._closed:
             return
-        pending = [f for f in self._results if not f.done()]
+        pending = [f for f in self._offloads.results if not f.done()]
         if pending:  # writes in flight get drain_timeout_s, then the store fails fast
             concurrent.futures.wait(pending, timeout=self.config.drain_timeout_s)
         with contextlib.suppress(Exception):  # the last figures; a dead store must not stop close
@@ -537,6 +577,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         timeouts, breaker trips)."""
         with self._lock:
             out = {name: self._c[name] for name in COUNTERS}
+        out.update(self._offloads.figures())
         pools = self.data.pool_statistics().values()
         out.update({name: sum(int(getattr(p, name)) for p in pools) for name in POOL_SUMS})
         res = self.store.resilience()

@@ -5,16 +5,17 @@ from __future__ import annotations
 import attrs
 
 #: the plugin's own counters (``HylinkerLinker._count``); every other field is summed or copied
-COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_errors", "hit_tokens", "touches",
+COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_errors", "lookups_breaker_open",
+            "lookups_over_budget", "hit_tokens", "touches",
             "objects_skipped_restored", "loads_refused", "load_batches", "loads_ok", "loads_failed",
             "loads_cancelled", "bad_objects_removed", "bad_objects_rewritten", "failed_objects_kept", "offloads_ok",
-            "offloads_failed")
+            "offloads_failed", "offloads_refused")
 #: summed over the data plane's pools (``PoolActorStatistics``)
 POOL_SUMS = ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
              "bytes_loaded", "load_misses", "verify_failures", "offload_failures", "rereads_recovered",
              "rereads_failed")
 #: copied from the store wrapper (``ResilienceStatistics``), each as ``store_<name>``
-STORE_COUNTS = ("retries", "retried_keys", "recovered_keys", "exhausted_keys", "timeouts",
+STORE_COUNTS = ("retries", "retried_keys", "recovered_keys", "exhausted_keys", "timeouts", "cancelled",
                 "breaker_trips", "rejected_calls")
 
 
@@ -28,6 +29,8 @@ class SGLangLinkerStatistics:
     lookup_hits: int = 0
     lookup_misses: int = 0
     lookup_errors: int = 0  # lookups that failed or passed lookup_timeout_s: misses
+    lookups_breaker_open: int = 0  # misses at once: the store's circuit breaker was open
+    lookups_over_budget: int = 0  # misses at once: the round's lookup_budget_s was spent
     hit_tokens: int = 0  # store-restorable tokens offered to SGLang
     touches: int = 0
     objects_skipped_restored: int = 0  # objects a load just restored, not offloaded again
@@ -41,6 +44,12 @@ class SGLangLinkerStatistics:
     failed_objects_kept: int = 0  # did not land, not proved bad (failed / timed-out read): left in the store
     offloads_ok: int = 0
     offloads_failed: int = 0
+    offloads_refused: int = 0  # refused at the in-flight bound (offload_max_inflight[_mb])
+    # the in-flight bound's state: offloads accepted and not yet reported back to SGLang
+    offloads_in_flight: int = 0
+    offload_bytes_in_flight: int = 0  # payload bytes they name
+    offloads_in_flight_peak: int = 0  # the most at once since start
+    offload_bytes_in_flight_peak: int = 0
     # summed over the data plane's pools
     objects_offloaded: int = 0
     bytes_offloaded: int = 0
@@ -58,6 +67,7 @@ class SGLangLinkerStatistics:
     store_recovered_keys: int = 0
     store_exhausted_keys: int = 0
     store_timeouts: int = 0
+    store_cancelled: int = 0  # store calls a lookup gave up on (count toward the breaker)
     store_breaker_trips: int = 0
     store_rejected_calls: int = 0
 
