@@ -69,21 +69,13 @@ GEOMETRIES = ("tiny", "qwen3-next-80b")
 def _fresh_store(work: Path, segment_mib: int) -> Iterator[str]:
     """A loopback master and a storage-only client holding ``segment_mib`` MiB; yields the master's address."""
     from ..stores.mooncake_master import MooncakeMaster
+    from .mooncake_cli import start_segment_process
 
     with contextlib.ExitStack() as stack:
         master = stack.enter_context(MooncakeMaster(log_path=work / "master.log").start())
-        seg = subprocess.Popen(
-            [sys.executable, "-m", "hylinker", "mooncake", "segment", "--master", master.address,
-             "--segment-mib", str(segment_mib)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        seg = start_segment_process(master.address, segment_mib)
         stack.callback(seg.wait, 10)
         stack.callback(seg.kill)
-        assert seg.stderr is not None
-        for _ in range(200):
-            line = seg.stderr.readline()
-            if "mounted" in line or seg.poll() is not None:
-                break
-        if seg.poll() is not None:
-            raise RuntimeError(f"the storage client exited: {seg.stderr.read()[-2000:]}")
         yield master.address
 
 
