@@ -122,8 +122,8 @@ def _round_steps(args: argparse.Namespace, rng: random.Random) -> tuple[list[dic
     steps: list[dict[str, Any]] = []
     for n in args.size_list:  # warm-up, not measured: a miss and a restore of each length
         warm = [rng.randrange(10, 300) for _ in range(n)]
-        steps += [{"op": "ttft", "prompt": warm}, {"op": "sleep", "s": args.settle_s}, {"op": "reset"},
-                  {"op": "ttft", "prompt": warm}]
+        steps += [{"op": "ttft", "prompt": warm, "logprobs": True}, {"op": "sleep", "s": args.settle_s},
+                  {"op": "reset"}, {"op": "ttft", "prompt": warm, "logprobs": True}]
     for n in args.size_list:
         steps += [{"op": "ttft", "prompt": p, "logprobs": True, "row": f"miss:{n}"} for p in prompts[n]]
         steps.append({"op": "sleep", "s": args.settle_s})
