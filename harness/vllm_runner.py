@@ -14,6 +14,7 @@ between steps. Steps (a JSON list, ``--steps``):
   ``token_s``, the time each later token arrived after the one before it (one engine step
   each; tokens that arrive together count 0 for all but the first), and ``tokens``;
 * ``{"op": "reset"}`` → vLLM's prefix cache reset (the connector's store is kept);
+* ``{"op": "sleep", "s": 0.5}`` → pause (lets asynchronous saves land before a restore);
 * ``{"op": "kill", "pid": N}`` → SIGKILL that process (a Mooncake master, say);
 * ``{"op": "stats"}`` → the connector's counters (scheduler and worker side) where the engine
   runs in this process (``--in-process``); in vLLM's default process model the workers log theirs
@@ -28,7 +29,10 @@ and, at TP 1, the worker in this process). ``--tp N``: tensor parallel size.
 ``--max-lora-rank R``: LoRA enabled (``enable_lora``, two adapters at a time, rank up to R).
 
 ``--extra none`` runs without the connector and without vLLM's prefix cache: the reference;
-``--extra prefix-only`` without the connector, with vLLM's prefix cache.
+``--extra prefix-only`` without the connector, with vLLM's prefix cache. ``--connector
+mooncake-store`` runs vLLM's own ``MooncakeStoreConnector`` instead of hylinker's, ``--extra`` as its
+``kv_connector_extra_config`` (its Mooncake settings come from the file ``MOONCAKE_CONFIG_PATH``
+names). A ``ttft`` step with ``"logprobs": true`` also returns its token and top-3 logprobs.
 Results: one JSON object per step, each on a line of its own after ``RESULT ``.
 """
 
@@ -51,6 +55,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 BLOCK_SIZE = 384
+#: ``--connector``: the KVTransferConfig fields that select it
+CONNECTORS: dict[str, dict[str, Any]] = {
+    "hylinker": {"kv_connector": "HylinkerConnector", "kv_connector_module_path": "hylinker.integrations.vllm"},
+    "mooncake-store": {"kv_connector": "MooncakeStoreConnector"},
+}
 
 
 def _connectors(llm: Any) -> list[Any]:
@@ -65,6 +74,35 @@ def _connectors(llm: Any) -> list[Any]:
     except Exception:
         pass
     return [c for c in found if c is not None and hasattr(c, "statistics")]
+
+
+class _PeerStats:
+    """vLLM's own connector's per-step stats (``get_kv_connector_stats``, drained by the engine each
+    step) kept for the whole run: wraps the in-process worker connector's method."""
+
+    def __init__(self) -> None:
+        self.total: Any = None
+
+    def install(self) -> None:
+        try:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            worker = get_kv_transfer_group()
+        except Exception:
+            return
+        original = worker.get_kv_connector_stats
+
+        def kept(*args: Any, **kwargs: Any) -> Any:
+            stats = original(*args, **kwargs)
+            if stats is not None and not stats.is_empty():
+                copy = type(stats)(data={k: list(v) for k, v in stats.data.items()})
+                self.total = copy if self.total is None else self.total.aggregate(copy)
+            return stats
+
+        worker.get_kv_connector_stats = kept
+
+    def reduced(self) -> dict[str, Any]:
+        return dict(self.total.reduce()) if self.total is not None else {}
 
 
 def _decode(llm: Any, step: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -96,6 +134,12 @@ def _prompt(step: dict[str, Any]) -> dict[str, Any]:
     return prompt
 
 
+def _logprobs(output: Any) -> list[list[list[float]]]:
+    """A completion's top logprobs per token as ``[[token, logprob], ...]``, best first."""
+    return [sorted(([int(k), float(v.logprob)] for k, v in lp.items()), key=lambda kv: -kv[1])
+            for lp in (output.logprobs or [])]
+
+
 def _lora(step: dict[str, Any]) -> Any:
     """A generate step's ``LoRARequest``, or None."""
     if "lora" not in step:
@@ -116,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--max-lora-rank", type=int, default=0, help="enable LoRA with this maximum rank (0: off)")
     ap.add_argument("--in-process", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    ap.add_argument("--connector", choices=sorted(CONNECTORS), default="hylinker",
+                    help="whose KV connector: hylinker's or vLLM's own Mooncake store connector")
     args = ap.parse_args(argv)
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -128,13 +174,15 @@ def main(argv: list[str] | None = None) -> int:
         kwargs.update(enable_lora=True, max_lora_rank=args.max_lora_rank, max_loras=2)
     if args.extra not in ("none", "prefix-only"):
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="HylinkerConnector", kv_connector_module_path="hylinker.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
+            **CONNECTORS[args.connector], kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config=json.loads(args.extra))
     llm = LLM(model=args.model, dtype="bfloat16", block_size=args.block_size,
               enable_prefix_caching=args.extra != "none", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_model_len, enforce_eager=True, seed=0,
               tensor_parallel_size=args.tp, **kwargs)
+    peer_stats = _PeerStats()
+    if args.connector != "hylinker" and args.in_process:
+        peer_stats.install()
     results: list[dict[str, Any]] = []
     text = Path(args.steps[1:]).read_text() if args.steps.startswith("@") else args.steps
     for step in json.loads(text):
@@ -146,19 +194,24 @@ def main(argv: list[str] | None = None) -> int:
             out = llm.generate([prompt], sp, use_tqdm=False, lora_request=_lora(step))[0]
             seconds = time.perf_counter() - t0
             o = out.outputs[0]
-            lps = [sorted(([int(k), float(v.logprob)] for k, v in lp.items()), key=lambda kv: -kv[1])
-                   for lp in (o.logprobs or [])]
-            results.append({"op": op, "tokens": list(o.token_ids), "logprobs": lps,
+            results.append({"op": op, "tokens": list(o.token_ids), "logprobs": _logprobs(o),
                             "cached": int(out.num_cached_tokens or 0), "seconds": seconds})
         elif op == "ttft":  # a 1-token request: its latency is the time to first token
             prompt = {"prompt_token_ids": list(step["prompt"])}
+            sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=3 if step.get("logprobs") else None)
             t0 = time.perf_counter()
-            out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
-            results.append({"op": op, "ttft_s": time.perf_counter() - t0, "cached": int(out.num_cached_tokens or 0)})
+            out = llm.generate([prompt], sp, use_tqdm=False)[0]
+            row = {"op": op, "ttft_s": time.perf_counter() - t0, "cached": int(out.num_cached_tokens or 0)}
+            if step.get("logprobs"):
+                row.update(tokens=list(out.outputs[0].token_ids), logprobs=_logprobs(out.outputs[0]))
+            results.append(row)
         elif op == "decode":
             results.append(_decode(llm, step, f"decode-{len(results)}"))
         elif op == "reset":
             results.append({"op": op, "ok": bool(llm.reset_prefix_cache())})
+        elif op == "sleep":
+            time.sleep(float(step.get("s", 0.5)))
+            results.append({"op": op})
         elif op == "kill":
             os.kill(int(step["pid"]), signal.SIGKILL)
             time.sleep(float(step.get("settle_s", 1.0)))
@@ -168,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in _connectors(llm):
                 for k, v in attrs.asdict(c.statistics()).items():
                     stats[k] = stats.get(k, 0) + v  # each counter lives on one side
-            results.append({"op": op, "stats": stats})
+            results.append({"op": op, "stats": stats or peer_stats.reduced()})
         else:
             raise SystemExit(f"unknown step {op!r}")
     for r in results:

@@ -181,6 +181,31 @@ def test_a_load_waits_for_the_save_of_its_objects_in_flight() -> None:
         store_host.release(host)
 
 
+def test_waiting_for_loads_is_bounded_and_ends_when_a_load_ends() -> None:
+    """What the worker does in a step that computes nothing (``IDLE_LOAD_WAIT_S``): it blocks on its
+    loads in flight, at most the timeout, and returns with the load finished once it ended."""
+    host = store_host.acquire(VllmConnectorConfig.from_extra_config({"capacity_mb": 4}))
+    inner = host.store
+    gated = _GatedPuts(inner)
+    host.store = gated
+    _raw, pages = _pages(8)
+    pt = PageTransfers(host, pages, fingerprint=b"f" * 32, with_state=False, staging_bytes=4 * 128)
+    try:
+        pt.wait_for_loads(60.0)  # nothing in flight: returns at once
+        pt.save([TransferPlan("a", ("k1",), (1,))])  # its write waits at the gate
+        pt.load(TransferPlan("b", ("k1",), (4,)))  # so this load waits for it
+        pt.wait_for_loads(0.05)  # bounded: returns with the load still in flight
+        assert pt.finished_loads() == (set(), set())
+        threading.Timer(0.2, gated.gate.set).start()
+        pt.wait_for_loads(60.0)
+        assert pt.finished_loads() == ({"b"}, set())  # returned because the load ended
+    finally:
+        gated.gate.set()
+        pt.close(5.0)
+        host.store = inner
+        store_host.release(host)
+
+
 def test_kv_replicas_follows_vllms_sharding_of_kv_heads() -> None:
     assert kv_replicas(1, 2) == 2  # one KV head on both ranks (the tests' tiny model at TP 2)
     assert kv_replicas(2, 2) == 1 and kv_replicas(8, 2) == 1  # heads split: no two ranks alike

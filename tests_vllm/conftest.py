@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from hylinker.stores.mooncake_master import MooncakeMaster
+from hylinker.tools.mooncake_cli import start_segment_process
 
 ENGINE_TIMEOUT_S = 900
 
@@ -101,14 +102,6 @@ def mooncake(tmp_path: Path) -> Iterator[tuple[MooncakeMaster, subprocess.Popen[
     """A master and a separate storage process (256 MiB segment) on loopback."""
     with contextlib.ExitStack() as stack:
         master = stack.enter_context(MooncakeMaster().start())
-        seg = subprocess.Popen(
-            [sys.executable, "-m", "hylinker", "mooncake", "segment", "--master", master.address,
-             "--segment-mib", "256"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        seg = start_segment_process(master.address, 256)
         stack.callback(seg.kill)
-        assert seg.stderr is not None
-        for _ in range(200):
-            line = seg.stderr.readline()
-            if "mounted" in line or seg.poll() is not None:
-                break
-        assert seg.poll() is None, "the storage process exited"
         yield master, seg

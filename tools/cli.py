@@ -32,6 +32,8 @@ PASSED_ON: dict[str, tuple[str, str]] = {
     "bench-dead-store": ("bench_dead_store", "the SGLang scheduler's time blocked in lookups while the store does "
                                              "not answer (.venv-sglang)"),
     "bench-vllm": ("bench_vllm", "vLLM CPU build: time to first token restore vs recompute, decode steps (.venv-vllm)"),
+    "bench-vllm-peers": ("bench_vllm_peers", "vLLM CPU build: hylinker's connector against vLLM's own "
+                                             "MooncakeStoreConnector in one run (.venv-vllm)"),
     "profile-vllm-restore": ("profile_vllm_restore", "vLLM CPU build: where one restore's time goes (.venv-vllm)"),
     "serve-demo": ("serve_demo", "vLLM's OpenAI server on a tiny hybrid model with and without hylinker (.venv-vllm)"),
     "bench-vllm-keys": ("bench_vllm_keys", "what keying a vLLM request by vLLM's extra keys costs the scheduler"),

@@ -12,6 +12,7 @@ master that runs elsewhere.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from typing import TYPE_CHECKING
 
@@ -107,3 +108,19 @@ def _open_segment(master: str, mib: int, hostname: str, protocol: str) -> Moonca
     except (StoreUnavailableError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
+
+
+def start_segment_process(master: str, segment_mib: int) -> subprocess.Popen[str]:
+    """``hylinker mooncake segment`` in a child process, returned once its segment is mounted (a
+    storage-only client for engines that contribute none); raises if it exits first. Kill it when done."""
+    seg = subprocess.Popen([sys.executable, "-m", "hylinker", "mooncake", "segment", "--master", master,
+                            "--segment-mib", str(segment_mib)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert seg.stderr is not None
+    for _ in range(200):
+        line = seg.stderr.readline()
+        if "mounted" in line or seg.poll() is not None:
+            break
+    if seg.poll() is not None:
+        raise RuntimeError(f"the storage process exited: {seg.stderr.read()[-2000:]}")
+    return seg

@@ -101,6 +101,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.hylinker")  # under vLLM's logger: its format and level
 MIB = 1 << 20
+#: longest a worker blocks in a step that computes nothing, waiting for a load in flight to end.
+#: vLLM steps back to back while a request waits for its load; each empty step holds the GIL,
+#: which the load's threads need between their store calls (a 4 K-token restore on Mooncake took
+#: ~4x as long). Blocking releases the GIL and returns as soon as a load ends.
+IDLE_LOAD_WAIT_S = 0.005
 
 
 @dataclass
@@ -110,6 +115,9 @@ class HylinkerConnectorMetadata(KVConnectorMetadata):
     loads: list[TransferPlan] = field(default_factory=list)
     failed_loads: list[str] = field(default_factory=list)  # promised loads that cannot run
     saves: list[TransferPlan] = field(default_factory=list)
+    # no request computes in this step (vLLM steps while requests wait for their loads): the worker
+    # may block briefly on its loads in flight instead of returning to an empty step loop
+    idle: bool = False
 
 
 @dataclass
@@ -295,6 +303,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         step, self._step = self._step, HylinkerConnectorMetadata()
+        step.idle = scheduler_output.total_num_scheduled_tokens == 0
         block_state = scheduler_output.kv_connector_block_state
         if block_state is None:
             return step
@@ -427,6 +436,9 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._transfers is None:
             return KVConnectorTransferResults()
+        meta = self._connector_metadata
+        if isinstance(meta, HylinkerConnectorMetadata) and meta.idle:
+            self._transfers.wait_for_loads(IDLE_LOAD_WAIT_S)
         ok, failed = self._transfers.finished_loads()
         for rid in ok | failed:
             trace("vllm.load.done", request_id=rid, ok=rid in ok)

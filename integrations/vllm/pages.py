@@ -202,6 +202,13 @@ class PageTransfers:
                 self._failed_now.add(rid)
                 self.counters["loads_failed"] += 1
 
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block (the GIL released) until a load in flight ends, at most ``timeout_s``; at once if none is."""
+        with self._lock:
+            pending = [future for _plan, future in self._loads.values()]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
     def loads_in_flight(self) -> int:
         with self._lock:
             return len(self._loads)

@@ -1,0 +1,44 @@
+"""``hylinker bench-vllm-peers`` runs as written, small: vLLM's own MooncakeStoreConnector, hylinker's
+connector and the no-connector baseline on the same prompts; both connectors restore every request
+exactly (logprobs equal to the baseline's recompute), to the boundary below the prompt, with no save
+or load lost. Structure and exactness only, never its timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_peers_benchmark_compares_both_connectors_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    run = subprocess.run([sys.executable, "-m", "hylinker", "bench-vllm-peers", "--sizes", "1536", "--rounds", "1",
+                          "--repeats", "2", "--decode-tokens", "4", "--json", str(out)],
+                         env=env, capture_output=True, text=True, timeout=1500)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    data = json.loads(out.read_text())
+    assert data["configs"] == ["vllm_mooncake", "hylinker", "baseline"]
+    assert sorted(data["orders"][0]) == sorted(data["configs"])
+    assert data["host"]["memcpy_gbps"] > 0 and data["host"]["cores"] >= 1
+    (row,) = data["ttft"]
+    assert row["tokens"] == 1536
+    for connector in ("vllm_mooncake", "hylinker"):
+        # the block-384 grid: the state checkpoint below a 1,536-token prompt is at 1,152
+        assert row[connector]["cached"] == [1152], connector
+        found = data["findings"][connector]
+        assert found["restores_compared"] == 3 and found["misses_compared"] == 2  # 2 restores + 1 check
+        assert found["wrong_restores"] == 0 and found["wrong_misses"] == 0 and found["short_restores"] == 0
+        assert set(data["losses"][connector].values()) == {0}, data["losses"][connector]
+        assert len(data["samples"][connector]["restore:1536"]) == 2
+        assert data["decode"][connector]["steps"] > 0
+    assert row["baseline"]["cached"] == [0]  # the reference recomputes
+    assert data["connector_stats"]["hylinker"][0]["loads_ok"] >= 3
+    assert data["connector_stats"]["vllm_mooncake"][0]["save_put_count"] > 0  # its stats were kept
+    assert "vLLM MooncakeStoreConnector" in run.stdout and "HylinkerConnector" in run.stdout
