@@ -77,9 +77,11 @@ def test_fault_plan_from_the_command_line(tmp_path: Path) -> None:
     assert s["dropped_loads"] > 0  # corrupt and vanished objects were caught, then recomputed
 
 
-def test_a_bad_fault_plan_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown fault plan field"):
+def test_a_bad_fault_plan_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
         main(["stress", "--no-progress", "--requests", "2", "--faults", "melt=0.5"])
+    assert exc.value.code == 2
+    assert "argument --faults: unknown fault plan field 'melt'" in capsys.readouterr().err
 
 
 def test_plain_attention_preset(tmp_path: Path) -> None:

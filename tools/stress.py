@@ -30,9 +30,10 @@ from ..linker.agreement import Agreement, SingleRank
 from ..linker.config import LinkerConfig
 from ..linker.facade import Linker, Request
 from ..linker.tree_writer import PoolExhaustedError
-from ..stores.base import Store
+from ..stores.base import Store, StoreUnavailableError
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
 from ..testing.content import SyntheticContent, preset_layout
+from .arguments import UsageError
 from .replay import Demand, QueueFullError, WaitingQueue, pages_for
 from .report import percentiles, progress_bar
 from .workloads import (
@@ -150,6 +151,11 @@ class StressRun:
         self.parents = (causal_parents(requests, block_tokens=cfg.block_tokens) if cfg.causal
                         else [None] * len(requests))
         self.never_fit_ids = [r.request_id for r in requests if self.queue.never_fits(self._demand(r))]
+        if requests and len(self.never_fit_ids) == len(requests):
+            least = min((self._demand(r) for r in requests), key=lambda d: (d.pages, d.slots))
+            raise UsageError(f"no request can ever fit the device pools (admission budget {self.queue.pages} "
+                             f"KV pages, {self.queue.slots} state slots; the smallest request needs "
+                             f"{least.pages} pages, {least.slots} slots): raise --kv-pages / --mamba-slots")
 
     def _demand(self, wr: WorkloadRequest) -> Demand:
         return Demand(pages_for(wr.prompt_length, self.layout.page_size),
@@ -451,7 +457,12 @@ async def open_store(args: argparse.Namespace) -> tuple[Store, Any]:
 
             extra = MooncakeMaster().start()
             address = extra.address
-        inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
+        try:
+            inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
+        except StoreUnavailableError as exc:  # nothing answers, or no Mooncake client installed
+            if extra is not None:
+                extra.stop()
+            raise UsageError(f"--store mooncake ({address}): {exc}") from exc
     if args.faults or args.fault_rate > 0:
         from ..stores.faulty import FaultPlan, FaultyStore
 

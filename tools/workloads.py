@@ -26,6 +26,7 @@ import numpy.typing as npt
 import xxhash
 
 from ..components.mamba import restorable_ceiling
+from .arguments import UsageError
 
 DEFAULT_VOCAB_SIZE = 32000
 MOONCAKE_BLOCK_TOKENS = 512
@@ -165,8 +166,9 @@ class Request:
 # Mooncake trace
 
 
-class TraceFormatError(ValueError):
-    """A trace line is malformed; the message names the file and line number."""
+class TraceFormatError(UsageError):
+    """A trace line is malformed; the message names the file and line number (a ``ValueError``;
+    the command line reports it in one line)."""
 
 
 _TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
