@@ -1,4 +1,4 @@
-"""Report helpers: tables, percentiles, progress output and the stress plot."""
+"""Report helpers: tables, percentiles, progress output; and the stress plot (tools/plots.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hylinker.tools.report import ProgressBar, format_table, percentiles, plot_stress, progress_bar
+from hylinker.tools.plots import plot_stress
+from hylinker.tools.report import ProgressBar, format_table, percentiles, progress_bar
 
 
 class _TTY(io.StringIO):

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(s, indent=2))
         print(f"wrote {args.json}")
     if args.plot is not None:
-        from .report import plot_stress
+        from .plots import plot_stress
 
         plot_stress(str(args.plot), result.hit_rate_over_time, result.latency_s,
                     title=f"hylinker stress: {s['requests']} requests, {s['preset']}",
