@@ -157,13 +157,20 @@ def _is_number(value: Any) -> bool:
 def format_table(
     rows: Sequence[Mapping[str, Any]],
     columns: Sequence[str | tuple[str, str]] | None = None,
+    *,
+    width: int | None = None,
+    keep: int = 0,
 ) -> str:
     """An aligned plain-text table.
 
     ``columns`` lists the keys to show, each a key or ``(key, header)``; by default every key in
     first-seen order. Numbers are right-aligned (ints with thousands separators, floats with
     4 significant digits), everything else left-aligned; a missing value shows as ``-``.
+    With ``width``, a table wider than that is cut into tables one under the other, each
+    repeating the first ``keep`` columns (a single column wider than ``width`` stays whole).
     """
+    if width is not None:
+        return _wrapped_table(rows, columns, width, keep)
     if columns is None:
         keys: list[str] = []
         for row in rows:
@@ -194,6 +201,24 @@ def format_table(
     return "\n".join(out)
 
 
+def _wrapped_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]] | None,
+                   width: int, keep: int) -> str:
+    if columns is None:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+    fixed, rest = list(columns[:keep]), list(columns[keep:])
+    blocks: list[str] = []
+    block: list[str | tuple[str, str]] = []
+    for col in rest:
+        wider = format_table(rows, [*fixed, *block, col])
+        if block and max(map(len, wider.splitlines())) > width:
+            blocks.append(format_table(rows, [*fixed, *block]))
+            block = []
+        block.append(col)
+    if block or not blocks:
+        blocks.append(format_table(rows, [*fixed, *block]))
+    return "\n\n".join(blocks)
+
+
 # ---------------------------------------------------------------------------------------------
 # Statistics
 
@@ -221,18 +246,18 @@ _MIB = 1 << 20
 
 #: every loss a stress summary counts, in the order tables show them (summary key, header)
 LOSS_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("alloc_retries", "alloc retries"),
-    ("alloc_failures", "alloc failures"),
+    ("alloc_retries", "alloc retry"),
+    ("alloc_failures", "alloc fail"),
     ("never_fit", "never fit"),
     ("rejected", "rejected"),
-    ("load_misses", "load misses"),
-    ("dropped_loads", "dropped loads"),
-    ("partial_pages_lost", "pages lost by partial loads"),
-    ("offloads_skipped_mamba", "offloads skipped (mamba backpressure)"),
-    ("offloads_skipped_kv", "offloads skipped (kv backpressure)"),
-    ("offloads_skipped_breaker", "offloads skipped (breaker open)"),
-    ("offloads_dropped", "offloads dropped"),
-    ("offload_failures", "offloads failed"),
+    ("load_misses", "load miss"),
+    ("dropped_loads", "load drop"),
+    ("partial_pages_lost", "pages lost"),  # by partial loads
+    ("offloads_skipped_mamba", "skip mamba"),  # offloads skipped: state backpressure
+    ("offloads_skipped_kv", "skip kv"),  # KV backpressure
+    ("offloads_skipped_breaker", "skip breaker"),  # the store's circuit breaker open
+    ("offloads_dropped", "offl drop"),
+    ("offload_failures", "offl fail"),
 )
 
 

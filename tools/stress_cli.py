@@ -25,7 +25,7 @@ from .arguments import (
 )
 from .chaos import add_chaos_arguments, run_chaos
 from .report import format_stress_summary
-from .stress import POLICIES, load_workload, run_stress, stress_config
+from .stress import MIB, POLICIES, load_workload, run_stress, stress_config
 from .stress_ranks import configure as add_rank_arguments
 from .stress_ranks import format_ranks_table, run_ranks
 from .workloads import Request as WorkloadRequest
@@ -150,9 +150,11 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from .plots import plot_stress
 
-        plot_stress(str(args.plot), result.hit_rate_over_time, result.latency_s,
-                    title=f"hylinker stress: {s['requests']} requests, {s['preset']}",
-                    bound_hit_rate=s["bound_hit_rate"])
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_stress(str(args.plot), result.hits_over_time, result.latency_s,
+                    title=f"hylinker stress: {s['requests']:,} requests, preset {s['preset']}, "
+                          f"store {s['store']['name']} {s['store']['capacity_bytes'] / MIB:,.0f} MiB; "
+                          f"hit rate {s['hit_rate']:.1%} of bound {s['bound_hit_rate']:.1%}")
         print(f"wrote {args.plot}")
     if s["completed"] == 0:
         print(f"hylinker stress: error: no request of {s['requests']} completed (never fit {s['never_fit']}, "
