@@ -1,9 +1,13 @@
-"""Every user-facing tool is a ``hylinker`` subcommand, and a passed-on one gets its arguments as given."""
+"""Every user-facing tool is a ``hylinker`` subcommand, a passed-on one gets its arguments as given,
+a user's mistake is one line on stderr and a failure, and every stress option says its default."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,3 +51,55 @@ def test_a_passed_on_subcommand_gets_its_arguments(tmp_path: Path, capsys: pytes
         cli.main(["bench-keys", "--no-such-option"])
     assert exc.value.code == 2
     assert "hylinker bench-keys" in capsys.readouterr().err
+
+
+def _broken_trace(tmp_path: Path) -> str:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n{"timestamp": 1,\n')
+    return str(path)
+
+
+#: (arguments after `hylinker stress --no-progress`, what the one line must name)
+USER_MISTAKES: dict[str, tuple[list[str], str]] = {
+    "kv-pages 0": (["--kv-pages", "0", "--requests", "50"], "--kv-pages"),
+    "kv-pages 1, nothing fits": (["--kv-pages", "1", "--requests", "50"], "--kv-pages"),
+    "broken trace line": (["--trace", "BROKEN"], "broken.jsonl:2"),
+    "requests -5": (["--requests", "-5"], "--requests"),
+    "requests 0": (["--requests", "0"], "--requests"),
+    "store capacity 0": (["--store-capacity-mb", "0", "--requests", "5"], "--store-capacity-mb"),
+    "concurrency 0": (["--concurrency", "0", "--requests", "5"], "--concurrency"),
+    "master not listening": (["--store", "mooncake", "--mooncake-master", "127.0.0.1:1", "--requests", "5"],
+                             "--mooncake-master"),
+    "master nonsense": (["--store", "mooncake", "--mooncake-master", "nonsense", "--requests", "5"],
+                        "--mooncake-master"),
+    "trace is a directory": (["--trace", "DIR"], "--trace"),
+    "trace missing": (["--trace", "DIR/none.jsonl"], "--trace"),
+    "unknown fault field": (["--faults", "melt=0.5", "--requests", "2"], "--faults"),
+    "fault rate past 1": (["--fault-rate", "1.5", "--requests", "2"], "--fault-rate"),
+}
+
+
+@pytest.mark.parametrize("case", list(USER_MISTAKES))
+def test_a_users_mistake_is_one_line_on_stderr_and_a_failure(case: str, tmp_path: Path) -> None:
+    """Through ``python -m hylinker``, as a user runs it: no traceback, one line naming the flag
+    (or the file and line), a non-zero exit."""
+    args, names = USER_MISTAKES[case]
+    args = [_broken_trace(tmp_path) if a == "BROKEN" else a.replace("DIR", str(tmp_path)) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "hylinker", "stress", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode != 0, proc.stdout
+    assert len(lines) == 1, proc.stderr
+    assert names in lines[0] and lines[0].startswith("hylinker stress: error: ")
+
+
+def test_every_stress_option_has_help_with_its_default() -> None:
+    parser = cli.build_parser()
+    stress = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["stress"]
+    text = stress.format_help()
+    for action in stress._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default not in (None, False):
+            assert f"(default: {action.default})" in " ".join(text.split()), action.option_strings

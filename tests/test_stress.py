@@ -77,9 +77,11 @@ def test_fault_plan_from_the_command_line(tmp_path: Path) -> None:
     assert s["dropped_loads"] > 0  # corrupt and vanished objects were caught, then recomputed
 
 
-def test_a_bad_fault_plan_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown fault plan field"):
+def test_a_bad_fault_plan_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
         main(["stress", "--no-progress", "--requests", "2", "--faults", "melt=0.5"])
+    assert exc.value.code == 2
+    assert "argument --faults: unknown fault plan field 'melt'" in capsys.readouterr().err
 
 
 def test_plain_attention_preset(tmp_path: Path) -> None:
@@ -149,3 +151,31 @@ def test_a_slow_store_with_declines_on_gives_up_hits_and_reports_time_to_first_t
     assert off["declined_lookups"] == 0 and off["store_hit_tokens"] > 0
     assert on["declined_lookups"] > 0 and on["declined_hit_tokens"] > 0
     assert on["store_hit_tokens"] < off["store_hit_tokens"] / 10  # declined hits recompute
+
+
+def test_the_hits_over_time_end_at_the_summary_and_the_bound_evolves() -> None:
+    """One sample per finished request: device and store hits and the bound, each over the
+    finished requests' prompt tokens; the last sample is the summary's (what stress.png draws)."""
+    import anyio
+
+    from hylinker.stores.embedded import EmbeddedStore
+    from hylinker.tools.stress import MIB, StressConfig, StressResult, StressRun
+    from hylinker.tools.workloads import synthetic_agentic
+
+    requests = synthetic_agentic(60, seed=1, scale=0.05)
+    async def replay() -> StressResult:
+        store = EmbeddedStore(256 * MIB)
+        try:
+            return await StressRun(StressConfig(kv_pages=256, mamba_slots=24), store, requests).run(False)
+        finally:
+            await store.close()
+
+    result = anyio.run(replay)
+    s, samples = result.summary, result.hits_over_time
+    assert len(samples) == len(requests)
+    assert [x.seconds for x in samples] == sorted(x.seconds for x in samples)
+    last = samples[-1]
+    assert last.bound == pytest.approx(s["bound_hit_rate"], abs=1e-4)
+    assert last.device + last.store == pytest.approx(s["hit_rate"], abs=1e-4)
+    assert last.store * s["prompt_tokens"] == pytest.approx(s["store_hit_tokens"])
+    assert len({round(x.bound, 6) for x in samples}) > 5  # drawn as it evolves, not the end value

@@ -38,6 +38,7 @@ from ..stores.base import Store
 from ..stores.embedded import EmbeddedStore
 from ..stores.faulty import FaultPlan, FaultyStore
 from ..stores.resilient import ResiliencePolicy
+from .arguments import fault_plan, non_negative_float, positive_float, share
 from .report import format_table
 from .stress import MIB, StressConfig, StressRun
 from .workloads import Request as WorkloadRequest
@@ -45,22 +46,29 @@ from .workloads import Request as WorkloadRequest
 DEFAULT_PLANS = "uniform=0.05;fail=0.2"
 
 
+def fault_plans(text: str) -> str:
+    """``--chaos-plans``: fault plans separated by ``;``, each one that parses."""
+    for plan in text.split(";"):
+        fault_plan(plan)
+    return text
+
+
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("chaos (--chaos)")
     c.add_argument("--chaos", action="store_true",
                    help="reliability run: fault plans vs a fault-free baseline, close() with a hung "
                         "store and a killed master, and a Mooncake soak with the master restarted")
-    c.add_argument("--chaos-plans", default=DEFAULT_PLANS, metavar="PLANS",
+    c.add_argument("--chaos-plans", type=fault_plans, default=DEFAULT_PLANS, metavar="PLANS",
                    help="fault plans compared with the fault-free run, separated by ';'")
     c.add_argument("--no-soak", action="store_true", help="skip the Mooncake parts")
-    c.add_argument("--soak-faults", default="uniform=0.01", metavar="SPEC",
+    c.add_argument("--soak-faults", type=fault_plan, default="uniform=0.01", metavar="SPEC",
                    help="faults injected during the soak, on top of the master outage")
-    c.add_argument("--soak-seconds", type=float, default=20.0,
+    c.add_argument("--soak-seconds", type=positive_float, default=20.0,
                    help="the soak replays the workload's arrivals scaled to last this long")
-    c.add_argument("--soak-kill-at", type=float, default=0.3,
+    c.add_argument("--soak-kill-at", type=share, default=0.3,
                    help="kill the master at this share of the soak's duration")
-    c.add_argument("--soak-outage-s", type=float, default=2.0, help="seconds the master stays down")
-    c.add_argument("--soak-limit-s", type=float, default=300.0, help="the soak fails past this")
+    c.add_argument("--soak-outage-s", type=non_negative_float, default=2.0, help="seconds the master stays down")
+    c.add_argument("--soak-limit-s", type=positive_float, default=300.0, help="the soak fails past this")
 
 
 def _safety(s: dict[str, Any]) -> dict[str, int]:

@@ -4,6 +4,8 @@ Each module in ``COMMANDS`` exposes ``HELP: str``, ``configure(parser)`` and ``r
 it keeps heavy imports (transformers, matplotlib, mooncake) inside ``run`` so ``--help`` is fast.
 Each module in ``PASSED_ON`` owns its argument parser (``main(argv) -> int``) and is imported only
 when its subcommand runs: several need an engine (SGLang, vLLM) that only their own environment has.
+A user's mistake ends a subcommand with one line on stderr and exit status 2, never a traceback:
+argparse's errors and the :class:`~.arguments.UsageError` a run raises (:mod:`.arguments`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+from .arguments import USAGE_EXIT, DefaultsFormatter, OneLineParser, UsageError, one_line
 
 # subcommand -> module under hylinker.tools
 COMMANDS: dict[str, str] = {
@@ -49,7 +53,7 @@ PASSED_ON: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hylinker", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="hylinker", description=__doc__.splitlines()[0])
     parser.add_argument("--trace-log", action="store_true",
                         help="emit trace-level JSON log lines on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != f"hylinker.tools.{module_name}":
                 raise
             continue
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=DefaultsFormatter)
         module.configure(p)
         p.set_defaults(_run=module.run)
     for name, (_, help_line) in PASSED_ON.items():
@@ -90,7 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..dataplane.tracing import enable_trace_logging
 
         enable_trace_logging()
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as exc:  # the user's mistake, found after parsing: one line, no traceback
+        print(f"hylinker {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
+        return USAGE_EXIT
 
 
 if __name__ == "__main__":

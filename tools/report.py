@@ -1,5 +1,5 @@
 """Output helpers for the command-line tools: a progress bar, plain-text tables, percentiles
-and the stress plot (matplotlib, the ``plot`` extra, imported only when plotting)."""
+and the stress tool's summaries (the plots are :mod:`.plots`)."""
 
 from __future__ import annotations
 
@@ -157,13 +157,20 @@ def _is_number(value: Any) -> bool:
 def format_table(
     rows: Sequence[Mapping[str, Any]],
     columns: Sequence[str | tuple[str, str]] | None = None,
+    *,
+    width: int | None = None,
+    keep: int = 0,
 ) -> str:
     """An aligned plain-text table.
 
     ``columns`` lists the keys to show, each a key or ``(key, header)``; by default every key in
     first-seen order. Numbers are right-aligned (ints with thousands separators, floats with
     4 significant digits), everything else left-aligned; a missing value shows as ``-``.
+    With ``width``, a table wider than that is cut into tables one under the other, each
+    repeating the first ``keep`` columns (a single column wider than ``width`` stays whole).
     """
+    if width is not None:
+        return _wrapped_table(rows, columns, width, keep)
     if columns is None:
         keys: list[str] = []
         for row in rows:
@@ -194,6 +201,24 @@ def format_table(
     return "\n".join(out)
 
 
+def _wrapped_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]] | None,
+                   width: int, keep: int) -> str:
+    if columns is None:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+    fixed, rest = list(columns[:keep]), list(columns[keep:])
+    blocks: list[str] = []
+    block: list[str | tuple[str, str]] = []
+    for col in rest:
+        wider = format_table(rows, [*fixed, *block, col])
+        if block and max(map(len, wider.splitlines())) > width:
+            blocks.append(format_table(rows, [*fixed, *block]))
+            block = []
+        block.append(col)
+    if block or not blocks:
+        blocks.append(format_table(rows, [*fixed, *block]))
+    return "\n\n".join(blocks)
+
+
 # ---------------------------------------------------------------------------------------------
 # Statistics
 
@@ -221,18 +246,18 @@ _MIB = 1 << 20
 
 #: every loss a stress summary counts, in the order tables show them (summary key, header)
 LOSS_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("alloc_retries", "alloc retries"),
-    ("alloc_failures", "alloc failures"),
+    ("alloc_retries", "alloc retry"),
+    ("alloc_failures", "alloc fail"),
     ("never_fit", "never fit"),
     ("rejected", "rejected"),
-    ("load_misses", "load misses"),
-    ("dropped_loads", "dropped loads"),
-    ("partial_pages_lost", "pages lost by partial loads"),
-    ("offloads_skipped_mamba", "offloads skipped (mamba backpressure)"),
-    ("offloads_skipped_kv", "offloads skipped (kv backpressure)"),
-    ("offloads_skipped_breaker", "offloads skipped (breaker open)"),
-    ("offloads_dropped", "offloads dropped"),
-    ("offload_failures", "offloads failed"),
+    ("load_misses", "load miss"),
+    ("dropped_loads", "load drop"),
+    ("partial_pages_lost", "pages lost"),  # by partial loads
+    ("offloads_skipped_mamba", "skip mamba"),  # offloads skipped: state backpressure
+    ("offloads_skipped_kv", "skip kv"),  # KV backpressure
+    ("offloads_skipped_breaker", "skip breaker"),  # the store's circuit breaker open
+    ("offloads_dropped", "offl drop"),
+    ("offload_failures", "offl fail"),
 )
 
 
@@ -344,79 +369,3 @@ def format_stress_summary(s: Mapping[str, Any]) -> str:
     rows.append({"metric": "event-loop lag ms p99", "value": s["loop_lag_ms"]["p99"]})
     rows.append({"metric": "seconds", "value": s["seconds"]})
     return format_table(rows, ["metric", "value"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Plot
-
-
-def _import_matplotlib() -> tuple[Any, Any]:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError(
-            "plotting needs matplotlib, which is not installed; install the 'plot' extra: "
-            "pip install 'hylinker[plot]'") from exc
-    return Figure, FigureCanvasAgg
-
-
-def plot_stress(
-    path: str,
-    hit_rate_over_time: Sequence[tuple[float, float]],
-    latency_samples: Mapping[str, Sequence[float]],
-    *,
-    title: str | None = None,
-    bound_hit_rate: float | None = None,
-) -> None:
-    """Write a PNG with two panels: hit rate over time, and the latency CDF of each phase.
-
-    ``hit_rate_over_time`` holds ``(seconds since start, hit rate in [0, 1])``;
-    ``latency_samples`` maps a phase name (``"lookup"``, ``"load"``, ...) to latencies in
-    seconds (phases without samples are left out). ``bound_hit_rate`` draws the
-    infinite-cache ceiling as a dashed line. Raises ``ImportError`` naming the ``plot`` extra
-    when matplotlib is missing.
-    """
-    figure_cls, canvas_cls = _import_matplotlib()
-    fig = figure_cls(figsize=(11, 4.2), layout="constrained")
-    canvas_cls(fig)
-    ax_hit, ax_lat = fig.subplots(1, 2)
-
-    if hit_rate_over_time:
-        t = np.array([p[0] for p in hit_rate_over_time], dtype=np.float64)
-        h = np.array([p[1] for p in hit_rate_over_time], dtype=np.float64) * 100.0
-        ax_hit.plot(t, h, label="hit rate")
-    if bound_hit_rate is not None:
-        ax_hit.axhline(bound_hit_rate * 100.0, linestyle="--", color="gray", label="infinite-cache bound")
-    if hit_rate_over_time or bound_hit_rate is not None:
-        ax_hit.legend(loc="lower right")
-    ax_hit.set_xlabel("time (s)")
-    ax_hit.set_ylabel("prefix hit rate (% of prompt tokens)")
-    ax_hit.set_ylim(0, 100)
-    ax_hit.set_title("hit rate over time")
-    ax_hit.grid(True, alpha=0.3)
-
-    plotted = 0
-    positive = True
-    for phase, samples in latency_samples.items():
-        arr = np.sort(np.asarray(samples, dtype=np.float64)) * 1e3
-        if arr.size == 0:
-            continue
-        positive = positive and bool(arr[0] > 0)
-        frac = np.arange(0, arr.size + 1) / arr.size
-        ax_lat.step(np.concatenate([arr[:1], arr]), frac, where="post", label=f"{phase} (n={arr.size})")
-        plotted += 1
-    if plotted:
-        if positive:
-            ax_lat.set_xscale("log")
-        ax_lat.legend(loc="lower right")
-    else:
-        ax_lat.text(0.5, 0.5, "no latency samples", ha="center", va="center", transform=ax_lat.transAxes)
-    ax_lat.set_xlabel("latency (ms)")
-    ax_lat.set_ylabel("fraction of calls")
-    ax_lat.set_ylim(0, 1.0)
-    ax_lat.set_title("latency CDF per phase")
-    ax_lat.grid(True, alpha=0.3, which="both")
-    if title:
-        fig.suptitle(title)
-    fig.savefig(path, format="png", dpi=100)

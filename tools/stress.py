@@ -15,7 +15,7 @@ import argparse
 import math
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import attrs
@@ -33,13 +33,14 @@ from ..linker.tree_writer import PoolExhaustedError
 from ..stores.base import Store
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
 from ..testing.content import SyntheticContent, preset_layout
+from .arguments import UsageError
 from .eviction_returns import TraceClock, eviction_returns
 from .replay import Demand, QueueFullError, WaitingQueue, pages_for
 from .report import percentiles, progress_bar
 from .stress_inputs import load_workload, open_store
 from .workloads import (
     MOONCAKE_BLOCK_TOKENS,
-    bound_hit_rate,
+    bound_hits_per_request,
     causal_parents,
 )
 from .workloads import Request as WorkloadRequest
@@ -52,7 +53,7 @@ SLOTS_PER_REQUEST = 3
 #: a request whose allocation still fails (offloads in flight lock rows) goes back to the
 #: queue this many times before it is dropped and counted as an allocation failure
 MAX_ATTEMPTS = 50
-__all__ = ["MIB", "POLICIES", "StressConfig", "StressResult", "StressRun", "load_workload", "open_store", "run_stress", "stress_config"]
+__all__ = ["MIB", "POLICIES", "HitSample", "StressConfig", "StressResult", "StressRun", "load_workload", "open_store", "run_stress", "stress_config"]
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -84,10 +85,20 @@ class StressConfig:
     prefill_tokens_per_s: float = 0.0
 
 
+class HitSample(NamedTuple):
+    """The run so far, when a request finished: device and store hit tokens and the
+    infinite-cache bound's, each over the prompt tokens of the requests finished by then."""
+
+    seconds: float
+    device: float
+    store: float
+    bound: float
+
+
 @attrs.define
 class StressResult:
     summary: dict[str, Any]
-    hit_rate_over_time: list[tuple[float, float]]
+    hits_over_time: list[HitSample]
     latency_s: dict[str, list[float]]
 
 
@@ -144,7 +155,10 @@ class StressRun:
             "prompt_tokens", "device_hit_tokens", "store_hit_tokens", "restores_verified",
             "restore_mismatches", "alloc_retries", "alloc_failures", "never_fit", "rejected",
             "causal_waits", "checkpoints_donated", "recomputed_loads", "completed")}
-        self.hits_over_time: list[tuple[float, float]] = []
+        self.hits_over_time: list[HitSample] = []
+        #: each request's infinite-cache hit tokens; prompt and bound tokens of the finished requests
+        self.bound_hits = bound_hits_per_request(requests, page_size=self.layout.page_size, grid=self.layout.grid)
+        self._finished_tokens = [0, 0]
         #: the most states waiting for their offload at once (sampled every 5 ms)
         self.states_pending_peak = 0
         self.lags: list[float] = []
@@ -154,6 +168,11 @@ class StressRun:
         self.parents = (causal_parents(requests, block_tokens=cfg.block_tokens) if cfg.causal
                         else [None] * len(requests))
         self.never_fit_ids = [r.request_id for r in requests if self.queue.never_fits(self._demand(r))]
+        if requests and len(self.never_fit_ids) == len(requests):
+            least = min((self._demand(r) for r in requests), key=lambda d: (d.pages, d.slots))
+            raise UsageError(f"no request can ever fit the device pools (admission budget {self.queue.pages} "
+                             f"KV pages, {self.queue.slots} state slots; the smallest request needs "
+                             f"{least.pages} pages, {least.slots} slots): raise --kv-pages / --mamba-slots")
 
     def _demand(self, wr: WorkloadRequest) -> Demand:
         return Demand(pages_for(wr.prompt_length, self.layout.page_size),
@@ -199,9 +218,7 @@ class StressRun:
                 finally:
                     finished[i].set()
                     bar.update(1)
-                    total = self.c["prompt_tokens"]
-                    hit = self.c["device_hit_tokens"] + self.c["store_hit_tokens"]
-                    self.hits_over_time.append((time.perf_counter() - t_start, hit / total if total else 0.0))
+                    self._sample(i, time.perf_counter() - t_start)
 
             async def in_order() -> None:
                 for i, wr in enumerate(self.requests):
@@ -211,6 +228,7 @@ class StressRun:
                     finally:
                         finished[i].set()
                         bar.update(1)
+                        self._sample(i, time.perf_counter() - t_start)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
@@ -231,6 +249,15 @@ class StressRun:
         elapsed = time.perf_counter() - t_start
         return StressResult(self._summary(stats, pool_stats, locked, leaks, elapsed),
                             self.hits_over_time, self.lat)
+
+    def _sample(self, index: int, seconds: float) -> None:
+        """Request ``index`` finished (served or not): the hit rates of the run so far."""
+        self._finished_tokens[0] += self.requests[index].prompt_length
+        self._finished_tokens[1] += self.bound_hits[index]
+        prompt, bound = self._finished_tokens
+        per = 1 / prompt if prompt else 0.0
+        self.hits_over_time.append(HitSample(seconds, self.c["device_hit_tokens"] * per,
+                                             self.c["store_hit_tokens"] * per, bound * per))
 
     async def _admit_and_serve(self, lk: Linker, wr: WorkloadRequest, order: int) -> None:
         self.c["prompt_tokens"] += wr.prompt_length
@@ -350,7 +377,8 @@ class StressRun:
         prompt = self.c["prompt_tokens"]
         hit = self.c["device_hit_tokens"] + self.c["store_hit_tokens"]
         grid = self.layout.grid
-        bound = bound_hit_rate(self.requests, page_size=self.layout.page_size, grid=grid)
+        workload_tokens = sum(r.prompt_length for r in self.requests)
+        bound = sum(self.bound_hits) / workload_tokens if workload_tokens else 0.0
 
         def ms(values: list[float]) -> dict[str, float]:
             if not values:

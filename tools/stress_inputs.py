@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..stores.base import Store
+from ..stores.base import Store, StoreUnavailableError
+from .arguments import UsageError
 from .eviction_returns import TraceClock
 from .workloads import Request as WorkloadRequest
 from .workloads import read_mooncake_trace, synthetic_agentic
@@ -53,7 +54,12 @@ async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) 
 
             extra = MooncakeMaster().start()
             address = extra.address
-        inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
+        try:
+            inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
+        except StoreUnavailableError as exc:  # nothing answers, or no Mooncake client installed
+            if extra is not None:
+                extra.stop()
+            raise UsageError(f"--store mooncake ({address}): {exc}") from exc
     if args.faults or args.fault_rate > 0:
         from ..stores.faulty import FaultPlan, FaultyStore
 

@@ -18,6 +18,7 @@ import attrs
 
 from ..linker.agreement import Agreement
 from ..stores.base import Store
+from .arguments import positive_float, positive_int
 from .report import percentiles
 from .stress import StressRun, stress_config
 from .workloads import Request as WorkloadRequest
@@ -161,13 +162,13 @@ def run_ranks(args: argparse.Namespace, requests: list[WorkloadRequest]) -> dict
 
 def configure(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("ranks")
-    r.add_argument("--ranks", type=int, default=1,
+    r.add_argument("--ranks", type=positive_int, default=1,
                    help="run N tensor-parallel ranks as N processes agreeing over gloo on loopback; "
                         "they share one Mooncake store (--store is ignored), faults are drawn per rank")
     r.add_argument("--replicated", type=lambda v: [p for p in v.split(",") if p], default=None,
                    metavar="POOLS", help="pools every rank holds the same copy of, written once by rank 0 "
                                          "(default per preset: kimi 'kv,draft', attention none)")
-    r.add_argument("--rank-timeout-s", type=float, default=120.0,
+    r.add_argument("--rank-timeout-s", type=positive_float, default=120.0,
                    help="a rank that stops answering fails its peers' rounds after this long")
 
 

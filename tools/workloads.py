@@ -26,6 +26,7 @@ import numpy.typing as npt
 import xxhash
 
 from ..components.mamba import restorable_ceiling
+from .arguments import UsageError
 
 DEFAULT_VOCAB_SIZE = 32000
 MOONCAKE_BLOCK_TOKENS = 512
@@ -165,8 +166,9 @@ class Request:
 # Mooncake trace
 
 
-class TraceFormatError(ValueError):
-    """A trace line is malformed; the message names the file and line number."""
+class TraceFormatError(UsageError):
+    """A trace line is malformed; the message names the file and line number (a ``ValueError``;
+    the command line reports it in one line)."""
 
 
 _TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -408,34 +410,30 @@ def synthetic_agentic(
 # Infinite-cache bound
 
 
-def _arrival_order(requests: Sequence[Request]) -> list[Request]:
-    return sorted(requests, key=lambda r: r.arrival_s)  # stable for equal arrivals
-
-
-def bound_hit_tokens(
-    requests: Iterable[Request], *, page_size: int, grid: int
-) -> tuple[int, int]:
-    """What an infinite cache could restore on ``requests`` in arrival order.
+def bound_hits_per_request(
+    requests: Sequence[Request], *, page_size: int, grid: int
+) -> list[int]:
+    """What an infinite cache could restore of each of ``requests`` (in the list's order), the
+    cache having seen every request that arrived before it.
 
     The cache holds every whole page of every earlier prompt (and, for a hybrid model, a
     recurrent state at every grid multiple). A prompt of ``L`` tokens reuses the largest
     multiple of ``grid`` that is at most both ``floor((L-1)/grid)*grid`` (one token must be
     forwarded) and the longest page-aligned prefix an earlier prompt covered. For a
-    non-hybrid layout pass ``grid=page_size``. Returns ``(hit_tokens, prompt_tokens)``.
+    non-hybrid layout pass ``grid=page_size``.
     """
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size}")
     if grid <= 0 or grid % page_size:
         raise ValueError(f"grid must be a positive multiple of page_size={page_size}, got {grid}")
     seen: set[bytes] = set()
-    hit_total = 0
-    prompt_total = 0
+    hits = [0] * len(requests)
     step = page_size * 4
     root = b"hylinker-bound"
-    for req in _arrival_order(list(requests)):
-        tokens = req.token_ids()
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)  # stable for equal arrivals
+    for index in order:
+        tokens = requests[index].token_ids()
         n_tokens = len(tokens)
-        prompt_total += n_tokens
         data = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
         prev = root
         matched = 0
@@ -450,9 +448,18 @@ def bound_hit_tokens(
                 missed = True
                 seen.add(prev)
         common = matched * page_size
-        ceiling = restorable_ceiling(n_tokens, grid)
-        hit_total += min(ceiling, common // grid * grid)
-    return hit_total, prompt_total
+        hits[index] = min(restorable_ceiling(n_tokens, grid), common // grid * grid)
+    return hits
+
+
+def bound_hit_tokens(
+    requests: Iterable[Request], *, page_size: int, grid: int
+) -> tuple[int, int]:
+    """What an infinite cache could restore on ``requests`` in arrival order
+    (:func:`bound_hits_per_request`): ``(hit_tokens, prompt_tokens)``."""
+    reqs = list(requests)
+    hits = bound_hits_per_request(reqs, page_size=page_size, grid=grid)
+    return sum(hits), sum(r.prompt_length for r in reqs)
 
 
 def bound_hit_rate(requests: Iterable[Request], *, page_size: int, grid: int) -> float:
