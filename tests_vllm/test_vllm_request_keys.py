@@ -158,7 +158,7 @@ def compute_and_save(c: HylinkerConnector, request: Request) -> list[str]:
     ids = list(range(1, N_TOKENS // BS + 1))
     state = SimpleNamespace(get_block_ids=lambda r: [ids, ids] if r == rid else None,
                             boundary_state_offloads={rid: [(1, b, b * BS) for b in ids]})
-    meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={rid: N_TOKENS},
+    meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={rid: N_TOKENS}, total_num_scheduled_tokens=N_TOKENS,
                                                   kv_connector_block_state=state))
     assert isinstance(meta, HylinkerConnectorMetadata)
     names = [n for plan in meta.saves for n in plan.kv_keys + plan.state_keys]
@@ -245,7 +245,7 @@ def test_a_request_its_keys_cannot_describe_is_served_without_the_store(
     assert hit(c, request) == 0
     ids = list(range(1, 9))
     state = SimpleNamespace(get_block_ids=lambda r: [ids, ids], boundary_state_offloads={rid: [(1, 8, 8 * BS)]})
-    meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={rid: N_TOKENS},
+    meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={rid: N_TOKENS}, total_num_scheduled_tokens=N_TOKENS,
                                                   kv_connector_block_state=state))
     assert isinstance(meta, HylinkerConnectorMetadata) and not meta.saves and not meta.loads  # nothing stored
     assert c.statistics().requests_unkeyable == 1
