@@ -204,11 +204,11 @@ async def soak(cfg: StressConfig, requests: list[WorkloadRequest], args: argpars
             await anyio.sleep(args.soak_kill_at * args.soak_seconds)
             events["store_hits_before_kill"] = run.c["store_hit_tokens"]
             master.kill()
-            events["killed_at_request"] = len(run.hits_over_time)
+            events["killed_at_request"] = len(run.finished)
             await anyio.sleep(args.soak_outage_s)
             events["store_hits_during_outage"] = run.c["store_hit_tokens"] - events["store_hits_before_kill"]
             await anyio.to_thread.run_sync(master.start)
-            events["restarted_at_request"] = len(run.hits_over_time)
+            events["restarted_at_request"] = len(run.finished)
             events["store_hits_at_restart"] = run.c["store_hit_tokens"]
 
         t0 = time.perf_counter()

@@ -155,10 +155,8 @@ class StressRun:
             "prompt_tokens", "device_hit_tokens", "store_hit_tokens", "restores_verified",
             "restore_mismatches", "alloc_retries", "alloc_failures", "never_fit", "rejected",
             "causal_waits", "checkpoints_donated", "recomputed_loads", "completed")}
-        self.hits_over_time: list[HitSample] = []
-        #: each request's infinite-cache hit tokens; prompt and bound tokens of the finished requests
-        self.bound_hits = bound_hits_per_request(requests, page_size=self.layout.page_size, grid=self.layout.grid)
-        self._finished_tokens = [0, 0]
+        #: (seconds, request index, device and store hit tokens so far) as each request finished
+        self.finished: list[tuple[float, int, int, int]] = []
         #: the most states waiting for their offload at once (sampled every 5 ms)
         self.states_pending_peak = 0
         self.lags: list[float] = []
@@ -218,7 +216,7 @@ class StressRun:
                 finally:
                     finished[i].set()
                     bar.update(1)
-                    self._sample(i, time.perf_counter() - t_start)
+                    self._finished(i, time.perf_counter() - t_start)
 
             async def in_order() -> None:
                 for i, wr in enumerate(self.requests):
@@ -228,7 +226,7 @@ class StressRun:
                     finally:
                         finished[i].set()
                         bar.update(1)
-                        self._sample(i, time.perf_counter() - t_start)
+                        self._finished(i, time.perf_counter() - t_start)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
@@ -247,17 +245,25 @@ class StressRun:
             locked = len(lk.tree.tree.locked_nodes())
             leaks = self._leaks(lk)
         elapsed = time.perf_counter() - t_start
-        return StressResult(self._summary(stats, pool_stats, locked, leaks, elapsed),
-                            self.hits_over_time, self.lat)
+        bound_hits = bound_hits_per_request(self.requests, page_size=self.layout.page_size, grid=self.layout.grid)
+        return StressResult(self._summary(stats, pool_stats, locked, leaks, elapsed, sum(bound_hits)),
+                            self._hits_over_time(bound_hits), self.lat)
 
-    def _sample(self, index: int, seconds: float) -> None:
-        """Request ``index`` finished (served or not): the hit rates of the run so far."""
-        self._finished_tokens[0] += self.requests[index].prompt_length
-        self._finished_tokens[1] += self.bound_hits[index]
-        prompt, bound = self._finished_tokens
-        per = 1 / prompt if prompt else 0.0
-        self.hits_over_time.append(HitSample(seconds, self.c["device_hit_tokens"] * per,
-                                             self.c["store_hit_tokens"] * per, bound * per))
+    def _finished(self, index: int, seconds: float) -> None:
+        """Request ``index`` finished (served or not)."""
+        self.finished.append((seconds, index, self.c["device_hit_tokens"], self.c["store_hit_tokens"]))
+
+    def _hits_over_time(self, bound_hits: list[int]) -> list[HitSample]:
+        """A sample per finished request: the hit rates of the run so far, the bound's with them
+        (each request's bound tokens, computed after the run)."""
+        out: list[HitSample] = []
+        prompt = bound = 0
+        for seconds, index, device, store in self.finished:
+            prompt += self.requests[index].prompt_length
+            bound += bound_hits[index]
+            per = 1 / prompt if prompt else 0.0
+            out.append(HitSample(seconds, device * per, store * per, bound * per))
+        return out
 
     async def _admit_and_serve(self, lk: Linker, wr: WorkloadRequest, order: int) -> None:
         self.c["prompt_tokens"] += wr.prompt_length
@@ -373,12 +379,12 @@ class StressRun:
             self.c["checkpoints_donated"] += 1
 
     def _summary(self, stats: Any, pool_stats: dict[str, Any], locked: int, leaks: dict[str, int],
-                 elapsed: float) -> dict[str, Any]:
+                 elapsed: float, bound_hit_tokens: int) -> dict[str, Any]:
         prompt = self.c["prompt_tokens"]
         hit = self.c["device_hit_tokens"] + self.c["store_hit_tokens"]
         grid = self.layout.grid
         workload_tokens = sum(r.prompt_length for r in self.requests)
-        bound = sum(self.bound_hits) / workload_tokens if workload_tokens else 0.0
+        bound = bound_hit_tokens / workload_tokens if workload_tokens else 0.0
 
         def ms(values: list[float]) -> dict[str, float]:
             if not values:

@@ -92,6 +92,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--evictions", type=_names(EVICTION_POLICIES), default=list(EVICTION_POLICIES),
                     metavar="NAME,...", help=f"eviction: orders to compare (default: {','.join(EVICTION_POLICIES)})")
     add_workload_arguments(parser)
+    parser._option_string_actions["--trace"].help = (
+        "Mooncake-format JSONL trace (default: sweep the Mooncake conversation trace, "
+        "the other studies the synthetic agentic workload)")
     add_geometry_arguments(parser)
     add_store_arguments(parser)
     add_restore_cost_arguments(parser)
