@@ -3,8 +3,6 @@ and raw pages moved by the data plane through a real store (no vLLM needed)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -161,18 +159,16 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
             done, bad = pt.finished_loads()
         assert bad == {"c"} and not done
         assert pt.statistics().loads_failed == 1
-        # a damaged object fails its load and is removed from the store; the good one stays
+        # a damaged object (300 bytes of zeros, shorter than its room) fails its load; the good one
+        # stays. Whether this path proves the short object bad and removes it is not asserted here
+        # (issue 42: a reader removes only what it proved bad; tests/test_vllm_removal.py covers removal)
         host.portal.call(host.store.put, [rank_key("k9", 0)], [torch.zeros(300, dtype=torch.uint8)])
         pt.load(TransferPlan("f", ("k1", "k9"), (5, 6)))
         done, bad = set(), set()
         while not bad:
             done, bad = pt.finished_loads()
         assert bad == {"f"}
-        for _ in range(100):
-            if host.portal.call(host.store.exists, [rank_key("k1", 0), rank_key("k9", 0)]) == [True, False]:
-                break
-            time.sleep(0.01)
-        assert host.portal.call(host.store.exists, [rank_key("k1", 0), rank_key("k9", 0)]) == [True, False]
+        assert host.portal.call(host.store.exists, [rank_key("k1", 0)]) == [True]
         # more pages than staging slots: skipped and counted, never blocking
         pt.save([TransferPlan("d", tuple(f"x{i}" for i in range(5)), (1, 2, 3, 4, 5))])
         assert pt.statistics().saves_skipped == 1
