@@ -49,11 +49,17 @@ def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log
            "--steps", f"@{steps_file}", "--max-model-len", str(max_len), "--tp", str(tp)]
     if in_process:
         cmd.append("--in-process")
+    return runner_rows(cmd, env, log, len(steps), "engine")
+
+
+def runner_rows(cmd: list[str], env: dict[str, str], log: Path, n_steps: int, label: str) -> list[dict[str, Any]]:
+    """Run ``harness.vllm_runner`` as ``cmd`` (stderr to ``log``) and return its ``RESULT`` rows,
+    one per step; an engine that answered fewer rows failed, and the error quotes its log."""
     with open(log, "w") as f:
         out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, text=True, check=False).stdout
     rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
-    if len(rows) != len(steps):
-        raise RuntimeError(f"engine failed, see {log}:\n{log.read_text()[-3000:]}")
+    if len(rows) != n_steps:
+        raise RuntimeError(f"{label} failed, see {log}:\n{log.read_text()[-3000:]}")
     return rows
 
 

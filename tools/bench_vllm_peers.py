@@ -54,7 +54,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -108,12 +107,9 @@ def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, a
                 (work / "mooncake.json").write_text(json.dumps(mooncake))
                 env.update(MOONCAKE_CONFIG_PATH=str(work / "mooncake.json"), MOONCAKE_REQUESTER_LOCAL_HOSTNAME="127.0.0.1")
                 cmd += ["--connector", "mooncake-store", "--extra", "{}"]
-        with open(log, "w") as f:
-            out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, env=env, text=True, check=False).stdout
-    rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
-    if len(rows) != len(steps):
-        raise RuntimeError(f"{config} engine failed, see {log}:\n{log.read_text()[-3000:]}")
-    return rows
+        from .bench_vllm import runner_rows
+
+        return runner_rows(cmd, env, log, len(steps), f"{config} engine")
 
 
 def _round_steps(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict[str, Any]], dict[int, list[list[int]]]]:
