@@ -96,12 +96,14 @@ def test_readme_stays_short() -> None:
 FIGURES = ROOT / "docs" / "figures.md"
 QUOTING_PAGES = [page for page in PAGES if page != FIGURES and page.name != "configuration.md"]  # generated
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?![\d])")
+_ISSUE = re.compile(r"\bissue \d+")  # a reference, not a figure
 _FIGURES_LINK = re.compile(r"\[([^\]]*)\]\(((?:\.\./|docs/)?figures\.md)(?:#([^)\s]+))?\)")
 
 
-def numbers(text: str) -> list[str]:
-    """The numbers in ``text`` as written, thousands separators dropped (``2,500`` is ``2500``)."""
-    return [n.replace(",", "") for n in _NUMBER.findall(text)]
+def numbers(text: str) -> list[float]:
+    """The numbers in ``text`` by value (``2,500`` is 2500, ``421`` is ``421.0``), issue numbers
+    left out."""
+    return [float(n.replace(",", "")) for n in _NUMBER.findall(_ISSUE.sub("", text))]
 
 
 def figure_sections(text: str) -> dict[str, str]:
@@ -143,6 +145,17 @@ def test_every_quoted_figure_is_in_the_current_section_it_links_to() -> None:
         stale += [f"{page.relative_to(ROOT)}: {bad}" for bad in stale_quotes(text, sections)]
     assert not stale, "\n".join(stale)
     assert quotes >= 10
+
+
+def test_the_figures_index_quotes_its_sections() -> None:
+    """figures.md's own Index summarises each section: its numbers must be in that section too."""
+    text = FIGURES.read_text()
+    sections = figure_sections(text)
+    index = re.findall(r"^- \[[^\]]*\]\(#([^)]+)\): (.*)$", text.split("## Index", 1)[1].split("\n## ", 1)[0], re.M)
+    assert len(index) >= 20
+    stale = [(anchor, missing) for anchor, summary in index
+             if (missing := [n for n in numbers(summary) if n not in set(numbers(sections.get(anchor, "")))])]
+    assert not stale, stale
 
 
 def test_the_readme_quotes_each_measured_figure_through_its_link() -> None:
