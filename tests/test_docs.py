@@ -1,5 +1,6 @@
 """The README and the topic pages are true to the code: their Python runs, the configuration page
-is what the config classes say, their links resolve, and nothing points outside the repository."""
+is what the config classes say, their links resolve, nothing points outside the repository, and every
+figure they quote is in the docs/figures.md section it links to."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hylinker.tools import config_doc
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/ and its subfolders
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
@@ -83,3 +84,95 @@ def test_anchors_name_a_heading_of_their_page() -> None:
 
 def test_readme_stays_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+# ---- figures from one source ------------------------------------------------------------------
+# A page quotes a measured figure as the text of a link to the docs/figures.md section that
+# measured it: [0.997 of the bound](docs/figures.md#main-job-...). Every number in such a link's
+# text must be in that section's current text (its block quotes, which hold earlier runs kept
+# for context, left out), and a page names docs/figures.md only through such links, so a rerun
+# that changes a section fails here until every quote of it is updated.
+
+FIGURES = ROOT / "docs" / "figures.md"
+QUOTING_PAGES = [page for page in PAGES if page != FIGURES and page.name != "configuration.md"]  # generated
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?![\d])")
+_ISSUE = re.compile(r"\bissue \d+")  # a reference, not a figure
+_FIGURES_LINK = re.compile(r"\[([^\]]*)\]\(((?:\.\./|docs/)?figures\.md)(?:#([^)\s]+))?\)")
+
+
+def numbers(text: str) -> list[float]:
+    """The numbers in ``text`` by value (``2,500`` is 2500, ``421`` is ``421.0``), issue numbers
+    left out."""
+    return [float(n.replace(",", "")) for n in _NUMBER.findall(_ISSUE.sub("", text))]
+
+
+def figure_sections(text: str) -> dict[str, str]:
+    """Each heading's anchor -> its current text: down to the next heading of its level or
+    above, without block-quote lines."""
+    lines = text.splitlines()
+    heads = [(i, len(m.group(1)), _slug(m.group(2))) for i, line in enumerate(lines)
+             if (m := re.match(r"^(#+) (.+)$", line))]
+    out = {}
+    for k, (start, level, anchor) in enumerate(heads):
+        end = next((i for i, lv, _ in heads[k + 1:] if lv <= level), len(lines))
+        out[anchor] = "\n".join(line for line in lines[start:end] if not line.lstrip().startswith(">"))
+    return out
+
+
+def stale_quotes(page_text: str, sections: dict[str, str]) -> list[str]:
+    """Each quote whose numbers are not all in the section it links to, and each mention of
+    figures.md that is not a link to a section."""
+    bad = []
+    for label, _, anchor in _FIGURES_LINK.findall(page_text):
+        if numbers(label) and not anchor:
+            bad.append(f"[{label}] quotes figures but links to no section")
+        elif anchor:
+            missing = [n for n in numbers(label) if n not in set(numbers(sections.get(anchor, "")))]
+            if missing:
+                bad.append(f"[{label}](#{anchor}): {missing} not in that section")
+    bare = re.sub(r"`git [^`]*`", "", _FIGURES_LINK.sub("", page_text))  # history: `git show REV:docs/figures.md`
+    bad += [f"names figures.md outside a link: ...{bare[max(0, m.start() - 60):m.end() + 10]!r}"
+            for m in re.finditer(r"figures\.md", bare)]
+    return bad
+
+
+def test_every_quoted_figure_is_in_the_current_section_it_links_to() -> None:
+    sections = figure_sections(FIGURES.read_text())
+    quotes, stale = 0, []
+    for page in QUOTING_PAGES:
+        text = page.read_text()
+        quotes += sum(1 for label, _, anchor in _FIGURES_LINK.findall(text) if anchor and numbers(label))
+        stale += [f"{page.relative_to(ROOT)}: {bad}" for bad in stale_quotes(text, sections)]
+    assert not stale, "\n".join(stale)
+    assert quotes >= 10
+
+
+def test_the_figures_index_quotes_its_sections() -> None:
+    """figures.md's own Index summarises each section: its numbers must be in that section too."""
+    text = FIGURES.read_text()
+    sections = figure_sections(text)
+    index = re.findall(r"^- \[[^\]]*\]\(#([^)]+)\): (.*)$", text.split("## Index", 1)[1].split("\n## ", 1)[0], re.M)
+    assert len(index) >= 20
+    stale = [(anchor, missing) for anchor, summary in index
+             if (missing := [n for n in numbers(summary) if n not in set(numbers(sections.get(anchor, "")))])]
+    assert not stale, stale
+
+
+def test_the_readme_quotes_each_measured_figure_through_its_link() -> None:
+    """Each row of the README's Measured table: what, then the figures as the link's text."""
+    measured = (ROOT / "README.md").read_text().split("## Measured", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in measured.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    assert len(rows) >= 5
+    for row in rows:
+        figures = " | ".join(row.strip(" |").split(" | ")[1:])
+        assert _FIGURES_LINK.search(figures) and not numbers(_FIGURES_LINK.sub("", figures)), row
+
+
+def test_the_figures_check_fails_on_a_stale_or_unlinked_quote() -> None:
+    sections = figure_sections("## SGLang\nloads ahead (1.04-1.83)\n\n> before: 1.7-2.5x\n## next\n1.9")
+    assert stale_quotes("loads [1.04-1.83x](figures.md#sglang)", sections) == []
+    assert stale_quotes("loads [1.7-2.5x](figures.md#sglang)", sections)  # only in a block quote: an earlier run
+    assert stale_quotes("loads [1.04-1.9x](figures.md#sglang)", sections)
+    assert stale_quotes("loads 1.04-1.83x (`docs/figures.md`, SGLang)", sections)
+    assert stale_quotes("loads [1.04x](figures.md)", sections)
+    assert stale_quotes("loads [1.7x](../figures.md#sglang)", sections)  # a page in a docs/ subfolder
