@@ -30,6 +30,7 @@ from ..stores.base import (
     supports_scatter,
 )
 from ..stores.condemned import Condemned
+from ..stores.host_bytes import zero_fill
 from ..stores.worker_threads import WorkerThreads
 from .device import DeviceCopies, copies_for
 from .tracing import trace
@@ -184,7 +185,7 @@ class PoolStaging:
         def new_arena(nbytes: int = 0) -> torch.Tensor:
             n = nbytes or self.frames * stride
             buf = self.copies.staging(n) if self.copies is not None else torch.empty(n, dtype=torch.uint8)
-            return buf.fill_(0)
+            return zero_fill(buf)  # the held arena grows on the loop: no OpenMP team there (host_bytes)
 
         self._arenas = {d: new_arena() for d in ("offload", "load")}
         self._new_arena = new_arena

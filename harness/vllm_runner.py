@@ -13,7 +13,12 @@ between steps. Steps (a JSON list, ``--steps``):
   engine's step loop (``LLMEngine.add_request`` / ``step``, EOS ignored): ``ttft_s`` and
   ``token_s``, the time each later token arrived after the one before it (one engine step
   each; tokens that arrive together count 0 for all but the first), and ``tokens``;
-* ``{"op": "reset"}`` → vLLM's prefix cache reset (the connector's store is kept);
+* ``{"op": "reset"}`` → vLLM's prefix cache reset (the connector's store is kept): ``ok`` and
+  ``flushes``. vLLM refuses a reset while a block is still held, and its own
+  ``MooncakeStoreConnector`` holds a restored request's blocks until a later engine step; so a
+  refused reset runs a short request (below one block: no connector work) and tries again, at
+  most ``RESET_FLUSHES`` times. Without that, the "restore" after it is a hit in vLLM's own
+  prefix cache, not a load from the store;
 * ``{"op": "sleep", "s": 0.5}`` → pause (lets asynchronous saves land before a restore);
 * ``{"op": "kill", "pid": N}`` → SIGKILL that process (a Mooncake master, say);
 * ``{"op": "stats"}`` → the connector's counters (scheduler and worker side) where the engine
@@ -55,6 +60,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 BLOCK_SIZE = 384
+#: short requests a refused prefix-cache reset may run, each followed by another try (see "reset")
+RESET_FLUSHES = 5
+FLUSH_PROMPT = [11, 12, 13, 14]
 #: ``--connector``: the KVTransferConfig fields that select it
 CONNECTORS: dict[str, dict[str, Any]] = {
     "hylinker": {"kv_connector": "HylinkerConnector", "kv_connector_module_path": "hylinker.integrations.vllm"},
@@ -150,6 +158,17 @@ def _lora(step: dict[str, Any]) -> Any:
     return LoRARequest(str(spec["name"]), int(spec["id"]), str(spec["path"]))
 
 
+def _reset(llm: Any, one_token: Any) -> dict[str, Any]:
+    """vLLM's prefix cache reset; a refused reset is retried after a short request (module doc)."""
+    flushes = 0
+    ok = bool(llm.reset_prefix_cache())
+    while not ok and flushes < RESET_FLUSHES:
+        llm.generate([{"prompt_token_ids": FLUSH_PROMPT}], one_token, use_tqdm=False)
+        flushes += 1
+        ok = bool(llm.reset_prefix_cache())
+    return {"op": "reset", "ok": ok, "flushes": flushes}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -208,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         elif op == "decode":
             results.append(_decode(llm, step, f"decode-{len(results)}"))
         elif op == "reset":
-            results.append({"op": op, "ok": bool(llm.reset_prefix_cache())})
+            results.append(_reset(llm, SamplingParams(max_tokens=1, temperature=0.0)))
         elif op == "sleep":
             time.sleep(float(step.get("s", 0.5)))
             results.append({"op": op})

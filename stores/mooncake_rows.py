@@ -61,6 +61,7 @@ import torch
 
 from .base import GetResult, Outcome
 from .framing import HEADER_BYTES
+from .host_bytes import zeroed
 from .mooncake_batches import MooncakeBatches
 from .mooncake_client import LEASE_EXPIRED, get_outcome, put_outcome
 from .rows import CODE, OK, RowBatch, RowResults, headers, object_buffers, payload_sums
@@ -97,7 +98,7 @@ class HeaderArenas:
         if small is not None:  # too small for this call: replaced by a larger one
             self._forget(small)
         size = max(HEADER_ARENA_MIN_BYTES, 1 << math.ceil(math.log2(need)))
-        arena = torch.zeros(size, dtype=torch.uint8)
+        arena = zeroed(size)  # taken on a store thread: no OpenMP team there (host_bytes)
         rc = self._batches.client.register_buffer(arena.data_ptr(), size)
         if rc != 0:
             raise RuntimeError(f"Mooncake refused to register a {size}-byte header arena (code {rc})")

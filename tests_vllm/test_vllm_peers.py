@@ -42,3 +42,30 @@ def test_the_peers_benchmark_compares_both_connectors_exactly(tmp_path: Path) ->
     assert data["connector_stats"]["hylinker"][0]["loads_ok"] >= 3
     assert data["connector_stats"]["vllm_mooncake"][0]["save_put_count"] > 0  # its stats were kept
     assert "vLLM MooncakeStoreConnector" in run.stdout and "HylinkerConnector" in run.stdout
+
+
+def test_every_restore_of_vllms_connector_follows_a_reset_that_took(tmp_path: Path) -> None:
+    """vLLM's MooncakeStoreConnector holds a restored request's blocks until a later engine step,
+    and vLLM refuses a prefix-cache reset while a block is held: the runner's reset then runs a
+    short request and resets again, so the next "restore" loads from the store instead of hitting
+    vLLM's own prefix cache (which made its restores look 1.5x faster than they are)."""
+    import argparse
+    import random
+
+    from hylinker.harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from hylinker.tools.bench_vllm_peers import _engine
+
+    model = build_tiny_qwen3_next(tmp_path / "model")
+    rng = random.Random(7)
+    prompt = [rng.randrange(10, 300) for _ in range(1536)]
+    steps = [{"op": "ttft", "prompt": prompt}, {"op": "sleep", "s": 0.5}]
+    for _ in range(3):
+        steps += [{"op": "reset"}, {"op": "ttft", "prompt": prompt}]
+    args = argparse.Namespace(size_list=[1536], tp=1, segment_mib=256, local_buffer_mib=64, integrity="checksum",
+                              before=None)
+    (tmp_path / "vllm_mooncake").mkdir()
+    rows = _engine("vllm_mooncake", model, steps, tmp_path / "vllm_mooncake", args, 384)
+    resets = [r for r in rows if r["op"] == "reset"]
+    assert len(resets) == 3 and all(r["ok"] for r in resets), resets
+    restores = [r for r in rows if r["op"] == "ttft"][1:]
+    assert [r["cached"] for r in restores] == [1152] * 3

@@ -17,7 +17,11 @@ each round (the machine's other tenants then weigh on all three alike). Per prom
 round: ``--repeats`` fresh prompts with a 1-token request each (a **miss**: computed and, with a
 connector, saved; its time to first token is what saving costs the step), a pause, then
 ``--repeats`` times vLLM's prefix cache reset and the first prompt again (a **restore**; in the
-baseline a recompute). Each engine first runs a miss and a restore of each length, not measured
+baseline a recompute). vLLM refuses a reset while a connector still holds blocks (its own
+connector holds a restored request's blocks until a later step): the runner then runs a short
+request and resets again (``harness/vllm_runner.py``); ``resets_flushed`` counts those, and a
+restore whose reset was still refused (``restores_not_reset``: a hit in vLLM's own prefix cache)
+is left out of the figures. Each engine first runs a miss and a restore of each length, not measured
 (first calls compile and allocate). Then a decode (``--decode-tokens`` per fresh ``--decode-prompt``-token
 prompt, below one block: the connector stays idle) timed per step.
 
@@ -170,7 +174,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
     cached: dict[str, dict[str, list[int]]] = {c: {} for c in configs}
     findings: dict[str, dict[str, int]] = {c: {"restores_compared": 0, "wrong_restores": 0, "short_restores": 0,
-                                               "misses_compared": 0, "wrong_misses": 0} for c in configs}
+                                               "misses_compared": 0, "wrong_misses": 0, "resets_flushed": 0,
+                                               "restores_not_reset": 0} for c in configs}
     losses: dict[str, dict[str, int]] = {c: {} for c in configs}
     stats_all: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     orders: list[list[str]] = []
@@ -191,9 +196,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 rows[config] = _engine(config, model, steps, work / config, args, block)
             ref = {s.get("row", "") + f"#{i}": row for i, (s, row) in enumerate(zip(steps, rows["baseline"]))}
             for config in configs:
+                reset_ok = True
                 for i, (step, got) in enumerate(zip(steps, rows[config])):
                     name = step.get("row")
                     if name is None:
+                        if got["op"] == "reset":
+                            reset_ok = bool(got.get("ok", True))
+                            findings[config]["resets_flushed"] += int(got.get("flushes", 0)) > 0
                         if got["op"] == "stats":
                             stats_all[config].append(got["stats"])
                             for k, v in _losses(config, got["stats"]).items():
@@ -204,6 +213,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                         samples[config].setdefault("decode_step", []).extend(got["token_s"])
                         continue
                     base = ref[f"{name}#{i}"]
+                    if kind == "restore" and not reset_ok:  # vLLM's prefix cache still held it: no store load
+                        findings[config]["restores_not_reset"] += 1
+                        continue
                     if kind in ("restore", "check"):
                         cached[config].setdefault(size, []).append(got["cached"])
                         if config != "baseline":
@@ -265,6 +277,11 @@ def format_table(result: dict[str, Any]) -> str:
         short = "—" if c == "baseline" else str(f["short_restores"])
         lines.append(f"| {names[c]} | " + " | ".join(cells)
                      + f" | {result['decode'][c]['median_ms']:.2f} | {exact} | {short} | {loss} |")
+    for c in result["configs"]:
+        f = result["findings"][c]
+        if f.get("resets_flushed") or f.get("restores_not_reset"):
+            lines.append(f"{names[c]}: {f['resets_flushed']} prefix-cache resets refused until a short request ran, "
+                         f"{f['restores_not_reset']} restores left out (their reset stayed refused)")
     for r in result["ttft"]:
         lines.append(f"restore {r['tokens']}: hylinker {r['restore_speedup_hylinker_over_vllm']:.2f}x vLLM's connector"
                      + (f", {r['restore_speedup_over_before']:.2f}x the --before build" if "hylinker_before" in r else ""))
