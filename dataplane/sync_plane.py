@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 from ..components.layout import PoolKind
 from ..components.pool_view import PoolSet, PoolView
 from ..stores.base import Store
+from ..stores.host_bytes import one_openmp_thread
 from .events import DeviceEvent
 from .plane import (
     DataPlane,
@@ -117,6 +118,7 @@ class SyncDataPlane:
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         try:
+            self._portal.call(one_openmp_thread)  # inline copies run on this loop: no OpenMP team
             self.store: Store = self._portal.call(_call, store_factory)
             if own_store:  # closed on the loop thread, after the data plane quiesced
                 self._stack.callback(self._portal.call, self.store.close)

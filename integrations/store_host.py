@@ -29,6 +29,7 @@ import anyio
 import anyio.from_thread
 
 from ..stores.base import Store, StoreError
+from ..stores.host_bytes import one_openmp_thread
 from ..stores.resilient import CircuitBreaker, ResiliencePolicy
 from .config import PluginConfig
 
@@ -44,6 +45,7 @@ class StoreHost:
         self._stack = contextlib.ExitStack()
         self.portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
         try:
+            self.portal.call(one_openmp_thread)  # inline copies run on this loop: no OpenMP team
             future = self.portal.start_task_soon(config.open_store)
             self.store: Store = future.result(open_timeout_s)
         except BaseException:

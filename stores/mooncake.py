@@ -95,6 +95,7 @@ from .base import (
     count_puts,
     new_counters,
 )
+from .host_bytes import one_openmp_thread
 from .mooncake_batches import MasterUnreachable, MooncakeBatches
 from .mooncake_client import (
     OBJECT_HAS_LEASE,
@@ -458,6 +459,7 @@ class MooncakeStore:
                 if state[0] == "dropped":
                     raise anyio.get_cancelled_exc_class()()  # never reached: the caller left
                 state[0] = "running"
+            one_openmp_thread()  # the bounce copies run here: no OpenMP team (host_bytes)
             try:
                 return fn(*args)
             finally:

@@ -31,6 +31,8 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
+from .host_bytes import one_openmp_thread
+
 T = TypeVar("T")
 
 
@@ -112,6 +114,7 @@ class WorkerThreads:
             self._threads.append(t)
 
     def _work(self) -> None:
+        one_openmp_thread()  # a copy here must not start an OpenMP team beside the engine's (host_bytes)
         take = self._queue.get
         while True:
             call = take()
