@@ -56,7 +56,7 @@ def _omp_set_num_threads() -> Callable[[int], object] | None:
         name = path.rsplit("/", 1)[-1]
         if name.startswith(_OPENMP_RUNTIMES) and ".so" in name:
             try:
-                return ctypes.CDLL(path).omp_set_num_threads  # type: ignore[no-any-return]
+                return ctypes.CDLL(path).omp_set_num_threads
             except (OSError, AttributeError):
                 continue
     return None

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_every_restore_of_vllms_connector_follows_a_reset_that_took(tmp_path: Pa
     model = build_tiny_qwen3_next(tmp_path / "model")
     rng = random.Random(7)
     prompt = [rng.randrange(10, 300) for _ in range(1536)]
-    steps = [{"op": "ttft", "prompt": prompt}, {"op": "sleep", "s": 0.5}]
+    steps: list[dict[str, Any]] = [{"op": "ttft", "prompt": prompt}, {"op": "sleep", "s": 0.5}]
     for _ in range(3):
         steps += [{"op": "reset"}, {"op": "ttft", "prompt": prompt}]
     args = argparse.Namespace(size_list=[1536], tp=1, segment_mib=256, local_buffer_mib=64, integrity="checksum",
