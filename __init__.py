@@ -27,30 +27,30 @@ from .components.pool_view import (
 )
 from .components.pools import HybridPools, PoolError, dcp_fold
 from .components.radix import RadixTree
-from .dataplane.events import DeviceEvent, FenceError, wait_fence
-from .dataplane.plane import (
+from .runtime.dataplane.events import DeviceEvent, FenceError, wait_fence
+from .runtime.dataplane.plane import (
     DataPlane,
     DataPlaneClosedError,
     DataPlaneConfig,
     Transfer,
 )
-from .dataplane.statistics import DataPlaneStatistics, PoolActorStatistics, QueueStatistics
-from .dataplane.sync_plane import SyncDataPlane, SyncLoad
-from .dataplane.tickets import LoadTicket, OffloadTicket, TransferOutcome
-from .dataplane.tracing import disable_trace_logging, enable_trace_logging
-from .linker.agreement import (
+from .runtime.dataplane.statistics import DataPlaneStatistics, PoolActorStatistics, QueueStatistics
+from .runtime.dataplane.sync_plane import SyncDataPlane, SyncLoad
+from .runtime.dataplane.tickets import LoadTicket, OffloadTicket, TransferOutcome
+from .runtime.dataplane.tracing import disable_trace_logging, enable_trace_logging
+from .runtime.linker.agreement import (
     Agreement,
     AgreementError,
     GlooAgreement,
     RankMismatchError,
     SingleRank,
 )
-from .linker.config import LinkerConfig
-from .linker.facade import Linker
-from .linker.request import LookupResult, PhaseError, Request
-from .linker.restore_room import LoadHandle
-from .linker.statistics import LinkerStatistics
-from .linker.tree_writer import PoolExhaustedError
+from .runtime.linker.config import LinkerConfig
+from .runtime.linker.facade import Linker
+from .runtime.linker.request import LookupResult, PhaseError, Request
+from .runtime.linker.restore_room import LoadHandle
+from .runtime.linker.statistics import LinkerStatistics
+from .runtime.linker.tree_writer import PoolExhaustedError
 from .stores.base import (
     GetResult,
     Outcome,
@@ -126,7 +126,7 @@ __all__ = [
     "wait_fence",
 ]
 
-# the data plane over an engine's own pools (docs/design.md, "Data plane")
+# the data plane over an engine's own pools (docs/design/runtime.md, "Data plane")
 __all__ += [
     "DataPlane",
     "DataPlaneClosedError",
@@ -146,7 +146,7 @@ __all__ += [
     "state_view",
 ]
 
-# agreement across tensor-parallel ranks (docs/design.md, "Several ranks")
+# agreement across tensor-parallel ranks (docs/design/ranks.md, "Several ranks")
 __all__ += [
     "Agreement",
     "AgreementError",

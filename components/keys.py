@@ -7,7 +7,7 @@ first ``i + 1`` pages, the model layout and the tenant salt, so requests with di
 never share a key. An *object key* names one pool's object for one page on one rank:
 ``{k_i hex}:{pool}:{rank term}``.
 
-A request's own extra keys (docs/design.md, "Isolation keys") fold into the same chain: its
+A request's own extra keys (docs/design/decisions.md, "Isolation keys") fold into the same chain: its
 salt and adapter into the seed (:func:`request_seed`: every page key changes), each
 multimodal input (:class:`MultimodalSpan`) into the pages its placeholder tokens overlap
 (:func:`page_keys` ``multimodal=``: those pages and, chained, every later one).

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 def restorable_prefixes(page_ok: Sequence[Sequence[bool]], *, n_pages: int, first_page: int,
                         grid_pages: int, states: Sequence[tuple[int, bool]] | None) -> list[int]:
     """Every restorable prefix (pages past ``first_page``, ascending, 0 excluded) of a partly
-    failed load: what a rank can offer when ranks agree on one (``linker/agreement.py``).
+    failed load: what a rank can offer when ranks agree on one (``runtime/linker/agreement.py``).
 
     ``page_ok``: per page pool, whether each of the ``n_pages`` objects verified.
     ``states``: ``(pages, verified)`` per state the load read (None: not a hybrid layout).

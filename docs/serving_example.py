@@ -41,7 +41,7 @@ from hylinker.harness.reference import (
     write_boundary,
 )
 from hylinker.harness.reference.runtime_engine import pool_views
-from hylinker.linker.facade import Linker
+from hylinker.runtime.linker.facade import Linker
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 

@@ -29,7 +29,7 @@ import torch
 
 from ..components.layout import MambaLayerSpec, ModelLayout
 from ..components.pools import HybridPools, dcp_fold
-from ..linker.facade import Linker, Request
+from ..runtime.linker.facade import Linker, Request
 
 #: rows a restore must not touch keep this value
 SENTINEL = -77.0
@@ -181,7 +181,7 @@ async def dcp_restore(linker: Linker, content: DcpContent, tokens: np.ndarray, r
 
 
 async def _rank_main(args: argparse.Namespace) -> dict[str, object]:
-    from ..linker.config import LinkerConfig
+    from ..runtime.linker.config import LinkerConfig
     from ..stores.mooncake import MooncakeConfig, MooncakeStore
     from ..testing.fakes import GatedStore
 

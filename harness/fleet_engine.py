@@ -1,4 +1,4 @@
-"""One fleet host's engine process: a :class:`~hylinker.linker.facade.Linker` on a Mooncake
+"""One fleet host's engine process: a :class:`~hylinker.runtime.linker.facade.Linker` on a Mooncake
 client that contributes a segment, serving its own stream of requests with synthetic content.
 
 Run inside a host's namespace by :mod:`.fleet` (``python -m hylinker.harness.fleet_engine``).
@@ -33,8 +33,8 @@ import torch
 
 from ..components.keys import page_keys
 from ..components.pools import HybridPools, PoolError
-from ..linker.config import LinkerConfig
-from ..linker.facade import Linker
+from ..runtime.linker.config import LinkerConfig
+from ..runtime.linker.facade import Linker
 from ..stores.base import GetResult, Outcome, Store
 from ..stores.mooncake import MooncakeStore
 from ..stores.mooncake_client import MooncakeConfig

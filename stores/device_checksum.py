@@ -3,9 +3,9 @@ CUDA) and gives the same value on both.
 
 XXH3 (the checksum of host pools' frames, ``stores/framing.py``) runs on the host only. This
 checksum is built for device pools: it is the checksum of version-3 frames (``stores/framing.py``), computed on the
-copy stream over the rows (``dataplane/device_transfers.py``), so a store that reads and writes
+copy stream over the rows (``runtime/dataplane/device_transfers.py``), so a store that reads and writes
 device memory directly never brings the bytes to the host, and a staged device pool needs no
-host hash pass (docs/design.md §4, §5).
+host hash pass (docs/design/runtime.md §4, §5).
 
 Definition. The payload is read as little-endian unsigned 32-bit words ``w_0 .. w_{m-1}`` (the
 last word zero-padded); with the Mersenne prime ``p = 2**31 - 1``::

@@ -18,7 +18,7 @@ from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
 from ..components.pools import HybridPools
 
 if TYPE_CHECKING:
-    from ..linker.facade import Linker, Request
+    from ..runtime.linker.facade import Linker, Request
 
 PRESETS = ("kimi", "attention")
 

@@ -2,8 +2,8 @@
 
 * :class:`FakeDeviceEvent` — a fence that completes after ``polls`` queries, on
   :meth:`~FakeDeviceEvent.set`, or fails (its ``query`` raises) after :meth:`~FakeDeviceEvent.fail`.
-* :class:`FakeClock` — a manual clock for :class:`~hylinker.dataplane.pool_actor.LatencyMonitor`;
-  :func:`attach_clock` puts one under a running :class:`~hylinker.linker.facade.Linker`.
+* :class:`FakeClock` — a manual clock for :class:`~hylinker.runtime.dataplane.pool_actor.LatencyMonitor`;
+  :func:`attach_clock` puts one under a running :class:`~hylinker.runtime.linker.facade.Linker`.
 * :class:`GatedStore` — wraps any store; holds put/get calls until released, or lets them
   through at most one per ``drain_interval_s``; records every call's keys.
 * :class:`SyntheticContent` — deterministic KV, draft and state content derived from page
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
-from ..dataplane.events import DeviceEvent
-from ..dataplane.pool_staging import LatencyMonitor
-from ..linker.facade import Linker, Request
+from ..runtime.dataplane.events import DeviceEvent
+from ..runtime.dataplane.pool_staging import LatencyMonitor
+from ..runtime.linker.facade import Linker, Request
 from ..stores.base import (
     GetResult,
     Outcome,
@@ -87,7 +87,7 @@ class FakeDeviceEvent:
 
 
 class FakeDeviceCopies:
-    """A device copy engine double (``dataplane.device.DeviceCopies``) for host tensors.
+    """A device copy engine double (``runtime.dataplane.device.DeviceCopies``) for host tensors.
 
     The copies themselves run at once (CPU), through the device code path (indexing ops, not
     memcpy); what is simulated is their *completion*: every :meth:`record` returns a

@@ -1,4 +1,4 @@
-"""Backpressure (docs/design.md §2, OFFLOAD).
+"""Backpressure (docs/design/phases.md §2, OFFLOAD).
 
 1. The MAMBA rule: a checkpoint stays locked until the store acknowledges its offload, so a
    store that drains slower than prefill donates checkpoints ends up holding every state slot
@@ -18,10 +18,10 @@ import attrs
 import numpy as np
 
 from hylinker.components.pools import HybridPools
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
-from hylinker.linker.statistics import LinkerStatistics
-from hylinker.linker.tree_writer import PoolExhaustedError
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
+from hylinker.runtime.linker.statistics import LinkerStatistics
+from hylinker.runtime.linker.tree_writer import PoolExhaustedError
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.testing.content import SyntheticContent

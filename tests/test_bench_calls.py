@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from hylinker.tools.bench_calls import SHAPES, CallCounter, python_calls
+from hylinker.tools.bench.calls import SHAPES, CallCounter, python_calls
 
 
 def _leaf() -> int:

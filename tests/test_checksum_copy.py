@@ -14,7 +14,7 @@ import xxhash
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
+from hylinker.runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
 from hylinker.stores import frame_copies, framing
 from hylinker.stores.base import GetResult, Outcome, supports_checksums, supports_scatter
 from hylinker.stores.embedded import EmbeddedStore
@@ -270,7 +270,7 @@ async def test_a_checksumming_store_restores_exactly_or_reports_the_fault(fault:
 
 
 async def test_the_checksum_cost_bench_moves_and_verifies_every_way() -> None:
-    from hylinker.tools.bench_checksum import WAYS, measure
+    from hylinker.tools.bench.checksum import WAYS, measure
 
     row = await measure(64 << 10, 1 << 20, rounds=1)
     assert row["objects"] == 16

@@ -21,11 +21,11 @@ CHILD_ENTRIES = {"cli", "fleet_bench"}
 
 def _entry_points() -> set[str]:
     out = set()
-    for path in TOOLS.glob("*.py"):
+    for path in TOOLS.rglob("*.py"):
         tree = ast.parse(path.read_text())
         names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         if "main" in names or {"configure", "run"} <= names:
-            out.add(path.stem)
+            out.add(".".join(path.relative_to(TOOLS).with_suffix("").parts))
     return out - CHILD_ENTRIES
 
 

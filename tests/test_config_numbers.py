@@ -16,11 +16,11 @@ from typing import Any
 import attrs
 import pytest
 
-from hylinker.dataplane.plane import DataPlaneConfig
 from hylinker.integrations.config import PluginConfigError
 from hylinker.integrations.sglang.config import SGLangLinkerConfig
 from hylinker.integrations.vllm.config import VllmConnectorConfig
-from hylinker.linker.config import LinkerConfig
+from hylinker.runtime.dataplane.plane import DataPlaneConfig
+from hylinker.runtime.linker.config import LinkerConfig
 from hylinker.stores.fault_plan import FaultPlan
 from hylinker.stores.mooncake_client import MooncakeConfig
 from hylinker.stores.resilient import ResiliencePolicy

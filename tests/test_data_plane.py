@@ -17,16 +17,16 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, PoolViewError, kv_view, state_view
-from hylinker.dataplane.plane import (
+from hylinker.integrations.sglang.loads import LoadBatch, LoadBatchHooks
+from hylinker.runtime.dataplane.plane import (
     DataPlane,
     DataPlaneClosedError,
     DataPlaneConfig,
     Transfer,
     group_key,
 )
-from hylinker.dataplane.sync_plane import SyncDataPlane
-from hylinker.dataplane.tickets import TransferOutcome
-from hylinker.integrations.sglang.loads import LoadBatch, LoadBatchHooks
+from hylinker.runtime.dataplane.sync_plane import SyncDataPlane
+from hylinker.runtime.dataplane.tickets import TransferOutcome
 from hylinker.stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import FakeDeviceEvent, GatedStore
@@ -631,8 +631,8 @@ async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_pl
     import numpy as np
 
     from hylinker.components.pools import HybridPools
-    from hylinker.linker.config import LinkerConfig
-    from hylinker.linker.facade import Linker
+    from hylinker.runtime.linker.config import LinkerConfig
+    from hylinker.runtime.linker.facade import Linker
     from hylinker.testing.content import SyntheticContent
     from hylinker.testing.fakes import small_hybrid_layout, synthetic_prefill
 
@@ -757,7 +757,7 @@ async def test_in_place_only_from_the_configured_object_size(put_min: str, get_m
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_in_place_min_bytes_is_a_non_negative_int(bad: object) -> None:
-    from hylinker.linker.config import LinkerConfig
+    from hylinker.runtime.linker.config import LinkerConfig
 
     with pytest.raises(ValueError, match="in_place_min_bytes"):
         DataPlaneConfig(in_place_min_bytes=bad)  # type: ignore[arg-type]
@@ -938,7 +938,7 @@ async def test_in_place_sub_batches_in_flight_together_keep_each_header_with_its
     """In place, two store calls run at once and the header slots rotate: with one or two
     objects per call and calls finishing out of order, every object still lands in its own
     rows under its own header, and never more than two calls are in flight."""
-    from hylinker.dataplane import in_place
+    from hylinker.runtime.dataplane import in_place
     from hylinker.stores.base import supports_checksums
 
     a, b = EnginePools(1), EnginePools(2)
@@ -969,7 +969,7 @@ async def test_in_place_sub_batches_in_flight_together_keep_each_header_with_its
 def test_hashed_sub_batches_ramp_up_and_cover_every_object_once(n: int, per: int) -> None:
     """Over a store that does not checksum, in-place sub-batches start at ``per/8`` objects
     and double up to ``per``: the first store call waits only for a small hash."""
-    from hylinker.dataplane.in_place import _ramped
+    from hylinker.runtime.dataplane.in_place import _ramped
 
     batches = _ramped(n, per)
     assert [i for lo, hi in batches for i in range(lo, hi)] == list(range(n))

@@ -39,8 +39,8 @@ from hylinker.harness.dcp import (
     dcp_test_layout,
     logical_page,
 )
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker, Request, deployment_seed
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker, Request, deployment_seed
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import GatedStore

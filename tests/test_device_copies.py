@@ -10,8 +10,8 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view, state_view
-from hylinker.dataplane.device import CudaCopies, DeviceCopies, copies_for
-from hylinker.dataplane.plane import DataPlane, Transfer
+from hylinker.runtime.dataplane.device import CudaCopies, DeviceCopies, copies_for
+from hylinker.runtime.dataplane.plane import DataPlane, Transfer
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import FakeDeviceCopies, FakeDeviceEvent, GatedStore
 

@@ -1,4 +1,4 @@
-"""Integrity on the device for device pools (``dataplane/device_transfers.py``; the frame kinds
+"""Integrity on the device for device pools (``runtime/dataplane/device_transfers.py``; the frame kinds
 themselves: ``tests/test_frame_kinds.py``): version-3 frames
 carry the device checksum, summed on the copy stream over the rows and verified there over the
 bytes as they landed, before a layer is reported; host and device readers read each other's
@@ -20,9 +20,9 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.dataplane import device_transfers
-from hylinker.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
-from hylinker.dataplane.transfer_codec import PoolCodec
+from hylinker.runtime.dataplane import device_transfers
+from hylinker.runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
+from hylinker.runtime.dataplane.transfer_codec import PoolCodec
 from hylinker.stores import framing
 from hylinker.stores.base import GetResult, Outcome, Store
 from hylinker.stores.device_checksum import device_checksum

@@ -1,4 +1,4 @@
-"""Device fences as awaitables (docs/design.md §3): polling never blocks the event loop, a
+"""Device fences as awaitables (docs/design/phases.md §3): polling never blocks the event loop, a
 failed fence is an error (FenceError), and an offload whose fence fails reports a failure and
 unlocks what it locked."""
 
@@ -11,9 +11,9 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.dataplane.events import DeviceEvent, FenceError, record_fence, wait_fence
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
+from hylinker.runtime.dataplane.events import DeviceEvent, FenceError, record_fence, wait_fence
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import (

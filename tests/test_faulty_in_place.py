@@ -11,7 +11,7 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
+from hylinker.runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
 from hylinker.stores.base import GetResult, Outcome, supports_checksums, supports_scatter
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore

@@ -11,7 +11,7 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.dataplane.plane import DataPlane, Transfer
+from hylinker.runtime.dataplane.plane import DataPlane, Transfer
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.rows import RowBatch, RowResults
 
@@ -91,7 +91,7 @@ async def test_row_sub_batches_two_in_flight_each_land_at_their_own_rows(
     """With three objects per row-described call (``IN_PLACE_CALL_BYTES`` made small), a transfer is
     many sub-batches, two store calls in flight and the header slots rotating: every object
     still lands at its own rows, in every one of 24 segments."""
-    from hylinker.dataplane import in_place
+    from hylinker.runtime.dataplane import in_place
 
     layers, n = 12, 20
     pools, parts = _pool(layers, 2 * n)

@@ -154,8 +154,8 @@ def test_an_offload_and_a_load_through_the_sync_plane_start_no_team(two_intra_op
     back (exact) through its loop thread and copy workers, and no team appears in the process."""
     from hylinker.components.layout import PoolKind
     from hylinker.components.pool_view import PoolSet, kv_view
-    from hylinker.dataplane.plane import DataPlaneConfig, Transfer
-    from hylinker.dataplane.sync_plane import SyncDataPlane
+    from hylinker.runtime.dataplane.plane import DataPlaneConfig, Transfer
+    from hylinker.runtime.dataplane.sync_plane import SyncDataPlane
     from hylinker.stores.embedded import EmbeddedStore
 
     page, pages = 16, 8

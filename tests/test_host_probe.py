@@ -1,4 +1,4 @@
-"""Every data-path figure records its host (``tools/host_probe.py``): the probe's fields, and
+"""Every data-path figure records its host (``tools/bench/host.py``): the probe's fields, and
 the benchmarks' JSON carrying them."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hylinker.tools import bench, bench_checksum
-from hylinker.tools.host_probe import describe, finish, host_record, memcpy_gbps
+from hylinker.tools.bench import checksum as bench_checksum
+from hylinker.tools.bench import paths as bench
+from hylinker.tools.bench.host import describe, finish, host_record, memcpy_gbps
 
 
 def test_host_record_has_cores_a_measured_memcpy_and_the_load() -> None:
@@ -61,7 +62,7 @@ def test_integrity_levels_bench_compares_both_levels_with_the_raw_store(tmp_path
 def test_object_steps_bench_times_every_step_at_both_sizes(tmp_path: Path) -> None:
     """``--only steps``: every step of the host data path, per object, at 64 KiB and 1 MiB, with
     the host beside them (the figures are timing: only their presence is checked here)."""
-    from hylinker.tools.bench_steps import STEP_NOTES, object_steps
+    from hylinker.tools.bench.steps import STEP_NOTES, object_steps
 
     parser = argparse.ArgumentParser()
     bench.configure(parser)

@@ -13,7 +13,7 @@ import xxhash
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
+from hylinker.runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
 from hylinker.stores.base import GetResult, Outcome, Store
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore

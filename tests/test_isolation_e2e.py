@@ -22,7 +22,7 @@ from hylinker.components.keys import as_tokens, object_keys, page_keys, request_
 from hylinker.components.mamba import restorable_ceiling
 from hylinker.harness.reference import ExtendResult, ReferenceEngine, build_model
 from hylinker.harness.reference.runtime_engine import LinkedEngine, PrefillResult
-from hylinker.linker.facade import deployment_seed
+from hylinker.runtime.linker.facade import deployment_seed
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 

@@ -13,25 +13,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("components", "stores", "dataplane", "linker", "integrations", "testing", "harness", "tools")
+PACKAGES = ("components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "harness", "tools")
 
 #: package -> the other packages its modules may import (docs/structure.md, last column)
 MAY_IMPORT: dict[str, set[str]] = {
     "components": set(),
     "stores": set(),
-    "dataplane": {"components", "stores"},
-    "linker": {"components", "stores", "dataplane"},
-    "integrations": {"components", "stores", "dataplane"},
-    "testing": {"components", "stores", "dataplane", "linker"},
-    "harness": {"components", "stores", "dataplane", "linker", "integrations", "testing"},
-    "tools": {"components", "stores", "dataplane", "linker", "integrations", "testing", "harness"},
-    "__init__": {"components", "stores", "dataplane", "linker"},
+    "runtime/dataplane": {"components", "stores"},
+    "runtime/linker": {"components", "stores", "runtime/dataplane"},
+    "integrations": {"components", "stores", "runtime/dataplane"},
+    "testing": {"components", "stores", "runtime/dataplane", "runtime/linker"},
+    "harness": {"components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing"},
+    "tools": {"components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "harness"},
+    "runtime": set(),
+    "__init__": {"components", "stores", "runtime/dataplane", "runtime/linker"},
     "__main__": {"tools"},
 }
 
 
 def _modules() -> list[Path]:
-    files = [ROOT / "__init__.py", ROOT / "__main__.py"]
+    files = [ROOT / "__init__.py", ROOT / "__main__.py", ROOT / "runtime" / "__init__.py"]
     for pkg in PACKAGES:
         files += sorted((ROOT / pkg).rglob("*.py"))
     return files
@@ -39,6 +40,8 @@ def _modules() -> list[Path]:
 
 def _owner(path: Path) -> str:
     rel = path.relative_to(ROOT)
+    if rel.parts[0] == "runtime" and len(rel.parts) > 2:
+        return "/".join(rel.parts[:2])
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
@@ -80,8 +83,9 @@ def imported_packages(path: Path, rel: Path | None = None) -> dict[str, int]:
     found: dict[str, int] = {}
     for line, targets in _runtime_imports(path, rel or path.relative_to(ROOT)):
         for t in targets:
-            if t[0] in PACKAGES:
-                found.setdefault(t[0], line)
+            pkg = "/".join(t[:2]) if t[0] == "runtime" and len(t) > 1 else t[0]
+            if pkg in PACKAGES:
+                found.setdefault(pkg, line)
     return found
 
 
@@ -105,17 +109,17 @@ def test_the_checker_sees_a_crossing(tmp_path: Path) -> None:
     """The parse finds relative, absolute and function-level imports, and skips type-only ones."""
     fake = tmp_path / "probe.py"
     text = ("from typing import TYPE_CHECKING\n"
-            "from ..linker import facade\n"
+            "from ..runtime.linker import facade\n"
             "if TYPE_CHECKING:\n    from ..tools import cli\n"
             "def f():\n    import hylinker.integrations.vllm.connector\n")
     fake.write_text(text)
-    assert imported_packages(fake, Path("stores/probe.py")) == {"linker": 2, "integrations": 6}
-    assert imported_packages(fake, Path("stores/sub/probe.py")) == {"stores": 2, "integrations": 6}  # ..linker is stores.linker
+    assert imported_packages(fake, Path("stores/probe.py")) == {"runtime/linker": 2, "integrations": 6}
+    assert imported_packages(fake, Path("stores/sub/probe.py")) == {"stores": 2, "integrations": 6}  # ..runtime.linker is stores.runtime.linker
 
 
 #: packages whose modules import each other without a cycle (type-only imports aside; module-level
 #: and function-level imports both count): a cycle is two modules that cannot be read apart
-CYCLE_FREE = ("components", "stores", "dataplane", "linker", "integrations", "testing", "harness", "tools")
+CYCLE_FREE = ("components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "harness", "tools")
 
 
 def _module_name(rel: Path) -> str:

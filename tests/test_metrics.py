@@ -1,4 +1,4 @@
-"""The Linker's and the data plane's Prometheus metrics (``dataplane/metrics.py``) through a real
+"""The Linker's and the data plane's Prometheus metrics (``runtime/dataplane/metrics.py``) through a real
 restore on the embedded store: counters move by exactly what the restore did, the exposition
 parses, a registry given twice degrades to no metrics, and restores that do not pay are
 declined and counted."""
@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.dataplane.metrics import FAMILIES, LIBRARY, Exporter, Increments
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
+from hylinker.runtime.dataplane.metrics import FAMILIES, LIBRARY, Exporter, Increments
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
@@ -204,8 +204,8 @@ async def test_after_decline_probe_every_declines_in_a_row_a_hit_is_taken_to_mea
 def test_a_sync_data_plane_exports_the_data_path() -> None:
     import torch
 
-    from hylinker.dataplane.plane import Transfer
-    from hylinker.dataplane.sync_plane import SyncDataPlane
+    from hylinker.runtime.dataplane.plane import Transfer
+    from hylinker.runtime.dataplane.sync_plane import SyncDataPlane
 
     registry = CollectorRegistry()
     views = HybridPools(LAYOUT, kv_pages=16, mamba_slots=4).views()

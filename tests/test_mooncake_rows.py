@@ -18,8 +18,8 @@ import xxhash
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.dataplane.plane import DataPlaneConfig, Transfer
-from hylinker.dataplane.sync_plane import SyncDataPlane
+from hylinker.runtime.dataplane.plane import DataPlaneConfig, Transfer
+from hylinker.runtime.dataplane.sync_plane import SyncDataPlane
 from hylinker.stores import framing
 from hylinker.stores.base import Outcome, supports_rows
 from hylinker.stores.faulty import FaultPlan, FaultyStore

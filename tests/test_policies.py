@@ -26,8 +26,8 @@ from hylinker.components.keys import as_tokens, namespace_seed, page_keys
 from hylinker.components.layout import MambaLayerSpec, ModelLayout
 from hylinker.components.pools import HybridPools
 from hylinker.components.radix import RadixTree
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import small_hybrid_layout

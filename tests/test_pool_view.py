@@ -15,7 +15,7 @@ from hylinker.components.pool_view import (
     state_view,
 )
 from hylinker.components.pools import HybridPools
-from hylinker.dataplane.transfer_codec import PoolCodec
+from hylinker.runtime.dataplane.transfer_codec import PoolCodec
 from hylinker.testing.fakes import small_hybrid_layout
 
 P = 4

@@ -19,7 +19,7 @@ from hylinker.components.admission import checkpoint_policy
 from hylinker.components.keys import as_tokens, object_key, page_keys
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.linker.agreement import (
+from hylinker.runtime.linker.agreement import (
     SLOT_BYTES,
     Agreement,
     AgreementError,
@@ -30,8 +30,8 @@ from hylinker.linker.agreement import (
     restorable,
     runs_pages,
 )
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker, Request
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker, Request
 from hylinker.stores.mooncake import MooncakeConfig, MooncakeStore
 from hylinker.testing.content import SyntheticContent, preset_layout
 from hylinker.tools.ranks import launch

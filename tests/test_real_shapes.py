@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from hylinker.components.pool_view import PoolViewError, kv_view
-from hylinker.dataplane.transfer_codec import PoolCodec
 from hylinker.harness.shapes import QWEN3_NEXT_80B, poll_loads
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig
@@ -30,6 +29,7 @@ from hylinker.integrations.vllm.plan import (
     restorable_blocks,
     state_key,
 )
+from hylinker.runtime.dataplane.transfer_codec import PoolCodec
 
 PER_GROUP = [1, 2, 12]
 PAGES = [1, 16, 64, 384, QWEN3_NEXT_80B.vllm_block_size()]

@@ -34,7 +34,7 @@ from hylinker.harness.reference import (
     max_abs_diff,
 )
 from hylinker.harness.reference.runtime_engine import LinkedEngine, PrefillResult, pool_views
-from hylinker.linker.facade import Linker, Request
+from hylinker.runtime.linker.facade import Linker, Request
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 

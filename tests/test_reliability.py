@@ -22,9 +22,9 @@ from hylinker.components.keys import object_key, page_keys
 from hylinker.components.layout import PoolKind
 from hylinker.components.partial import kept_pages
 from hylinker.components.pools import HybridPools
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker, PhaseError
-from hylinker.linker.tree_writer import PoolExhaustedError
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker, PhaseError
+from hylinker.runtime.linker.tree_writer import PoolExhaustedError
 from hylinker.stores.base import Outcome, Store, StoreUnavailableError
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore

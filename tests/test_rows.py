@@ -14,8 +14,8 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.dataplane.plane import DataPlane, DataPlaneConfig, Transfer, TransferOutcome
-from hylinker.dataplane.statistics import PoolActorStatistics
+from hylinker.runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer, TransferOutcome
+from hylinker.runtime.dataplane.statistics import PoolActorStatistics
 from hylinker.stores import framing
 from hylinker.stores.base import Outcome, supports_rows
 from hylinker.stores.embedded import EmbeddedStore

@@ -1,4 +1,4 @@
-"""The phase contracts of docs/design.md §2, one test (or a few) per rule, on the embedded store.
+"""The phase contracts of docs/design/phases.md §2, one test (or a few) per rule, on the embedded store.
 
 Layout: page P = 4 tokens, chunk C = 8, so the grid G = 8 tokens (2 pages). Every test ends
 with the idle-pool invariant: no request open, nothing locked, the tree agrees with the
@@ -20,8 +20,8 @@ import pytest
 from hylinker.components.keys import object_key, page_keys
 from hylinker.components.layout import ModelLayout, PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker, LookupResult, PhaseError, Request
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker, LookupResult, PhaseError, Request
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
@@ -40,7 +40,7 @@ def prompt(n: int, seed: int = 0) -> np.ndarray:
 
 
 def okey(tokens: np.ndarray, page: int, kind: PoolKind, layout: ModelLayout = LAYOUT) -> str:
-    from hylinker.linker.facade import deployment_seed
+    from hylinker.runtime.linker.facade import deployment_seed
 
     keys = page_keys(tokens, layout.page_size, deployment_seed(layout), max_pages=page + 1)
     return object_key(keys[page], kind, layout)

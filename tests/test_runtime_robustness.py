@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hylinker.components.pools import HybridPools
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker, PhaseError
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker, PhaseError
 from hylinker.stores.base import GetResult, Outcome, Store, StoreCapabilities, StoreStatistics
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.content import SyntheticContent

@@ -39,9 +39,9 @@ from hypothesis.stateful import (
 
 from hylinker.components.pools import HybridPools
 from hylinker.components.radix import Node
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import LoadHandle, Request
-from hylinker.linker.tree_writer import PoolExhaustedError
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import LoadHandle, Request
+from hylinker.runtime.linker.tree_writer import PoolExhaustedError
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.testing.content import SyntheticContent
@@ -85,7 +85,7 @@ class LinkerMachine(RuleBasedStateMachine):
     # ---- set-up / tear-down ------------------------------------------------------------
     @initialize(plan=plans, seed=st.integers(0, 2**16), queue_depth=st.sampled_from([2, 64]))
     def start(self, plan: FaultPlan, seed: int, queue_depth: int) -> None:
-        from hylinker.linker.facade import Linker
+        from hylinker.runtime.linker.facade import Linker
 
         self.inner = EmbeddedStore(4 << 20)
         self.store = FaultyStore(self.inner, plan, seed=seed)

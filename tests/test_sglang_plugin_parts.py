@@ -12,11 +12,11 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet
-from hylinker.dataplane.plane import Transfer
-from hylinker.dataplane.sync_plane import SyncDataPlane
 from hylinker.integrations.config import PluginConfig
 from hylinker.integrations.sglang.config import LinkerConfigError, SGLangLinkerConfig
 from hylinker.integrations.sglang.pools import PoolLayoutError, draft_pool, full_pool, mamba_pool
+from hylinker.runtime.dataplane.plane import Transfer
+from hylinker.runtime.dataplane.sync_plane import SyncDataPlane
 from hylinker.stores.embedded import EmbeddedStore
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hylinker.components.pools import HybridPools
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
 from hylinker.stores import framing
 from hylinker.stores.base import GetResult, Outcome, Store, StoreUnavailableError
 from hylinker.stores.condemned import Condemned, ConditionalRemoveStore, remove_condemned

@@ -24,7 +24,7 @@ import torch
 
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, kv_view
-from hylinker.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
+from hylinker.runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
 from hylinker.stores import framing
 from hylinker.stores.base import Outcome, Store
 from hylinker.stores.embedded import EmbeddedStore

@@ -20,8 +20,8 @@ from hylinker.components.keys import object_key, page_keys
 from hylinker.components.layout import LayoutError, MambaLayerSpec, ModelLayout, PoolKind
 from hylinker.components.pool_view import PoolSet, PoolViewError, stacked_kv_view, state_view
 from hylinker.components.pools import HybridPools
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker, deployment_seed
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker, deployment_seed
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.testing.content import SyntheticContent

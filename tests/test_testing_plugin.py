@@ -8,8 +8,8 @@ import pytest
 
 from hylinker.components.layout import ModelLayout
 from hylinker.components.pools import HybridPools
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import FakeClock, GatedStore, attach_clock, synthetic_prefill

@@ -13,8 +13,8 @@ import pytest
 from hylinker.components.keys import object_keys
 from hylinker.components.layout import PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import small_hybrid_layout, synthetic_prefill, wait_until

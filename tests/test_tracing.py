@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 
 from hylinker.components.pools import HybridPools
-from hylinker.dataplane.tracing import disable_trace_logging, enable_trace_logging, trace_enabled
-from hylinker.linker.config import LinkerConfig
-from hylinker.linker.facade import Linker
+from hylinker.runtime.dataplane.tracing import (
+    disable_trace_logging,
+    enable_trace_logging,
+    trace_enabled,
+)
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import small_hybrid_layout, synthetic_prefill
@@ -111,9 +115,9 @@ async def test_a_failing_trace_stream_turns_tracing_off_and_never_fails_a_reques
     line says so."""
     stream = _FailingStream(good=3)
     enable_trace_logging(stream)
-    with caplog.at_level(logging.WARNING, logger="hylinker.dataplane.tracing"):
+    with caplog.at_level(logging.WARNING, logger="hylinker.runtime.dataplane.tracing"):
         await every_phase()
     assert stream.failures == 1 and not trace_enabled()
     assert len(stream.getvalue().splitlines()) == 3
-    lines = [r for r in caplog.records if r.name == "hylinker.dataplane.tracing"]
+    lines = [r for r in caplog.records if r.name == "hylinker.runtime.dataplane.tracing"]
     assert len(lines) == 1 and "trace stream failed" in lines[0].getMessage()

@@ -7,7 +7,7 @@ import torch
 
 from hylinker.components.layout import MambaLayerSpec, ModelLayout, PoolKind
 from hylinker.components.pools import HybridPools
-from hylinker.dataplane.transfer_codec import PoolCodec
+from hylinker.runtime.dataplane.transfer_codec import PoolCodec
 
 
 def _layout(kv_dtype: str) -> ModelLayout:

@@ -1,4 +1,4 @@
-"""``bench_sglang`` (SGLang's cache with each linker over a real Mooncake master) writes its
+"""``hylinker bench-sglang`` (SGLang's cache with each linker over a real Mooncake master) writes its
 host beside its figures, and the integrity level it ran the plugin at."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 @pytest.mark.parametrize("integrity", ["checksum", "header"])
 def test_bench_sglang_json_carries_the_host_and_the_level(tmp_path: Path, integrity: str) -> None:
-    from hylinker.tools import bench_sglang
+    from hylinker.tools.bench import sglang as bench_sglang
 
     out = tmp_path / "sglang.json"
     assert bench_sglang.main(["--object-kib", "64", "--tokens", "4", "--repeats", "1", "--linkers", "hylinker",
@@ -25,7 +25,7 @@ def test_bench_sglang_json_carries_the_host_and_the_level(tmp_path: Path, integr
 def test_the_segment_holds_every_timed_prompt() -> None:
     """Each repeat stores a new prompt and restores it afterwards: a segment too small for all
     of them evicts one before its restore (5 repeats of 256 x 1 MiB did, in a 1 GiB segment)."""
-    from hylinker.tools.bench_sglang import _segment_mb
+    from hylinker.tools.bench.sglang import _segment_mb
 
     assert _segment_mb(64, 48, 3) == 1024
     for kib, tokens, repeats in ((1024, 256, 5), (64, 4096, 8), (1024, 1024, 3)):

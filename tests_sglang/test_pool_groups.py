@@ -1,6 +1,6 @@
 """The pool groups SGLang 0.5.23 builds, each against its own direct linker and against ours.
 
-Each row of the matrix in ``docs/design.md`` ("SGLang pool groups") is a test here: what SGLang's
+Each row of the matrix in ``docs/design/sglang.md`` ("SGLang pool groups") is a test here: what SGLang's
 own pool-group resolver (the one ``MooncakeDirectLinker`` and ``UMBPDirectLinker`` call) does
 with SGLang's real pools, and what ``HylinkerLinker`` does inside SGLang's real
 ``UnifiedRadixCache`` (both tree cores), restores compared byte for byte with a recompute.

@@ -8,7 +8,7 @@ LoRA adapters run end to end on a dense attention model in ``test_vllm_lora.py``
 inputs do not run with the connector on the CPU build (qwen3_5 needs torchvision), nor LoRA on
 the hybrid models (qwen3_next needs Triton's MoE kernels): their keys are checked with vLLM's
 real request objects through the connector's scheduler side in ``test_vllm_request_keys.py``; see
-``docs/design.md`` §10.
+``docs/design/vllm.md`` §10.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ import anyio
 import attrs
 
 from ..components.pools import HybridPools
-from ..linker.config import LinkerConfig
-from ..linker.facade import Linker
+from ..runtime.linker.config import LinkerConfig
+from ..runtime.linker.facade import Linker
 from ..stores.base import Store
 from ..stores.embedded import EmbeddedStore
 from ..stores.faulty import FaultPlan, FaultyStore

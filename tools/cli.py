@@ -2,8 +2,9 @@
 
 Each module in ``COMMANDS`` exposes ``HELP: str``, ``configure(parser)`` and ``run(args) -> int``;
 it keeps heavy imports (transformers, matplotlib, mooncake) inside ``run`` so ``--help`` is fast.
-Each module in ``PASSED_ON`` owns its argument parser (``main(argv) -> int``) and is imported only
-when its subcommand runs: several need an engine (SGLang, vLLM) that only their own environment has.
+Each module in ``PASSED_ON`` (the benchmarks of :data:`.bench.BENCHMARKS` among them) owns its
+argument parser (``main(argv) -> int``) and is imported only when its subcommand runs: several need
+an engine (SGLang, vLLM) that only their own environment has.
 A user's mistake ends a subcommand with one line on stderr and exit status 2, never a traceback:
 argparse's errors and the :class:`~.arguments.UsageError` a run raises (:mod:`.arguments`).
 """
@@ -16,12 +17,13 @@ import sys
 from collections.abc import Sequence
 
 from .arguments import USAGE_EXIT, DefaultsFormatter, OneLineParser, UsageError, one_line
+from .bench import BENCHMARKS
 
 # subcommand -> module under hylinker.tools
 COMMANDS: dict[str, str] = {
     "stress": "stress_cli",
     "demo": "demo",
-    "bench": "bench",
+    "bench": "bench.paths",
     "study": "studies",
     "mooncake": "mooncake_cli",
     "fleet": "fleet",
@@ -29,26 +31,12 @@ COMMANDS: dict[str, str] = {
     "plan": "plan",
 }
 # subcommand -> (module under hylinker.tools, one-line help); the arguments after the subcommand go to
-# the module's main(argv) as they are
+# the module's main(argv) as they are: every benchmark of the registry (tools/bench/__init__.py)
+# and the tools that are not benchmarks
 PASSED_ON: dict[str, tuple[str, str]] = {
-    "bench-sglang": ("bench_sglang", "hylinker's SGLang plugin vs SGLang's MooncakeDirectLinker inside SGLang's "
-                                     "cache (.venv-sglang)"),
-    "bench-dead-store": ("bench_dead_store", "the SGLang scheduler's time blocked in lookups while the store does "
-                                             "not answer (.venv-sglang)"),
-    "bench-vllm": ("bench_vllm", "vLLM CPU build: time to first token restore vs recompute, decode steps (.venv-vllm)"),
-    "bench-vllm-peers": ("bench_vllm_peers", "vLLM CPU build: hylinker's connector against vLLM's own "
-                                             "MooncakeStoreConnector in one run (.venv-vllm)"),
+    **{name: (bench.path, bench.help) for name, bench in BENCHMARKS.items()},
     "profile-vllm-restore": ("profile_vllm_restore", "vLLM CPU build: where one restore's time goes (.venv-vllm)"),
     "serve-demo": ("serve_demo", "vLLM's OpenAI server on a tiny hybrid model with and without hylinker (.venv-vllm)"),
-    "bench-vllm-keys": ("bench_vllm_keys", "what keying a vLLM request by vLLM's extra keys costs the scheduler"),
-    "bench-shapes": ("bench_shapes", "the vLLM connector's save and load at Qwen3-Next-80B's object shape"),
-    "bench-agreement": ("bench_agreement", "the cost of agreeing a lookup across ranks, beside a single-rank lookup"),
-    "bench-checksum": ("bench_checksum", "what the integrity checksum costs on the embedded store"),
-    "bench-hash-overlap": ("bench_hash_overlap", "a checksummed Mooncake offload's floor, with no runtime around it"),
-    "bench-keys": ("bench_keys", "the cost of hashing a prompt into chained page keys"),
-    "bench-rows": ("bench_rows", "the row-described copy routine against plain per-object copies"),
-    "bench-calls": ("bench_calls", "Python calls per object through the synchronous data plane, on the embedded store "
-                                   "or Mooncake (--store mooncake [--no-rows])"),
 }
 
 
@@ -84,14 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = argv[1:] if trace_log else argv
     if rest and rest[0] in PASSED_ON:  # before building the parser: no other tool is imported
         if trace_log:
-            from ..dataplane.tracing import enable_trace_logging
+            from ..runtime.dataplane.tracing import enable_trace_logging
 
             enable_trace_logging()
         return _passed_on(rest[0], rest[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.trace_log:
-        from ..dataplane.tracing import enable_trace_logging
+        from ..runtime.dataplane.tracing import enable_trace_logging
 
         enable_trace_logging()
     try:

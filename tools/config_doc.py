@@ -32,9 +32,9 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("SGLang plugin", "`linker_extra_config` in `--unified-cache-external-linker-config` (JSON)",
      "hylinker.integrations.sglang.config.SGLangLinkerConfig"),
     ("Linker", "`hl.Linker(layout, pools, store, config=hl.LinkerConfig(...))`",
-     "hylinker.linker.config.LinkerConfig"),
+     "hylinker.runtime.linker.config.LinkerConfig"),
     ("Data plane", "`hl.DataPlane(views, store, config=hl.DataPlaneConfig(...))` (also `SyncDataPlane`)",
-     "hylinker.dataplane.plane.DataPlaneConfig"),
+     "hylinker.runtime.dataplane.plane.DataPlaneConfig"),
     ("Store retries and breaker", "`LinkerConfig(resilience=hl.ResiliencePolicy(...))`",
      "hylinker.stores.resilient.ResiliencePolicy"),
 )

@@ -204,7 +204,7 @@ async def run_demo(
         max_abs_diff,
     )
     from ..harness.reference.runtime_engine import LinkedEngine
-    from ..linker.facade import Linker
+    from ..runtime.linker.facade import Linker
     from .demo_controls import CONTROLS, MARGIN, ControlResult, measure, other_prefix
     from .report import format_table
 

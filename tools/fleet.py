@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     cfg = FleetConfig(hosts=args.hosts, deadline_s=args.deadline_s,
                       call_timeout_s=min(1.0, args.deadline_s / 2))
-    from .host_probe import describe, finish, host_record
+    from .bench.host import describe, finish, host_record
 
     host = host_record()
     try:
@@ -235,8 +235,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _throughput(args: argparse.Namespace) -> int:
+    from .bench.host import describe, finish, host_record
     from .fleet_bench import throughput
-    from .host_probe import describe, finish, host_record
 
     host = host_record()
     try:

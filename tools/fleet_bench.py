@@ -119,8 +119,8 @@ async def _runtime(cfg: MooncakeConfig, docs: int) -> dict[str, Any]:
     from ..components.keys import page_keys
     from ..components.pools import HybridPools
     from ..harness.fleet_engine import document
-    from ..linker.config import LinkerConfig
-    from ..linker.facade import Linker
+    from ..runtime.linker.config import LinkerConfig
+    from ..runtime.linker.facade import Linker
     from ..testing.content import SyntheticContent, preset_layout
 
     layout = preset_layout("kimi", 64, 64)

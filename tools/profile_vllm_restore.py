@@ -17,7 +17,7 @@ every call of the parts below is timed (wall clock, the thread it ran on does no
 
 Parts nest (the lookup includes the keys and the index; a step includes everything), so shares do
 not add up to 1. The restore whose total is the median is printed as a table and all of them are
-saved as JSON with the host record (``tools/host_probe.py``). On a loaded machine read the shares,
+saved as JSON with the host record (``tools/bench/host.py``). On a loaded machine read the shares,
 not the seconds.
 
     OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker profile-vllm-restore --sizes 4096,16384 \\
@@ -111,8 +111,8 @@ PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("hylinker.stores.embedded_rows", "", "scatter", "W   copy into pages"),
     ("hylinker.stores.framing", "", "verify_array", "W   verify"),
     ("hylinker.stores.framing", "", "verify_parts", "W   verify"),
-    ("hylinker.dataplane.transfer_codec", "PoolCodec", "scatter", "W   copy into pages"),
-    ("hylinker.dataplane.transfer_codec", "PoolCodec", "scatter_one", "W   copy into pages"),
+    ("hylinker.runtime.dataplane.transfer_codec", "PoolCodec", "scatter", "W   copy into pages"),
+    ("hylinker.runtime.dataplane.transfer_codec", "PoolCodec", "scatter_one", "W   copy into pages"),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "V schedule"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", "V forward (execute_model)"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", "V sample"),
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--save-copy", action="store_true", help="time the save's staging copy, both ways")
     args = ap.parse_args(argv)
-    from .host_probe import describe, finish, host_record
+    from .bench.host import describe, finish, host_record
 
     host = host_record()
     if args.save_copy:
@@ -207,7 +207,7 @@ def _save_copy(args: argparse.Namespace, host: dict[str, Any], objects: int = 45
     """Best and median of ``rounds`` alternating runs of each way of copying ``objects`` pages."""
     import torch
 
-    from .host_probe import describe, finish
+    from .bench.host import describe, finish
 
     raw = torch.randint(0, 255, (blocks, page), dtype=torch.uint8)
     staging = torch.zeros((objects * 2, page), dtype=torch.uint8)

@@ -1,7 +1,7 @@
 """Run one function on N real processes joined by a gloo process group on loopback.
 
 Each process is one tensor-parallel rank: it initialises ``torch.distributed`` (gloo, TCP on
-127.0.0.1), builds a :class:`~hylinker.linker.agreement.GlooAgreement` and runs
+127.0.0.1), builds a :class:`~hylinker.runtime.linker.agreement.GlooAgreement` and runs
 ``target(rank, size, agreement, *args)`` — an async function — to completion. What each rank
 returns (JSON-able) comes back to the caller, by rank. A rank that raises fails the launch with
 its error. Used by ``hylinker stress --ranks N`` and the multi-rank tests.
@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from ..linker.agreement import GlooAgreement
+from ..runtime.linker.agreement import GlooAgreement
 from ..stores.mooncake_master import free_port
 
 RankTarget = Callable[..., Awaitable[Any]]

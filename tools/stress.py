@@ -26,10 +26,10 @@ from ..components.eviction import eviction_policy
 from ..components.keys import page_keys
 from ..components.layout import PoolKind
 from ..components.pools import HybridPools, PoolError
-from ..linker.agreement import Agreement, SingleRank
-from ..linker.config import LinkerConfig
-from ..linker.facade import Linker, Request
-from ..linker.tree_writer import PoolExhaustedError
+from ..runtime.linker.agreement import Agreement, SingleRank
+from ..runtime.linker.config import LinkerConfig
+from ..runtime.linker.facade import Linker, Request
+from ..runtime.linker.tree_writer import PoolExhaustedError
 from ..stores.base import Store
 from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
 from ..testing.content import SyntheticContent, preset_layout
@@ -126,7 +126,7 @@ class _Attempts:
 class StressRun:
     """One rank's replay. With an ``agreement`` over several ranks (``stress --ranks``) the
     requests run one at a time in workload order, offloads drained before each, so every rank
-    calls the linker in the same order (the ordering rule, ``linker/agreement.py``)."""
+    calls the linker in the same order (the ordering rule, ``runtime/linker/agreement.py``)."""
 
     def __init__(self, cfg: StressConfig, store: Store, requests: list[WorkloadRequest],
                  agreement: Agreement | None = None, clock: TraceClock | None = None) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 
 from ..components.eviction import EVICTION_POLICIES
-from ..linker.config import LinkerConfig
+from ..runtime.linker.config import LinkerConfig
 from ..testing.content import PRESETS
 from .arguments import (
     fault_plan,

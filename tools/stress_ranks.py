@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from ..linker.agreement import Agreement
+from ..runtime.linker.agreement import Agreement
 from ..stores.base import Store
 from .arguments import positive_float, positive_int
 from .report import percentiles

@@ -1,7 +1,7 @@
-"""The reference engine served through a :class:`~hylinker.linker.facade.Linker`.
+"""The reference engine served through a :class:`~hylinker.runtime.linker.facade.Linker`.
 
 :class:`LinkedEngine` is what a serving engine's scheduler does with hylinker, on the tiny
-reference model: every prefill goes through the runtime's phases (docs/design.md §2)::
+reference model: every prefill goes through the runtime's phases (docs/design/phases.md §2)::
 
     LOOKUP   device tree match + store probe               linker.lookup(req)
     LOAD     allocate rows/slot, queue the store reads     linker.load(req)
@@ -37,7 +37,7 @@ import torch
 from ...components.keys import MultimodalSpan
 from ...components.mamba import restorable_ceiling
 from ...components.pools import HybridPools
-from ...linker.facade import Linker, Request
+from ...runtime.linker.facade import Linker, Request
 from .boundary_pools import read_boundary, write_boundary
 from .engine import (
     BoundaryState,

@@ -2,7 +2,7 @@
 dynamic linker factory (``"linker_module_path": "hylinker.integrations.sglang"``).
 
 * :mod:`.linker`: ``HylinkerLinker`` (imports SGLang), its data path the project's one
-  (:class:`~hylinker.dataplane.sync_plane.SyncDataPlane` over a ``ResilientStore``);
+  (:class:`~hylinker.runtime.dataplane.sync_plane.SyncDataPlane` over a ``ResilientStore``);
 * :mod:`.config`: its ``linker_extra_config`` keys (no SGLang import);
 * :mod:`.pools`: SGLang's device pools as the data plane's pool views;
 * :mod:`.loads`: a load batch's device events;

@@ -11,7 +11,7 @@ version is refused at construction). Launch::
 
 SGLang owns the prefix tree, the allocators, the locks and COMMIT; this linker says what the
 store can restore and moves pages and states between SGLang's device pools and the store over
-the project's one data path: a :class:`~hylinker.dataplane.sync_plane.SyncDataPlane` over
+the project's one data path: a :class:`~hylinker.runtime.dataplane.sync_plane.SyncDataPlane` over
 pool views of SGLang's tensors (``sglang_pools.py``), its store wrapped in a
 :class:`~hylinker.stores.resilient.ResilientStore`. What it adds over SGLang's own linker:
 
@@ -62,12 +62,12 @@ import torch
 
 from ...components.layout import PoolKind
 from ...components.pool_view import PoolSet, PoolViewError
-from ...dataplane.events import record_fence
-from ...dataplane.metrics import Figures, plane_figures, store_figures
-from ...dataplane.plane import DataPlaneConfig, Transfer
-from ...dataplane.sync_plane import SyncDataPlane, SyncLoad
-from ...dataplane.tickets import TransferOutcome
-from ...dataplane.tracing import enable_trace_logging, trace
+from ...runtime.dataplane.events import record_fence
+from ...runtime.dataplane.metrics import Figures, plane_figures, store_figures
+from ...runtime.dataplane.plane import DataPlaneConfig, Transfer
+from ...runtime.dataplane.sync_plane import SyncDataPlane, SyncLoad
+from ...runtime.dataplane.tickets import TransferOutcome
+from ...runtime.dataplane.tracing import enable_trace_logging, trace
 from ...stores.base import Store, StoreError
 from ...stores.condemned import Condemned, remove_condemned
 from ...stores.resilient import ResilientStore
@@ -224,7 +224,7 @@ class HylinkerLinker(UnifiedCacheLinker):
 
     def _metric_totals(self) -> Figures:
         """The data plane's and the store's cumulative figures, as metrics keys (see
-        ``dataplane/metrics.py``); the plugin counts loads and offloads itself."""
+        ``runtime/dataplane/metrics.py``); the plugin counts loads and offloads itself."""
         return {**plane_figures(self.data.pool_statistics()), **store_figures(self.store.resilience())}
 
     def _publish_metrics(self, force: bool = False) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 
 import attrs
 
-from ...dataplane.sync_plane import SyncLoad
-from ...dataplane.tickets import TransferOutcome
+from ...runtime.dataplane.sync_plane import SyncLoad
+from ...runtime.dataplane.tickets import TransferOutcome
 
 log = logging.getLogger("hylinker.integrations.sglang")
 

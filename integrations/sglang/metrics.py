@@ -6,7 +6,7 @@ them through a multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``, set by the 
 the scheduler process, so the families, created there, appear on that endpoint beside SGLang's
 ``sglang:*`` metrics. Without ``--enable-metrics`` nothing is created (one log line).
 
-The families are hylinker's one set (:mod:`hylinker.dataplane.metrics`, listed in the README,
+The families are hylinker's one set (:mod:`hylinker.runtime.dataplane.metrics`, listed in the README,
 "Metrics"), named ``sglang:hylinker_*``, each with a ``tp_rank`` label. They are made once per
 process and shared by its ranks' linkers.
 
@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...dataplane.metrics import FAMILIES, Exporter, Naming
+from ...runtime.dataplane.metrics import FAMILIES, Exporter, Naming
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...components.identity import model_identity, namespace_term
-from ...dataplane.tracing import enable_trace_logging, trace
+from ...runtime.dataplane.tracing import enable_trace_logging, trace
 from .. import store_host
 from . import metrics as vllm_metrics
 from .cache_groups import cache_geometry, cache_groups, key_layout

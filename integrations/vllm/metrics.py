@@ -8,7 +8,7 @@ vLLM moves connector figures from the engine to its frontend itself: each step t
 Prometheus families on vLLM's own ``/metrics``, and its periodic stats log prints
 :meth:`HylinkerStats.reduce` ("KV Transfer metrics: ...").
 
-The families are hylinker's one set (:mod:`hylinker.dataplane.metrics`), named ``vllm:hylinker_*``
+The families are hylinker's one set (:mod:`hylinker.runtime.dataplane.metrics`), named ``vllm:hylinker_*``
 with vLLM's per-engine labels (``model_name``, ``engine``) first. What each side reports:
 
 * scheduler: lookups by outcome, store hit tokens, loads refused (``loads{outcome="refused"}``);
@@ -17,7 +17,7 @@ with vLLM's per-engine labels (``model_name``, ``engine``) first. What each side
   store retries/timeouts/breaker, load and offload latencies.
 
 The worker keeps running totals and sends what they grew by since its last report
-(:class:`~hylinker.dataplane.metrics.Increments`), so a report is never counted twice; latencies
+(:class:`~hylinker.runtime.dataplane.metrics.Increments`), so a report is never counted twice; latencies
 travel as lists of seconds. Merging: counters add, latency lists join, gauges take the largest
 (the fullest rank, a breaker open on any rank).
 """
@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ...dataplane.metrics import (
+from ...runtime.dataplane.metrics import (
     FAMILY,
     LATENCY_BUCKETS,
     Figures,
@@ -44,7 +44,7 @@ from ...dataplane.metrics import (
     split,
     store_figures,
 )
-from ...dataplane.plane import DataPlane
+from ...runtime.dataplane.plane import DataPlane
 from ...stores.resilient import ResilientStore
 
 if TYPE_CHECKING:

@@ -46,8 +46,8 @@ import torch
 
 from ...components.layout import PoolKind
 from ...components.pool_view import LayerParts, PoolSet, PoolView
-from ...dataplane.plane import DataPlane, DataPlaneConfig, Transfer
-from ...dataplane.tickets import TransferOutcome
+from ...runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
+from ...runtime.dataplane.tickets import TransferOutcome
 from ...stores.condemned import remove_condemned
 from ...stores.framing import Integrity
 from ..store_host import StoreHost

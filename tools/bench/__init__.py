@@ -1,0 +1,56 @@
+"""The benchmarks: one module per subject, the host probe (:mod:`.host`) they all record.
+
+:data:`BENCHMARKS` is the one registry: each ``hylinker bench-<subject>`` subcommand, the module
+below this package that owns its argument parser (``main(argv) -> int``) and its one-line help.
+The command line (:mod:`hylinker.tools.cli`) reads it to list them, and imports a module only
+when its subcommand runs (several need an engine that only their own environment has), so
+nothing here imports a benchmark. ``hylinker bench`` itself (:mod:`.paths`: control path,
+event-loop lag, data path) is configured by the command line like the other in-process tools.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Benchmark(NamedTuple):
+    module: str  #: below hylinker.tools.bench
+    help: str  #: one line for ``hylinker --help``
+
+    @property
+    def path(self) -> str:
+        """The module below ``hylinker.tools``, as the command line imports it."""
+        return f"bench.{self.module}"
+
+
+#: subcommand -> its benchmark
+BENCHMARKS: dict[str, Benchmark] = {
+    "bench-sglang": Benchmark("sglang", "hylinker's SGLang plugin vs SGLang's "
+                                        "MooncakeDirectLinker inside SGLang's cache "
+                                        "(.venv-sglang)"),
+    "bench-dead-store": Benchmark("dead_store", "the SGLang scheduler's time blocked in lookups "
+                                                "while the store does not answer (.venv-sglang)"),
+    "bench-vllm": Benchmark("vllm", "vLLM CPU build: time to first token restore vs recompute, "
+                                    "decode steps (.venv-vllm)"),
+    "bench-vllm-peers": Benchmark("vllm_peers", "vLLM CPU build: hylinker's connector against "
+                                                "vLLM's own MooncakeStoreConnector in one run "
+                                                "(.venv-vllm)"),
+    "bench-vllm-keys": Benchmark("vllm_keys", "what keying a vLLM request by vLLM's extra keys "
+                                              "costs the scheduler"),
+    "bench-shapes": Benchmark("shapes", "the vLLM connector's save and load at Qwen3-Next-80B's "
+                                        "object shape"),
+    "bench-agreement": Benchmark("agreement", "the cost of agreeing a lookup across ranks, beside "
+                                              "a single-rank lookup"),
+    "bench-checksum": Benchmark("checksum", "what the integrity checksum costs on the embedded "
+                                            "store"),
+    "bench-hash-overlap": Benchmark("hash_overlap", "a checksummed Mooncake offload's floor, with "
+                                                    "no runtime around it"),
+    "bench-keys": Benchmark("keys", "the cost of hashing a prompt into chained page keys"),
+    "bench-rows": Benchmark("rows", "the row-described copy routine against plain per-object "
+                                    "copies"),
+    "bench-calls": Benchmark("calls", "Python calls per object through the synchronous data "
+                                      "plane, on the embedded store or Mooncake (--store mooncake "
+                                      "[--no-rows])"),
+}
+
+__all__ = ["BENCHMARKS", "Benchmark"]

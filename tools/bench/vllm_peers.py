@@ -1,0 +1,360 @@
+"""hylinker's vLLM connector against the one vLLM ships (``MooncakeStoreConnector``), side by side in
+one run, on vLLM's CPU build.
+
+Three configurations run the same model and the same prompts, each engine in a process of its own
+(``hylinker.harness.vllm_runner``, engine core and worker in that process so both connectors' counters
+can be read):
+
+* ``vllm_mooncake``: vLLM's ``MooncakeStoreConnector`` (``standalone-store`` mode, the engine
+  contributes no segment, asynchronous loads: its defaults);
+* ``hylinker``: ``HylinkerConnector`` on Mooncake (``segment_mb`` 0, integrity ``--integrity``,
+  ``"checksum"`` by default);
+* ``baseline``: no connector, vLLM's own prefix cache (reset before each restore row: a recompute).
+
+Each connector engine gets a fresh loopback ``mooncake_master`` and a storage-only client holding
+the memory (``hylinker mooncake segment``). ``--rounds`` rounds, the order of the three rotating
+each round (the machine's other tenants then weigh on all three alike). Per prompt length and
+round: ``--repeats`` fresh prompts with a 1-token request each (a **miss**: computed and, with a
+connector, saved; its time to first token is what saving costs the step), a pause, then
+``--repeats`` times vLLM's prefix cache reset and the first prompt again (a **restore**; in the
+baseline a recompute). vLLM refuses a reset while a connector still holds blocks (its own
+connector holds a restored request's blocks until a later step): the runner then runs a short
+request and resets again (``harness/vllm_runner.py``); ``resets_flushed`` counts those, and a
+restore whose reset was still refused (``restores_not_reset``: a hit in vLLM's own prefix cache)
+is left out of the figures. Each engine first runs a miss and a restore of each length, not measured
+(first calls compile and allocate). Then a decode (``--decode-tokens`` per fresh ``--decode-prompt``-token
+prompt, below one block: the connector stays idle) timed per step.
+
+Exactness and losses, beside the figures: every restore's first token and top-3 logprobs (and one
+8-token greedy continuation per length) are compared with the baseline's recompute of the same
+prompt; a restore that got fewer tokens from the store than the boundary below the prompt allows is
+a **short restore** (a dropped or refused load, or a save that never landed); failed and skipped
+saves and failed loads come from each connector's own counters (hylinker's ``statistics()``, the
+error and failed-key counts of vLLM's connector stats).
+
+    OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker bench-vllm-peers --sizes 4096 --rounds 3 \\
+        --json bench-results/vllm-peers.json --plot bench-results/vllm-peers.png
+
+Medians over every round. The JSON carries every sample and the host (``tools/bench/host.py``). The
+plot (TTFT CDFs of restores and misses per configuration) needs matplotlib; without it in the vLLM
+environment, draw it later with ``python3 -m hylinker.tools.bench.vllm_peers --plot-from JSON --plot PNG``.
+
+``--before DIR`` adds a fourth configuration, ``hylinker_before``: the same connector imported from
+``DIR`` (a folder holding another checkout as ``hylinker``, e.g. a ``git worktree`` of main), so a
+change is measured before and after in one run.
+
+``--geometry qwen3-next-80b`` runs Qwen3-Next-80B's geometry (``harness/shapes.py``: 48 layers, its
+KV heads, head and state dims, block 1,056) with a narrow residual stream; ``--tp 2`` runs vLLM's
+default process model (two worker processes; the connectors' counters then stay in the workers and
+only short restores are counted). Serving under load (the OpenAI server replaying a trace) is not
+part of this tool yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+CONFIGS = ("vllm_mooncake", "hylinker", "baseline")
+GEOMETRIES = ("tiny", "qwen3-next-80b")
+
+
+@contextlib.contextmanager
+def _fresh_store(work: Path, segment_mib: int) -> Iterator[str]:
+    """A loopback master and a storage-only client holding ``segment_mib`` MiB; yields the master's address."""
+    from ...stores.mooncake_master import MooncakeMaster
+    from ..mooncake_cli import start_segment_process
+
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(MooncakeMaster(log_path=work / "master.log").start())
+        seg = start_segment_process(master.address, segment_mib)
+        stack.callback(seg.wait, 10)
+        stack.callback(seg.kill)
+        yield master.address
+
+
+def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, args: argparse.Namespace,
+            block: int) -> list[dict[str, Any]]:
+    """Run one engine through ``steps`` in configuration ``config``; its result rows."""
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = work / f"{config}.log"
+    steps_file = work / f"{config}.steps.json"
+    steps_file.write_text(json.dumps(steps))
+    cmd = [sys.executable, "-m", "hylinker.harness.vllm_runner", "--model", str(model), "--steps", f"@{steps_file}",
+           "--max-model-len", str(max(args.size_list) + 1024), "--tp", str(args.tp), "--block-size", str(block)]
+    if args.tp == 1:
+        cmd.append("--in-process")
+    with contextlib.ExitStack() as stack:
+        if config == "baseline":
+            cmd += ["--extra", "prefix-only"]
+        else:
+            address = stack.enter_context(_fresh_store(work, args.segment_mib))
+            if config.startswith("hylinker"):
+                if config == "hylinker_before":
+                    env["PYTHONPATH"] = os.pathsep.join([str(args.before), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+                extra = {"store": "mooncake", "master": address, "segment_mb": 0, "integrity": args.integrity}
+                cmd += ["--extra", json.dumps(extra)]
+            else:
+                mooncake = {"metadata_server": "P2PHANDSHAKE", "master_server_address": address, "protocol": "tcp",
+                            "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
+                            "local_buffer_size": args.local_buffer_mib << 20}
+                (work / "mooncake.json").write_text(json.dumps(mooncake))
+                env.update(MOONCAKE_CONFIG_PATH=str(work / "mooncake.json"), MOONCAKE_REQUESTER_LOCAL_HOSTNAME="127.0.0.1")
+                cmd += ["--connector", "mooncake-store", "--extra", "{}"]
+        from .vllm import runner_rows
+
+        return runner_rows(cmd, env, log, len(steps), f"{config} engine")
+
+
+def _round_steps(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict[str, Any]], dict[int, list[list[int]]]]:
+    """One round's steps (the same for every configuration) and its prompts per length."""
+    prompts = {n: [[rng.randrange(10, 300) for _ in range(n)] for _ in range(args.repeats)] for n in args.size_list}
+    steps: list[dict[str, Any]] = []
+    for n in args.size_list:  # warm-up, not measured: a miss and a restore of each length
+        warm = [rng.randrange(10, 300) for _ in range(n)]
+        steps += [{"op": "ttft", "prompt": warm, "logprobs": True}, {"op": "sleep", "s": args.settle_s},
+                  {"op": "reset"}, {"op": "ttft", "prompt": warm, "logprobs": True}]
+    for n in args.size_list:
+        steps += [{"op": "ttft", "prompt": p, "logprobs": True, "row": f"miss:{n}"} for p in prompts[n]]
+        steps.append({"op": "sleep", "s": args.settle_s})
+        for _ in range(args.repeats):
+            steps += [{"op": "reset"}, {"op": "ttft", "prompt": prompts[n][0], "logprobs": True, "row": f"restore:{n}"}]
+        steps += [{"op": "reset"}, {"op": "generate", "prompt": prompts[n][0], "max_tokens": 8, "row": f"check:{n}"}]
+    for _ in range(args.repeats):
+        steps.append({"op": "decode", "prompt": [rng.randrange(10, 300) for _ in range(args.decode_prompt)],
+                      "max_tokens": args.decode_tokens, "row": "decode"})
+    steps.append({"op": "stats"})
+    return steps, prompts
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return bool(a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"])
+
+
+def _losses(config: str, stats: dict[str, Any]) -> dict[str, int]:
+    """Failed or skipped saves and failed loads from a connector's own counters (0 where it has none);
+    ``unread`` 1 where the counters stayed in worker processes (``--tp`` > 1)."""
+    if not stats and config != "baseline":
+        return {"unread": 1}
+    if config.startswith("hylinker"):
+        return {"saves_failed": int(stats.get("saves_failed", 0)), "saves_skipped": int(stats.get("saves_skipped", 0)),
+                "loads_failed": int(stats.get("loads_failed", 0)), "lookup_errors": int(stats.get("lookup_errors", 0))}
+    if config == "vllm_mooncake":
+        def total(prefix: str, kind: str) -> int:
+            return sum(int(v) for k, v in stats.items() if k.startswith(prefix) and k.endswith(kind))
+        return {"saves_failed": total("save", "_error_count") + total("save", "_failed_keys"),
+                "saves_skipped": 0,
+                "loads_failed": total("load", "_error_count") + total("load", "_failed_keys"),
+                "lookup_errors": total("lookup", "_error_count")}
+    return {}
+
+
+def _median(xs: Sequence[float]) -> float:
+    return round(statistics.median(xs), 4) if xs else float("nan")
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from ...harness.shapes import QWEN3_NEXT_80B, build_qwen3_next_at
+    from ...harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from .host import describe, finish, host_record
+
+    host = host_record()
+    rng = random.Random(args.seed)
+    configs = [*CONFIGS, *(["hylinker_before"] if args.before else [])]
+    samples: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
+    cached: dict[str, dict[str, list[int]]] = {c: {} for c in configs}
+    findings: dict[str, dict[str, int]] = {c: {"restores_compared": 0, "wrong_restores": 0, "short_restores": 0,
+                                               "misses_compared": 0, "wrong_misses": 0, "resets_flushed": 0,
+                                               "restores_not_reset": 0} for c in configs}
+    losses: dict[str, dict[str, int]] = {c: {} for c in configs}
+    stats_all: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    orders: list[list[str]] = []
+    with tempfile.TemporaryDirectory(prefix="hylinker-bench-vllm-peers-") as tmp:
+        work = Path(tmp)
+        if args.geometry == "tiny":
+            model, block = build_tiny_qwen3_next(work / "model"), 384
+        else:
+            model, block = build_qwen3_next_at(work / "model", QWEN3_NEXT_80B), QWEN3_NEXT_80B.vllm_block_size(args.tp)
+        for r in range(args.rounds):
+            steps, _ = _round_steps(args, rng)
+            order = [configs[(i + r) % len(configs)] for i in range(len(configs))]
+            orders.append(order)
+            rows: dict[str, list[dict[str, Any]]] = {}
+            for config in order:
+                (work / config).mkdir(exist_ok=True)
+                print(f"round {r + 1}/{args.rounds}: {config}", flush=True)
+                rows[config] = _engine(config, model, steps, work / config, args, block)
+            ref = {s.get("row", "") + f"#{i}": row for i, (s, row) in enumerate(zip(steps, rows["baseline"]))}
+            for config in configs:
+                reset_ok = True
+                for i, (step, got) in enumerate(zip(steps, rows[config])):
+                    name = step.get("row")
+                    if name is None:
+                        if got["op"] == "reset":
+                            reset_ok = bool(got.get("ok", True))
+                            findings[config]["resets_flushed"] += int(got.get("flushes", 0)) > 0
+                        if got["op"] == "stats":
+                            stats_all[config].append(got["stats"])
+                            for k, v in _losses(config, got["stats"]).items():
+                                losses[config][k] = losses[config].get(k, 0) + v
+                        continue
+                    kind, _, size = name.partition(":")
+                    if kind == "decode":
+                        samples[config].setdefault("decode_step", []).extend(got["token_s"])
+                        continue
+                    base = ref[f"{name}#{i}"]
+                    if kind == "restore" and not reset_ok:  # vLLM's prefix cache still held it: no store load
+                        findings[config]["restores_not_reset"] += 1
+                        continue
+                    if kind in ("restore", "check"):
+                        cached[config].setdefault(size, []).append(got["cached"])
+                        if config != "baseline":
+                            findings[config]["restores_compared"] += 1
+                            findings[config]["wrong_restores"] += not _same(got, base)
+                            n = int(size)
+                            findings[config]["short_restores"] += got["cached"] < (n - 1) // block * block
+                    elif kind == "miss" and config != "baseline":
+                        findings[config]["misses_compared"] += 1
+                        findings[config]["wrong_misses"] += not _same(got, base)
+                    if kind != "check":
+                        samples[config].setdefault(name, []).append(got["ttft_s"])
+    host = finish(host)
+    table = []
+    for n in args.size_list:
+        row: dict[str, Any] = {"tokens": n}
+        for config in configs:
+            restores, misses = samples[config].get(f"restore:{n}", []), samples[config].get(f"miss:{n}", [])
+            row[config] = {"restore_s": _median(restores), "miss_s": _median(misses),
+                           "restore_best_s": round(min(restores), 4), "miss_best_s": round(min(misses), 4),
+                           "cached": sorted(set(cached[config].get(str(n), [])))}
+        hy, vm, base = row["hylinker"], row["vllm_mooncake"], row["baseline"]
+        row["restore_speedup_hylinker_over_vllm"] = round(vm["restore_s"] / hy["restore_s"], 3)
+        row["miss_over_recompute"] = {c: round(row[c]["miss_s"] / base["miss_s"], 3) for c in configs if c != "baseline"}
+        if args.before:
+            row["restore_speedup_over_before"] = round(row["hylinker_before"]["restore_s"] / hy["restore_s"], 3)
+        table.append(row)
+    decode = {c: {"median_ms": round(1000 * statistics.median(samples[c]["decode_step"]), 3),
+                  "steps": len(samples[c]["decode_step"])} for c in configs}
+    result = {"configs": configs, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "size_list"},
+              "host": host,
+              "orders": orders, "block_size": block, "ttft": table, "decode": decode, "findings": findings,
+              "losses": losses, "connector_stats": stats_all, "samples": samples}
+    print(format_table(result))
+    print(describe(host))
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The printed (and docs') table: medians per configuration, exactness and losses beside them."""
+    names = {"vllm_mooncake": "vLLM MooncakeStoreConnector", "hylinker": "HylinkerConnector",
+             "baseline": "no connector (recompute)", "hylinker_before": "HylinkerConnector, --before build"}
+    lines = ["| TTFT median / best | " + " | ".join(f"restore {r['tokens']} s (cached) | miss {r['tokens']} s"
+                                                   for r in result["ttft"])
+             + " | decode step ms | wrong restores | short restores | failed/skipped saves, failed loads |",
+             "|---|" + "---|---|" * len(result["ttft"]) + "---|---|---|---|"]
+    for c in result["configs"]:
+        cells = []
+        for r in result["ttft"]:
+            x = r[c]
+            ratio = "" if c == "baseline" else f" ({r['miss_over_recompute'][c]:.2f}x recompute)"
+            cells.append(f"{x['restore_s']:.3f} / {x['restore_best_s']:.3f} ({'/'.join(map(str, x['cached']))}) | "
+                         f"{x['miss_s']:.3f} / {x['miss_best_s']:.3f}{ratio}")
+        f = result["findings"][c]
+        lost = result["losses"][c]
+        loss = "—" if c == "baseline" else "not read (workers' counters)" if lost.get("unread") else (
+            f"{lost.get('saves_failed', 0)}/{lost.get('saves_skipped', 0)}, {lost.get('loads_failed', 0)}")
+        exact = "—" if c == "baseline" else f"{f['wrong_restores']} of {f['restores_compared']}"
+        short = "—" if c == "baseline" else str(f["short_restores"])
+        lines.append(f"| {names[c]} | " + " | ".join(cells)
+                     + f" | {result['decode'][c]['median_ms']:.2f} | {exact} | {short} | {loss} |")
+    for c in result["configs"]:
+        f = result["findings"][c]
+        if f.get("resets_flushed") or f.get("restores_not_reset"):
+            lines.append(f"{names[c]}: {f['resets_flushed']} prefix-cache resets refused until a short request ran, "
+                         f"{f['restores_not_reset']} restores left out (their reset stayed refused)")
+    for r in result["ttft"]:
+        lines.append(f"restore {r['tokens']}: hylinker {r['restore_speedup_hylinker_over_vllm']:.2f}x vLLM's connector"
+                     + (f", {r['restore_speedup_over_before']:.2f}x the --before build" if "hylinker_before" in r else ""))
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """TTFT CDFs of the three configurations: restores (solid) and misses (dashed), every length pooled."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.add_subplot(1, 1, 1)
+    colors = {"vllm_mooncake": "tab:orange", "hylinker": "tab:blue", "baseline": "tab:gray",
+              "hylinker_before": "tab:cyan"}
+    for config in result["configs"]:
+        for kind, style in (("restore", "-"), ("miss", "--")):
+            xs = sorted(v for k, vs in result["samples"][config].items() if k.startswith(kind + ":") for v in vs)
+            if xs:
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                label = f"{config} {kind if config != 'baseline' or kind == 'miss' else 'recompute'}"
+                ax.step(xs, ys, style, where="post", color=colors[config], label=label)
+    ax.set_xscale("log")  # restores and misses differ by an order of magnitude; stalls by another
+    ax.set_xlabel("time to first token, s (log)")
+    ax.set_ylabel("fraction of requests")
+    sizes = ",".join(str(r["tokens"]) for r in result["ttft"])
+    host = result["host"]
+    ax.set_title(f"vLLM CPU build, {sizes} tokens, {host['cores']} cores, load {host['load_average'][0]}"
+                 f" -> {host.get('load_average_end', '?')}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    FigureCanvasAgg(fig).print_png(str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hylinker bench-vllm-peers", description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="4096", help="prompt lengths in tokens, e.g. 4096,16384")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; the configurations' order rotates each round")
+    ap.add_argument("--repeats", type=int, default=5, help="misses and restores per length and round")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-prompt", type=int, default=300, help="below one block: the connector stays idle")
+    ap.add_argument("--integrity", default="checksum", help="hylinker's integrity level")
+    ap.add_argument("--geometry", choices=GEOMETRIES, default="tiny")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--segment-mib", type=int, default=1024, help="the storage client's Mooncake segment")
+    ap.add_argument("--local-buffer-mib", type=int, default=256, help="vLLM's connector's registered buffer")
+    ap.add_argument("--settle-s", type=float, default=0.5, help="pause between the misses and the restores")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--before", type=Path, help="also run HylinkerConnector from this checkout's parent folder "
+                                                "(PYTHONPATH), as a fourth configuration: a before/after in one run")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="PNG of the TTFT CDFs (needs matplotlib)")
+    ap.add_argument("--plot-from", type=Path, help="only draw --plot from this JSON")
+    args = ap.parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            ap.error("--plot-from needs --plot")
+        plot(json.loads(args.plot_from.read_text()), args.plot)
+        return 0
+    args.size_list = [int(s) for s in args.sizes.split(",")]
+    result = run_bench(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        try:
+            plot(result, args.plot)
+        except ImportError:
+            print(f"no matplotlib here: python3 -m hylinker.tools.bench.vllm_peers --plot-from {args.json} "
+                  f"--plot {args.plot}", file=sys.stderr)
+    bad = sum(f["wrong_restores"] + f["wrong_misses"] for f in result["findings"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
