@@ -1,4 +1,5 @@
-"""The benchmarks: one module per subject, the host probe (:mod:`.host`) they all record.
+"""The benchmarks: one module per subject, the host probe (:mod:`.host`) they all record and the
+one way they write their JSON (:mod:`.output`).
 
 :data:`BENCHMARKS` is the one registry: each ``hylinker bench-<subject>`` subcommand, the module
 below this package that owns its argument parser (``main(argv) -> int``) and its one-line help.

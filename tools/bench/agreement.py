@@ -28,6 +28,7 @@ from ...runtime.linker.config import LinkerConfig
 from ...runtime.linker.facade import Linker
 from ...testing.content import SyntheticContent, preset_layout
 from ..report import percentiles
+from .output import write_json
 
 PAGE = 64
 
@@ -127,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"ranks": args.ranks, "per_rank": results}
     print(json.dumps(out, indent=2))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import threading
 import uuid
@@ -43,6 +42,7 @@ from ...runtime.dataplane.plane import Transfer
 from ...runtime.dataplane.sync_plane import SyncDataPlane
 from ...stores.base import Store
 from ...stores.embedded import EmbeddedStore
+from .output import write_json
 
 #: name -> (layers, parts per layer (1: K, 2: K and V), bytes per row); page 64 rows
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -200,8 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [python_calls(shape, args.n, args.store, not args.no_rows) for shape in args.shape or SHAPES]
     print_calls(rows)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_json(args.json, rows)
     return 0
 
 

@@ -18,7 +18,6 @@ load change between rounds moves both sides. Nothing here asserts timing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import torch
 from ...stores import framing
 from ...stores.embedded import EmbeddedStore
 from .host import describe, finish, host_record
+from .output import write_json
 from .store import FAULTED_IN, fault_in
 
 _LAYOUT = b"bench-checksum-layout-fingerprint"
@@ -117,8 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for w in WAYS))
     print(describe(host))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"checksum_cost": rows, "host": host}, indent=2))
+        write_json(args.json, {"checksum_cost": rows, "host": host})
     return 0
 
 

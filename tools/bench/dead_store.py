@@ -18,12 +18,13 @@ same script measures an older checkout (``PYTHONPATH`` pointing at it) for a bef
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .output import write_json
 
 HELP = "the SGLang scheduler's time blocked in lookups while the store does not answer (.venv-sglang)"
 DEAD = "latency_ms=3600000"
@@ -101,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
           f"breaker trips {record['breaker_trips']}, cancelled store calls {record['store_cancelled']}")
     print(host_probe.describe(record["host"]))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=1))
+        write_json(args.json, record)
     return 0
 
 

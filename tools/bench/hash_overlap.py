@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import queue
 import statistics
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 
 from .host import describe, finish, host_record
 from .mooncake import copy_path_setting
+from .output import write_json
 
 MIB = 1 << 20
 FINGERPRINT = b"overlap-bench-layout"
@@ -170,8 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         payload = {"results": results, "argv": list(sys.argv[1:] if argv is None else argv),
                    "MC_STORE_MEMCPY": copy_path_setting(), "host": host}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_json(args.json, payload)
     return 0
 
 

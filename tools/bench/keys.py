@@ -12,7 +12,6 @@ For each page size it reports milliseconds per prompt (p50 and min over ``repeat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ import numpy as np
 
 from ...components.keys import as_tokens, namespace_seed, page_keys
 from ...components.layout import ModelLayout
+from .output import write_json
 
 
 def _times_ms(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -81,8 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{page:>6} {int(r['pages']):>7} {r['p50_ms']:>8.2f} {r['min_ms']:>8.2f} "
               f"{r['from_list_p50_ms']:>9.2f} {r['from_list_min_ms']:>9.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"tokens": args.tokens, "repeats": args.repeats, "ms_per_prompt": res}, f, indent=1)
+        write_json(args.json, {"tokens": args.tokens, "repeats": args.repeats, "ms_per_prompt": res})
     return 0
 
 

@@ -42,6 +42,7 @@ from ...runtime.linker.config import LinkerConfig
 from ...runtime.linker.facade import Linker
 from ...stores.base import Store
 from ...stores.embedded import EmbeddedStore
+from .output import write_json
 from .runtime import runtime_transfer
 from .store import FAULTED_IN, fault_in
 
@@ -108,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
     out["host"] = finish(host)
     print(describe(out["host"]))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
         print(f"wrote {args.json}")
     return 0
 

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from .mooncake import copy_path_setting
+from .output import write_json
 
 LINKERS = ("hylinker", "sglang-mooncake")
 
@@ -418,9 +419,8 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     host = finish(host)
     print(describe(host))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": results, "argv": list(argv or sys.argv[1:]),
-                                         "MC_STORE_MEMCPY": copy_path_setting(), "host": host}, indent=2))
+        write_json(args.json, {"results": results, "argv": list(argv or sys.argv[1:]),
+                               "MC_STORE_MEMCPY": copy_path_setting(), "host": host})
     return 0
 
 

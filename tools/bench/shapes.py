@@ -14,7 +14,6 @@ and optionally writes JSON; asserts only that the loaded bytes are the saved one
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from ...integrations.config import PluginConfig
 from ...integrations.vllm.pages import PageTransfers, RawPages
 from ...integrations.vllm.plan import TransferPlan
 from .host import describe, finish, host_record
+from .output import write_json
 
 
 def real_pages(tp: int, num_blocks: int) -> RawPages:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
               f"save {r['save_gbps']} GB/s, load {r['load_gbps']} GB/s, row copy {r['row_copy_gbps']} GB/s")
     print(describe(host))
     if args.json:
-        args.json.write_text(json.dumps({"host": host, "results": results}, indent=1))
+        write_json(args.json, {"host": host, "results": results})
     return 0
 
 

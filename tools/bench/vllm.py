@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ...harness.tiny_qwen3_next import build_tiny_qwen3_next
+from .output import write_json
 
 
 def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log: Path, *,
@@ -85,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(describe(host))
     result: dict[str, Any] = {"default_mode": args.default_mode, "host": host, **results}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     return 0
 
 

@@ -18,15 +18,14 @@ Needs vLLM (the ``.venv-vllm`` environment). Writes JSON with the host record.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .host import describe, finish, host_record
+from .output import write_json
 
 
 def _best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -81,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in result.items():
         print(f"{name}: {row}")
     print(describe(record["host"]))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
+    write_json(args.json, record)
     return 0
 
 

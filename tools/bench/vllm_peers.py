@@ -64,6 +64,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .output import write_json
+
 CONFIGS = ("vllm_mooncake", "hylinker", "baseline")
 GEOMETRIES = ("tiny", "qwen3-next-80b")
 
@@ -344,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     args.size_list = [int(s) for s in args.sizes.split(",")]
     result = run_bench(args)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     if args.plot:
         try:
             plot(result, args.plot)
