@@ -49,6 +49,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bench-keys": Benchmark("keys", "the cost of hashing a prompt into chained page keys"),
     "bench-rows": Benchmark("rows", "the row-described copy routine against plain per-object "
                                     "copies"),
+    "bench-layer-ranges": Benchmark("layer_ranges", "Mooncake ranged gets per layer group against one "
+                                                    "whole get: what layer-wise release could gain"),
     "bench-calls": Benchmark("calls", "Python calls per object through the synchronous data "
                                       "plane, on the embedded store or Mooncake (--store mooncake "
                                       "[--no-rows])"),

@@ -37,18 +37,24 @@ def mooncake_setups(stack: contextlib.ExitStack, segment_bytes: int) -> list[tup
                                                  local_buffer_bytes=64 * MIB))
 
     remote_master = stack.enter_context(MooncakeMaster().start())
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hylinker", "mooncake", "segment", "--master", remote_master.address,
-         "--segment-mib", str(segment_bytes // MIB)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    stack.callback(_stop, proc)
-    _wait_for_segment(proc)
+    segment_process(stack, remote_master.address, segment_bytes)
 
     def remote(capacity: int) -> Any:
         return MooncakeStore.open(MooncakeConfig(master_address=remote_master.address, segment_bytes=0,
                                                  local_buffer_bytes=64 * MIB))
 
     return [("mooncake-inproc", inproc), ("mooncake-remote", remote)]
+
+
+def segment_process(stack: contextlib.ExitStack, master_address: str, segment_bytes: int) -> None:
+    """A storage-only process (``hylinker mooncake segment``) holding ``segment_bytes`` for the
+    master at ``master_address``, mounted when this returns, stopped when ``stack`` closes."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hylinker", "mooncake", "segment", "--master", master_address,
+         "--segment-mib", str(segment_bytes // MIB)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stack.callback(_stop, proc)
+    _wait_for_segment(proc)
 
 
 def _wait_for_segment(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
