@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +61,25 @@ def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def start_server(model: Path, port: int, log: Path, *, extra: dict[str, Any] | None,
-                 timeout_s: float = 900, readme: bool = False) -> subprocess.Popen[bytes]:
+                 timeout_s: float = 900, readme: bool = False, transfer: dict[str, Any] | None = None,
+                 prefix_caching: bool = False, block_size: int = BLOCK_SIZE, max_model_len: int = 20480,
+                 server_args: Sequence[str] = (), env_extra: Mapping[str, str] | None = None,
+                 ) -> subprocess.Popen[bytes]:
     """Start the server on ``model`` with the connector (``extra``: its extra config), or without
     it and without vLLM's prefix cache (``extra=None``); wait until ``/health`` answers.
     ``readme``: the README's launch line as written (``MODEL`` replaced; ``extra`` unused), plus
-    this harness's host, port, seed, dtype and lengths."""
+    this harness's host, port, seed, dtype and lengths. ``transfer``: a whole ``--kv-transfer-config``
+    instead (another connector, e.g. vLLM's own ``MooncakeStoreConnector``); ``prefix_caching``:
+    vLLM's prefix cache on where no connector is given; ``server_args`` are appended to the launch
+    line and ``env_extra`` to its environment."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env.update(env_extra or {})
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default process model
+    length = str(max_model_len)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE), "--max-model-len", "20480",
-           "--max-num-batched-tokens", "20480", "--enforce-eager", "--enable-prompt-tokens-details",
+           "--dtype", "bfloat16", "--block-size", str(block_size), "--max-model-len", length,
+           "--max-num-batched-tokens", length, "--enforce-eager", "--enable-prompt-tokens-details",
            "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            # vLLM's default (0) kills the worker at once on shutdown: the connector could not drain
            "--shutdown-timeout", "60"]
@@ -80,10 +89,13 @@ def start_server(model: Path, port: int, log: Path, *, extra: dict[str, Any] | N
         cmd = [sys.executable, "-m", _HEAD[2], *args, "--dtype", "bfloat16", "--max-model-len", "20480",
                "--max-num-batched-tokens", "20480", "--enforce-eager", "--enable-prompt-tokens-details",
                "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    elif transfer is not None:
+        cmd += ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(transfer)]
     elif extra is not None:
         cmd += ["--enable-prefix-caching", "--kv-transfer-config", json.dumps(connector_config(extra))]
     else:
-        cmd += ["--no-enable-prefix-caching"]
+        cmd += ["--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    cmd += list(server_args)
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -152,6 +164,44 @@ def time_to_first_token(port: int, messages: list[dict[str, str]]) -> tuple[floa
     return (ttft if ttft is not None else time.perf_counter() - t0), cached
 
 
+def stream_completion(port: int, prompt: list[int], max_tokens: int, *, logprobs: int = 3,
+                      timeout_s: float = 600) -> dict[str, Any]:
+    """One streamed ``/v1/completions`` request on token ids, greedy: its time to first token and
+    total seconds, the generated token ids, the first token's top ``logprobs`` (token id ->
+    logprob), and the prompt tokens served from a cache (vLLM's own or a connector's)."""
+    body = json.dumps({"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "logprobs": logprobs, "return_tokens_as_token_ids": True, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    tokens: list[int] = []
+    first: dict[int, float] = {}
+    cached = prompt_tokens = 0
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            for choice in event.get("choices") or []:
+                lp = choice.get("logprobs") or {}
+                got = [int(t.removeprefix("token_id:")) for t in lp.get("tokens") or []]
+                if got and ttft is None:
+                    ttft = time.perf_counter() - t0
+                    top = (lp.get("top_logprobs") or [{}])[0] or {}
+                    first = {int(k.removeprefix("token_id:")): float(v) for k, v in top.items()}
+                tokens += got
+            usage = event.get("usage")
+            if usage:
+                prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    total = time.perf_counter() - t0
+    return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "tokens": tokens,
+            "first_logprobs": first, "cached": cached, "prompt_tokens": prompt_tokens}
+
+
 def top_logprobs(resp: dict[str, Any]) -> list[list[tuple[str, float]]]:
     content = resp["choices"][0]["logprobs"]["content"]
     return [[(t["token"], t["logprob"]) for t in c["top_logprobs"]] for c in content]
@@ -173,6 +223,7 @@ __all__ = [
     "readme_server_args",
     "start_server",
     "stop_server",
+    "stream_completion",
     "time_to_first_token",
     "top_logprobs",
 ]

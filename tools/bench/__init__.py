@@ -36,6 +36,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bench-vllm-peers": Benchmark("vllm_peers", "vLLM CPU build: hylinker's connector against "
                                                 "vLLM's own MooncakeStoreConnector in one run "
                                                 "(.venv-vllm)"),
+    "bench-vllm-serving": Benchmark("vllm_serving", "vLLM CPU build: the OpenAI server replaying a "
+                                                    "multi-turn trace with each connector, under load "
+                                                    "(.venv-vllm)"),
     "bench-vllm-keys": Benchmark("vllm_keys", "what keying a vLLM request by vLLM's extra keys "
                                               "costs the scheduler"),
     "bench-shapes": Benchmark("shapes", "the vLLM connector's save and load at Qwen3-Next-80B's "
