@@ -46,8 +46,8 @@ change is measured before and after in one run.
 ``--geometry qwen3-next-80b`` runs Qwen3-Next-80B's geometry (``harness/shapes.py``: 48 layers, its
 KV heads, head and state dims, block 1,056) with a narrow residual stream; ``--tp 2`` runs vLLM's
 default process model (two worker processes; the connectors' counters then stay in the workers and
-only short restores are counted). Serving under load (the OpenAI server replaying a trace) is not
-part of this tool yet.
+only short restores are counted). Serving under load (the OpenAI server replaying the conversation
+trace with each connector) is ``hylinker bench-vllm-serving`` (``tools/bench/vllm_serving.py``).
 """
 
 from __future__ import annotations

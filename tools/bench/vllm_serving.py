@@ -360,7 +360,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.2))
+    fig = Figure(figsize=(7, 5.0))
     ax = fig.add_subplot(1, 1, 1)
     colors = {"vllm_mooncake": "tab:orange", "hylinker": "tab:blue", "baseline": "tab:gray"}
     for config in result["configs"]:
@@ -374,9 +374,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("fraction of requests")
     host, w = result["host"], result["workload"]
     ax.set_title(f"vLLM CPU server, {w['requests']} trace requests at concurrency {result['args']['concurrency']}, "
-                 f"{host['cores']} cores, load {host['load_average'][0]} -> {host.get('load_average_end', '?')}",
-                 fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+                 f"{len(result['rounds'])} rounds pooled\n{host['cores']} cores, load {host['load_average'][0]} -> "
+                 f"{host.get('load_average_end', '?')}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
+    fig.subplots_adjust(bottom=0.32)
     ax.grid(alpha=0.3)
     FigureCanvasAgg(fig).print_png(str(path))
 
