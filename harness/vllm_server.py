@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,27 +140,34 @@ def chat(port: int, messages: list[dict[str, str]], max_tokens: int = 6) -> dict
         "logprobs": True, "top_logprobs": 3})
 
 
+def _stream(port: int, path: str, body: dict[str, Any], timeout_s: float = 600) -> Iterator[dict[str, Any]]:
+    """POST ``body`` (``stream`` set) to ``path`` and yield each server-sent event's JSON."""
+    data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[len("data: "):])
+
+
+def _cached(usage: dict[str, Any]) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
 def time_to_first_token(port: int, messages: list[dict[str, str]]) -> tuple[float, int]:
     """Stream a chat completion: seconds until the first content token, and the prompt tokens
     served from a cache (vLLM's own or the connector's)."""
-    body = json.dumps({"model": "", "messages": messages, "max_tokens": 4, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    body = {"model": "", "messages": messages, "max_tokens": 4, "temperature": 0.0}
     t0 = time.perf_counter()
     ttft: float | None = None
     cached = 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if ttft is None and event.get("choices") and event["choices"][0].get("delta", {}).get("content") is not None:
-                ttft = time.perf_counter() - t0
-            usage = event.get("usage")
-            if usage:
-                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    for event in _stream(port, "/v1/chat/completions", body):
+        if ttft is None and event.get("choices") and event["choices"][0].get("delta", {}).get("content") is not None:
+            ttft = time.perf_counter() - t0
+        if event.get("usage"):
+            cached = _cached(event["usage"])
     return (ttft if ttft is not None else time.perf_counter() - t0), cached
 
 
@@ -169,34 +176,25 @@ def stream_completion(port: int, prompt: list[int], max_tokens: int, *, logprobs
     """One streamed ``/v1/completions`` request on token ids, greedy: its time to first token and
     total seconds, the generated token ids, the first token's top ``logprobs`` (token id ->
     logprob), and the prompt tokens served from a cache (vLLM's own or a connector's)."""
-    body = json.dumps({"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "logprobs": logprobs, "return_tokens_as_token_ids": True, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    body = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": logprobs,
+            "return_tokens_as_token_ids": True, "ignore_eos": True}
     t0 = time.perf_counter()
     ttft: float | None = None
     tokens: list[int] = []
     first: dict[int, float] = {}
     cached = prompt_tokens = 0
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            for choice in event.get("choices") or []:
-                lp = choice.get("logprobs") or {}
-                got = [int(t.removeprefix("token_id:")) for t in lp.get("tokens") or []]
-                if got and ttft is None:
-                    ttft = time.perf_counter() - t0
-                    top = (lp.get("top_logprobs") or [{}])[0] or {}
-                    first = {int(k.removeprefix("token_id:")): float(v) for k, v in top.items()}
-                tokens += got
-            usage = event.get("usage")
-            if usage:
-                prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    for event in _stream(port, "/v1/completions", body, timeout_s):
+        for choice in event.get("choices") or []:
+            lp = choice.get("logprobs") or {}
+            got = [int(t.removeprefix("token_id:")) for t in lp.get("tokens") or []]
+            if got and ttft is None:
+                ttft = time.perf_counter() - t0
+                top = (lp.get("top_logprobs") or [{}])[0] or {}
+                first = {int(k.removeprefix("token_id:")): float(v) for k, v in top.items()}
+            tokens += got
+        if event.get("usage"):
+            prompt_tokens = int(event["usage"].get("prompt_tokens") or 0)
+            cached = _cached(event["usage"])
     total = time.perf_counter() - t0
     return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "tokens": tokens,
             "first_logprobs": first, "cached": cached, "prompt_tokens": prompt_tokens}
@@ -208,8 +206,7 @@ def top_logprobs(resp: dict[str, Any]) -> list[list[tuple[str, float]]]:
 
 
 def cached_tokens(resp: dict[str, Any]) -> int:
-    details = resp["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
+    return _cached(resp["usage"])
 
 
 __all__ = [

@@ -27,17 +27,22 @@ median and mean of every timed step. The JSON's ``host`` comes from ``tools/benc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...harness.tiny_qwen3_next import build_tiny_qwen3_next
 from .output import write_json
+
+if TYPE_CHECKING:
+    from ...stores.mooncake_master import MooncakeMaster
 
 
 def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log: Path, *,
@@ -62,6 +67,32 @@ def runner_rows(cmd: list[str], env: dict[str, str], log: Path, n_steps: int, la
     if len(rows) != n_steps:
         raise RuntimeError(f"{label} failed, see {log}:\n{log.read_text()[-3000:]}")
     return rows
+
+
+@contextlib.contextmanager
+def fresh_store(work: Path, segment_mib: int) -> Iterator[MooncakeMaster]:
+    """A loopback master (log in ``work``) and a storage-only client holding ``segment_mib`` MiB:
+    the store each connector of the side-by-side benchmarks gets, engines contributing none."""
+    from ...stores.mooncake_master import MooncakeMaster
+    from ..mooncake_cli import start_segment_process
+
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(MooncakeMaster(log_path=work / "master.log").start())
+        seg = start_segment_process(master.address, segment_mib)
+        stack.callback(seg.wait, 10)
+        stack.callback(seg.kill)
+        yield master
+
+
+def vllm_mooncake_env(work: Path, address: str, local_buffer_mib: int) -> dict[str, str]:
+    """vLLM's own ``MooncakeStoreConnector`` reads its Mooncake settings from a file: write it in
+    ``work`` (``standalone-store``, no segment of its own, over TCP to ``address``) and return the
+    environment that names it."""
+    mooncake = {"metadata_server": "P2PHANDSHAKE", "master_server_address": address, "protocol": "tcp",
+                "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
+                "local_buffer_size": local_buffer_mib << 20}
+    (work / "mooncake.json").write_text(json.dumps(mooncake))
+    return {"MOONCAKE_CONFIG_PATH": str(work / "mooncake.json"), "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,28 +60,14 @@ import random
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .output import write_json
+from .output import add_output_arguments, plot_only, write_outputs
 
 CONFIGS = ("vllm_mooncake", "hylinker", "baseline")
 GEOMETRIES = ("tiny", "qwen3-next-80b")
-
-
-@contextlib.contextmanager
-def _fresh_store(work: Path, segment_mib: int) -> Iterator[str]:
-    """A loopback master and a storage-only client holding ``segment_mib`` MiB; yields the master's address."""
-    from ...stores.mooncake_master import MooncakeMaster
-    from ..mooncake_cli import start_segment_process
-
-    with contextlib.ExitStack() as stack:
-        master = stack.enter_context(MooncakeMaster(log_path=work / "master.log").start())
-        seg = start_segment_process(master.address, segment_mib)
-        stack.callback(seg.wait, 10)
-        stack.callback(seg.kill)
-        yield master.address
 
 
 def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, args: argparse.Namespace,
@@ -96,25 +82,21 @@ def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, a
            "--max-model-len", str(max(args.size_list) + 1024), "--tp", str(args.tp), "--block-size", str(block)]
     if args.tp == 1:
         cmd.append("--in-process")
+    from .vllm import fresh_store, runner_rows, vllm_mooncake_env
+
     with contextlib.ExitStack() as stack:
         if config == "baseline":
             cmd += ["--extra", "prefix-only"]
         else:
-            address = stack.enter_context(_fresh_store(work, args.segment_mib))
+            address = stack.enter_context(fresh_store(work, args.segment_mib)).address
             if config.startswith("hylinker"):
                 if config == "hylinker_before":
                     env["PYTHONPATH"] = os.pathsep.join([str(args.before), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
                 extra = {"store": "mooncake", "master": address, "segment_mb": 0, "integrity": args.integrity}
                 cmd += ["--extra", json.dumps(extra)]
             else:
-                mooncake = {"metadata_server": "P2PHANDSHAKE", "master_server_address": address, "protocol": "tcp",
-                            "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
-                            "local_buffer_size": args.local_buffer_mib << 20}
-                (work / "mooncake.json").write_text(json.dumps(mooncake))
-                env.update(MOONCAKE_CONFIG_PATH=str(work / "mooncake.json"), MOONCAKE_REQUESTER_LOCAL_HOSTNAME="127.0.0.1")
+                env.update(vllm_mooncake_env(work, address, args.local_buffer_mib))
                 cmd += ["--connector", "mooncake-store", "--extra", "{}"]
-        from .vllm import runner_rows
-
         return runner_rows(cmd, env, log, len(steps), f"{config} engine")
 
 
@@ -334,25 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--before", type=Path, help="also run HylinkerConnector from this checkout's parent folder "
                                                 "(PYTHONPATH), as a fourth configuration: a before/after in one run")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--plot", type=Path, help="PNG of the TTFT CDFs (needs matplotlib)")
-    ap.add_argument("--plot-from", type=Path, help="only draw --plot from this JSON")
+    add_output_arguments(ap)  # --plot: the TTFT CDFs
     args = ap.parse_args(argv)
-    if args.plot_from:
-        if not args.plot:
-            ap.error("--plot-from needs --plot")
-        plot(json.loads(args.plot_from.read_text()), args.plot)
+    if plot_only(ap, args, plot):
         return 0
     args.size_list = [int(s) for s in args.sizes.split(",")]
     result = run_bench(args)
-    if args.json:
-        write_json(args.json, result)
-    if args.plot:
-        try:
-            plot(result, args.plot)
-        except ImportError:
-            print(f"no matplotlib here: python3 -m hylinker.tools.bench.vllm_peers --plot-from {args.json} "
-                  f"--plot {args.plot}", file=sys.stderr)
+    write_outputs(args, result, plot, "vllm_peers")
     bad = sum(f["wrong_restores"] + f["wrong_misses"] for f in result["findings"].values())
     return 1 if bad else 0
 

@@ -51,7 +51,6 @@ import contextlib
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -60,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .output import write_json
+from .output import add_output_arguments, plot_only, write_outputs
 
 CONFIGS = ("vllm_mooncake", "hylinker", "baseline")
 NAMES = {"vllm_mooncake": "vLLM MooncakeStoreConnector", "hylinker": "HylinkerConnector",
@@ -137,8 +136,7 @@ def _total(samples: dict[str, float], name: str, label: str = "") -> int:
 def _server(config: str, model: Path, work: Path, args: argparse.Namespace) -> Iterator[tuple[int, Any]]:
     """One server in ``config``; yields its port and the master (``None`` without a connector)."""
     from ...harness.vllm_server import free_port, start_server, stop_server
-    from ...stores.mooncake_master import MooncakeMaster
-    from ..mooncake_cli import start_segment_process
+    from .vllm import fresh_store, vllm_mooncake_env
 
     port = free_port()
     common: dict[str, Any] = {"max_model_len": args.max_input + args.max_output + 16,
@@ -147,10 +145,7 @@ def _server(config: str, model: Path, work: Path, args: argparse.Namespace) -> I
     with contextlib.ExitStack() as stack:
         master = None
         if config in ("hylinker", "vllm_mooncake"):
-            master = stack.enter_context(MooncakeMaster(log_path=work / "master.log").start())
-            seg = start_segment_process(master.address, args.segment_mib)
-            stack.callback(seg.wait, 10)
-            stack.callback(seg.kill)
+            master = stack.enter_context(fresh_store(work, args.segment_mib))
         log = work / "server.log"
         if config == "hylinker":
             assert master is not None
@@ -158,15 +153,10 @@ def _server(config: str, model: Path, work: Path, args: argparse.Namespace) -> I
             proc = start_server(model, port, log, extra=extra, **common)
         elif config == "vllm_mooncake":
             assert master is not None
-            mooncake = {"metadata_server": "P2PHANDSHAKE", "master_server_address": master.address,
-                        "protocol": "tcp", "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
-                        "local_buffer_size": args.local_buffer_mib << 20}
-            (work / "mooncake.json").write_text(json.dumps(mooncake))
             transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {}}
             proc = start_server(model, port, log, extra=None, transfer=transfer, **common,
-                                env_extra={"MOONCAKE_CONFIG_PATH": str(work / "mooncake.json"),
-                                           "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"})
+                                env_extra=vllm_mooncake_env(work, master.address, args.local_buffer_mib))
         else:
             # the reference keeps vLLM's prefix cache on (emptied before each request): with it on, a
             # hybrid model's prefill is chunked at block boundaries, so only then is it computed in
@@ -398,28 +388,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-buffer-mib", type=int, default=256, help="vLLM's connector's registered buffer")
     ap.add_argument("--settle-s", type=float, default=1.0, help="pause after a replay before the counters are read")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--plot", type=Path, help="PNG of the TTFT CDFs (needs matplotlib)")
-    ap.add_argument("--plot-from", type=Path, help="only draw --plot from this JSON")
+    add_output_arguments(ap)  # --plot: the TTFT CDFs
     args = ap.parse_args(argv)
-    if args.plot_from:
-        if not args.plot:
-            ap.error("--plot-from needs --plot")
-        plot(json.loads(args.plot_from.read_text()), args.plot)
+    if plot_only(ap, args, plot):
         return 0
     for name in ("conversations", "tokens_per_block", "max_input", "output_scale", "max_output", "concurrency",
                  "device_blocks", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     result = run_bench(args)
-    if args.json:
-        write_json(args.json, result)
-    if args.plot:
-        try:
-            plot(result, args.plot)
-        except ImportError:
-            print(f"no matplotlib here: python3 -m hylinker.tools.bench.vllm_serving --plot-from {args.json} "
-                  f"--plot {args.plot}", file=sys.stderr)
+    write_outputs(args, result, plot, "vllm_serving")
     wrong = sum(t["wrong_with_cached_prefix"] for t in result["table"].values())
     return 1 if wrong else 0
 
