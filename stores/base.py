@@ -77,6 +77,11 @@ class StoreCapabilities:
     #: put_rows / get_rows: a sub-batch described by pool rows (``stores/rows.py``), outcomes as
     #: arrays; the store copies, checksums and writes the headers itself
     rows: bool = False
+    #: the shortest contiguous run of pool memory (one buffer of a scattered object) the store
+    #: moves in place as fast as staged: an object whose runs are shorter on average (its
+    #: payload over its segments) goes staged, one buffer per object. 0: any run. A store whose
+    #: transport pays per buffer (Mooncake over TCP to a peer's segment) sets it
+    min_run_bytes: int = 0
 
 
 @attrs.frozen

@@ -130,6 +130,7 @@ class MooncakeStore:
         self._capabilities = StoreCapabilities(
             name="mooncake", touch=True, remove=True, zero_copy=True, max_batch=config.max_batch,
             scatter=True, device_memory=device_memory, rows=config.row_calls,
+            min_run_bytes=config.min_run_bytes,
         )
         self._limiter = anyio.CapacityLimiter(config.workers)
         self._batches = MooncakeBatches(client, config)  # the worker-thread side

@@ -139,6 +139,18 @@ class MooncakeConfig:
     #: row-described sub-batches (``put_rows`` / ``get_rows``, :mod:`hylinker.stores.mooncake_rows`,
     #: ``capabilities.rows``); False: the data plane moves in place by ``put_parts`` / ``get_parts``
     row_calls: bool = True
+    #: ``StoreCapabilities.min_run_bytes``: objects whose pool runs are shorter on average move
+    #: staged (one buffer each). None: 256 KiB for a pure client over TCP (``segment_bytes`` 0,
+    #: every object crosses to a peer's segment, and Mooncake's TCP transport pays per buffer:
+    #: design/stores.md), 0 otherwise (in-process segment, RDMA)
+    in_place_min_run_bytes: int | None = attrs.field(default=None, validator=number_rule(at_least=0, optional=True))
+
+    @property
+    def min_run_bytes(self) -> int:
+        """The resolved :attr:`in_place_min_run_bytes`."""
+        if self.in_place_min_run_bytes is not None:
+            return self.in_place_min_run_bytes
+        return 256 * 1024 if self.segment_bytes == 0 and self.protocol == "tcp" else 0
 
     def __attrs_post_init__(self) -> None:
         split_address(self.master_address)

@@ -83,7 +83,7 @@ class HeldLoads(InPlaceTransfers):
             # in its rows, never reported landed)
             job.in_rows = True
             return await self._load_in_place(job, codec, size, t0)
-        if self.rows and codec.host_path(job.index):
+        if self.row_groups[job.group] and codec.host_path(job.index):
             return await self._load_held_rows(job, codec, size, t0)
         faults: dict[str, int] = {}
         grid = await self._held_frames(job)

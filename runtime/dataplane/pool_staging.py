@@ -205,7 +205,11 @@ class PoolStaging:
         # ... for objects of at least ``in_place_min_bytes``; smaller ones go staged. One
         # decision per layer group (its object size), made here and read by both directions
         able = supports_scatter(store) and self.codec.device.type == "cpu" and in_place and self.copies is None
-        self.in_place_groups = [able and c.payload_bytes >= in_place_min_bytes for c in self.codecs]
+        # ... and whose runs the store moves in place as fast as staged (a transport that pays
+        # per buffer: ``StoreCapabilities.min_run_bytes``)
+        runs = [c.run_bytes >= store.capabilities.min_run_bytes for c in self.codecs]
+        self.in_place_groups = [able and c.payload_bytes >= in_place_min_bytes and ok
+                                for c, ok in zip(self.codecs, runs, strict=True)]
         if self.copies is not None and in_place and supports_device_memory(store):
             # device pools over a store that addresses device memory: the rows are registered
             # and moved in place whatever the size (runtime/dataplane/device_transfers.py)
@@ -216,10 +220,12 @@ class PoolStaging:
         #: in-place transfers as row-described store calls (``put_rows`` / ``get_rows``): the
         #: store copies, checksums and writes headers per sub-batch, no buffer list per object,
         #: so nothing per object is left to save by staging: offloads and loads move in place
-        #: at every size
+        #: at every size whose runs the store moves well (``row_groups``; the others staged,
+        #: verify-all loads of them in private frames)
         self.rows = able and supports_rows(store)
+        self.row_groups = [self.rows and ok for ok in runs]
         if self.rows:
-            self.in_place_groups = [True] * len(self.codecs)
+            self.in_place_groups = list(self.row_groups)
         self.scatter = any(self.in_place_groups)
         # a store that checksums while it copies (framing.copy_checksummed): headers only on
         # offload, the landed checksum on load; the bytes cross memory once less per transfer

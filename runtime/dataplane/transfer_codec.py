@@ -55,6 +55,12 @@ class PoolCodec:
             self._stacked = [st.view(torch.uint8).reshape(st.shape[0], st.shape[1], -1).numpy()
                              for st in view.stacked]
 
+    @property
+    def run_bytes(self) -> int:
+        """The mean contiguous run of one object in pool memory (payload over segments): what
+        a scatter-gather store moves per buffer when it moves this object in place."""
+        return self.payload_bytes // max(1, len(self._segments))
+
     def pieces(self, first: int) -> list[torch.Tensor]:
         """One object's payload as views of the pool memory, in payload order (one run of
         ``unit`` rows per layer part): what a scatter-gather store reads or writes in place.
