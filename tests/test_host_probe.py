@@ -53,8 +53,9 @@ def test_integrity_levels_bench_compares_both_levels_with_the_raw_store(tmp_path
     assert bench.run(args) == 0
     data = json.loads(out.read_text())
     rows = data["integrity_levels"]
-    assert {(r["store"], r["object_bytes"], r["direction"]) for r in rows} == {
-        ("embedded", size, d) for size in (64 << 10, 1 << 20) for d in ("put", "get")}
+    assert {(r["store"], r["object_bytes"], r["segments"], r["direction"]) for r in rows} == {
+        ("embedded", size, segments, d) for size, segments in ((64 << 10, 1), (1 << 20, 1), ((768 << 10) + 64, 24))
+        for d in ("put", "get")}
     assert all(r["checksum_gbps"] > 0 and r["header_gbps"] > 0 and r["header_vs_raw"] > 0 for r in rows)
     assert "data_path" not in data and data["host"]["memcpy_gbps"] > 0
 

@@ -21,16 +21,17 @@ def test_the_peers_benchmark_compares_both_connectors_exactly(tmp_path: Path) ->
     out = tmp_path / "peers.json"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     run = subprocess.run([sys.executable, "-m", "hylinker", "bench-vllm-peers", "--sizes", "1536", "--rounds", "1",
-                          "--repeats", "2", "--decode-tokens", "4", "--json", str(out)],
+                          "--repeats", "2", "--decode-tokens", "4", "--integrity", "checksum,header",
+                          "--json", str(out)],
                          env=env, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     data = json.loads(out.read_text())
-    assert data["configs"] == ["vllm_mooncake", "hylinker", "baseline"]
+    assert data["configs"] == ["vllm_mooncake", "hylinker", "baseline", "hylinker_header"]
     assert sorted(data["orders"][0]) == sorted(data["configs"])
     assert data["host"]["memcpy_gbps"] > 0 and data["host"]["cores"] >= 1
     (row,) = data["ttft"]
     assert row["tokens"] == 1536
-    for connector in ("vllm_mooncake", "hylinker"):
+    for connector in ("vllm_mooncake", "hylinker", "hylinker_header"):
         # the block-384 grid: the state checkpoint below a 1,536-token prompt is at 1,152
         assert row[connector]["cached"] == [1152], connector
         found = data["findings"][connector]
@@ -41,8 +42,11 @@ def test_the_peers_benchmark_compares_both_connectors_exactly(tmp_path: Path) ->
         assert data["decode"][connector]["steps"] > 0
     assert row["baseline"]["cached"] == [0]  # the reference recomputes
     assert data["connector_stats"]["hylinker"][0]["loads_ok"] >= 3
+    assert data["connector_stats"]["hylinker_header"][0]["loads_ok"] >= 3
+    assert set(row["restore_speedup_over_vllm"]) == {"hylinker", "hylinker_header"}
     assert data["connector_stats"]["vllm_mooncake"][0]["save_put_count"] > 0  # its stats were kept
-    assert "vLLM MooncakeStoreConnector" in run.stdout and "HylinkerConnector" in run.stdout
+    assert "vLLM MooncakeStoreConnector" in run.stdout and "HylinkerConnector (checksum)" in run.stdout
+    assert "HylinkerConnector (header)" in run.stdout
 
 
 def test_every_restore_of_vllms_connector_follows_a_reset_that_took(tmp_path: Path) -> None:

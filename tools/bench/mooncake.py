@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 MIB = 1 << 20
 
 
@@ -39,9 +41,13 @@ def mooncake_setups(stack: contextlib.ExitStack, segment_bytes: int) -> list[tup
     remote_master = stack.enter_context(MooncakeMaster().start())
     segment_process(stack, remote_master.address, segment_bytes)
 
-    def remote(capacity: int) -> Any:
-        return MooncakeStore.open(MooncakeConfig(master_address=remote_master.address, segment_bytes=0,
-                                                 local_buffer_bytes=64 * MIB))
+    async def remote(capacity: int) -> Any:
+        store = await MooncakeStore.open(MooncakeConfig(master_address=remote_master.address, segment_bytes=0,
+                                                        local_buffer_bytes=64 * MIB))
+        # the peer's segment outlives each store, and every round's keys are its own: start
+        # each store on an empty segment, or later rounds find it full (puts answered FULL)
+        await anyio.to_thread.run_sync(store._client.remove_all, True)
+        return store
 
     return [("mooncake-inproc", inproc), ("mooncake-remote", remote)]
 

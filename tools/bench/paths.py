@@ -64,7 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="include Mooncake in the data path (auto: when importable)")
     parser.add_argument("--integrity-levels", action="store_true",
                         help="also compare the runtime at integrity 'checksum' and 'header' with the raw store "
-                             "(embedded and Mooncake in-process, 64 KiB and 1 MiB; JSON 'integrity_levels')")
+                             "(every store and object shape of 'data'; JSON 'integrity_levels')")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
         out["data_path"] = data_path(args.quick, args.mooncake, args.rounds)
         _print_data_path(out["data_path"])
     if args.integrity_levels or "levels" in sections:
-        out["integrity_levels"] = data_path(args.quick, args.mooncake, args.rounds, variants=LEVEL_VARIANTS,
-                                            stores=("embedded", "mooncake-inproc"), shapes=SHAPES[:2])
+        out["integrity_levels"] = data_path(args.quick, args.mooncake, args.rounds, variants=LEVEL_VARIANTS)
         _print_data_path(out["integrity_levels"], LEVEL_VARIANTS, "integrity levels, runtime vs raw store")
     if "steps" in sections:
         from .steps import object_steps, print_steps

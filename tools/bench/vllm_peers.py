@@ -7,8 +7,9 @@ can be read):
 
 * ``vllm_mooncake``: vLLM's ``MooncakeStoreConnector`` (``standalone-store`` mode, the engine
   contributes no segment, asynchronous loads: its defaults);
-* ``hylinker``: ``HylinkerConnector`` on Mooncake (``segment_mb`` 0, integrity ``--integrity``,
-  ``"checksum"`` by default);
+* ``hylinker``: ``HylinkerConnector`` on Mooncake (``segment_mb`` 0, integrity the first level of
+  ``--integrity``, ``"checksum"`` by default; each further level, e.g. ``--integrity checksum,header``,
+  adds a configuration ``hylinker_<level>``: what the checksum costs, measured in the same run);
 * ``baseline``: no connector, vLLM's own prefix cache (reset before each restore row: a recompute).
 
 Each connector engine gets a fresh loopback ``mooncake_master`` and a storage-only client holding
@@ -70,6 +71,18 @@ CONFIGS = ("vllm_mooncake", "hylinker", "baseline")
 GEOMETRIES = ("tiny", "qwen3-next-80b")
 
 
+def _levels(args: argparse.Namespace) -> list[str]:
+    """``--integrity`` as a list: the first level is ``hylinker``'s, each further one a configuration of its own."""
+    return [level.strip() for level in str(args.integrity).split(",") if level.strip()]
+
+
+def _integrity(config: str, args: argparse.Namespace) -> str:
+    """The integrity level a hylinker configuration runs at (``hylinker_<level>``, else the first level)."""
+    levels = _levels(args)
+    suffix = config.removeprefix("hylinker_")
+    return suffix if config != "hylinker" and suffix in levels[1:] else levels[0]
+
+
 def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, args: argparse.Namespace,
             block: int) -> list[dict[str, Any]]:
     """Run one engine through ``steps`` in configuration ``config``; its result rows."""
@@ -92,7 +105,8 @@ def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, a
             if config.startswith("hylinker"):
                 if config == "hylinker_before":
                     env["PYTHONPATH"] = os.pathsep.join([str(args.before), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-                extra = {"store": "mooncake", "master": address, "segment_mb": 0, "integrity": args.integrity}
+                extra = {"store": "mooncake", "master": address, "segment_mb": 0,
+                         "integrity": _integrity(config, args)}
                 cmd += ["--extra", json.dumps(extra)]
             else:
                 env.update(vllm_mooncake_env(work, address, args.local_buffer_mib))
@@ -154,7 +168,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     host = host_record()
     rng = random.Random(args.seed)
-    configs = [*CONFIGS, *(["hylinker_before"] if args.before else [])]
+    configs = [*CONFIGS, *(f"hylinker_{level}" for level in _levels(args)[1:]),
+               *(["hylinker_before"] if args.before else [])]
     samples: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
     cached: dict[str, dict[str, list[int]]] = {c: {} for c in configs}
     findings: dict[str, dict[str, int]] = {c: {"restores_compared": 0, "wrong_restores": 0, "short_restores": 0,
@@ -223,6 +238,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                            "cached": sorted(set(cached[config].get(str(n), [])))}
         hy, vm, base = row["hylinker"], row["vllm_mooncake"], row["baseline"]
         row["restore_speedup_hylinker_over_vllm"] = round(vm["restore_s"] / hy["restore_s"], 3)
+        row["restore_speedup_over_vllm"] = {c: round(vm["restore_s"] / row[c]["restore_s"], 3)
+                                            for c in configs if c.startswith("hylinker")}
         row["miss_over_recompute"] = {c: round(row[c]["miss_s"] / base["miss_s"], 3) for c in configs if c != "baseline"}
         if args.before:
             row["restore_speedup_over_before"] = round(row["hylinker_before"]["restore_s"] / hy["restore_s"], 3)
@@ -240,8 +257,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     """The printed (and docs') table: medians per configuration, exactness and losses beside them."""
-    names = {"vllm_mooncake": "vLLM MooncakeStoreConnector", "hylinker": "HylinkerConnector",
+    levels = str(result["args"].get("integrity", "checksum")).split(",")
+    names = {"vllm_mooncake": "vLLM MooncakeStoreConnector", "hylinker": f"HylinkerConnector ({levels[0]})",
              "baseline": "no connector (recompute)", "hylinker_before": "HylinkerConnector, --before build"}
+    names.update({f"hylinker_{level}": f"HylinkerConnector ({level})" for level in levels[1:]})
     lines = ["| TTFT median / best | " + " | ".join(f"restore {r['tokens']} s (cached) | miss {r['tokens']} s"
                                                    for r in result["ttft"])
              + " | decode step ms | wrong restores | short restores | failed/skipped saves, failed loads |",
@@ -267,8 +286,9 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{names[c]}: {f['resets_flushed']} prefix-cache resets refused until a short request ran, "
                          f"{f['restores_not_reset']} restores left out (their reset stayed refused)")
     for r in result["ttft"]:
-        lines.append(f"restore {r['tokens']}: hylinker {r['restore_speedup_hylinker_over_vllm']:.2f}x vLLM's connector"
-                     + (f", {r['restore_speedup_over_before']:.2f}x the --before build" if "hylinker_before" in r else ""))
+        speedups = r.get("restore_speedup_over_vllm", {"hylinker": r["restore_speedup_hylinker_over_vllm"]})
+        lines.append(f"restore {r['tokens']}: " + ", ".join(f"{names[c]} {x:.2f}x vLLM's connector" for c, x in speedups.items())
+                     + (f"; {r['restore_speedup_over_before']:.2f}x the --before build" if "hylinker_before" in r else ""))
     return "\n".join(lines)
 
 
@@ -280,14 +300,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(7, 4.2))
     ax = fig.add_subplot(1, 1, 1)
     colors = {"vllm_mooncake": "tab:orange", "hylinker": "tab:blue", "baseline": "tab:gray",
-              "hylinker_before": "tab:cyan"}
+              "hylinker_before": "tab:cyan", "hylinker_header": "tab:green", "hylinker_checksum": "tab:purple",
+              "hylinker_none": "tab:olive"}
     for config in result["configs"]:
         for kind, style in (("restore", "-"), ("miss", "--")):
             xs = sorted(v for k, vs in result["samples"][config].items() if k.startswith(kind + ":") for v in vs)
             if xs:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 label = f"{config} {kind if config != 'baseline' or kind == 'miss' else 'recompute'}"
-                ax.step(xs, ys, style, where="post", color=colors[config], label=label)
+                ax.step(xs, ys, style, where="post", color=colors.get(config, "tab:red"), label=label)
     ax.set_xscale("log")  # restores and misses differ by an order of magnitude; stalls by another
     ax.set_xlabel("time to first token, s (log)")
     ax.set_ylabel("fraction of requests")
@@ -307,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="misses and restores per length and round")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-prompt", type=int, default=300, help="below one block: the connector stays idle")
-    ap.add_argument("--integrity", default="checksum", help="hylinker's integrity level")
+    ap.add_argument("--integrity", default="checksum",
+                    help="hylinker's integrity level; a list (checksum,header) adds a hylinker configuration per further level")
     ap.add_argument("--geometry", choices=GEOMETRIES, default="tiny")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--segment-mib", type=int, default=1024, help="the storage client's Mooncake segment")
