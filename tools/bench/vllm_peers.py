@@ -296,8 +296,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     """TTFT CDFs of the three configurations: restores (solid) and misses (dashed), every length pooled."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
-    fig = Figure(figsize=(7, 4.2))
+    fig = Figure(figsize=(7, 5.6))
     ax = fig.add_subplot(1, 1, 1)
     colors = {"vllm_mooncake": "tab:orange", "hylinker": "tab:blue", "baseline": "tab:gray",
               "hylinker_before": "tab:cyan", "hylinker_header": "tab:green", "hylinker_checksum": "tab:purple",
@@ -310,13 +311,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 label = f"{config} {kind if config != 'baseline' or kind == 'miss' else 'recompute'}"
                 ax.step(xs, ys, style, where="post", color=colors.get(config, "tab:red"), label=label)
     ax.set_xscale("log")  # restores and misses differ by an order of magnitude; stalls by another
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 0.02, 0.05, 0.1, ... s
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap at this width
     ax.set_xlabel("time to first token, s (log)")
     ax.set_ylabel("fraction of requests")
     sizes = ",".join(str(r["tokens"]) for r in result["ttft"])
     host = result["host"]
     ax.set_title(f"vLLM CPU build, {sizes} tokens, {host['cores']} cores, load {host['load_average'][0]}"
                  f" -> {host.get('load_average_end', '?')}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    fig.subplots_adjust(bottom=0.36)  # the legend below the panel, never over the curves
     ax.grid(alpha=0.3)
     FigureCanvasAgg(fig).print_png(str(path))
 
