@@ -44,9 +44,21 @@ def _figure(title: str | None) -> tuple[Any, Any, Any]:
     return fig, left, right
 
 
-def _legend_below(ax: Any, columns: int = 3) -> None:
+def legend_below(ax: Any, columns: int = 3, fontsize: float | None = None) -> None:
+    """The legend below the panel, never over the curves (the figure leaves room for it)."""
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=columns, frameon=False)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=columns, frameon=False, fontsize=fontsize)
+
+
+def log_seconds_axis(ax: Any) -> None:
+    """A log x axis of seconds labelled 0.02, 0.05, 0.1, 0.2, ... (matplotlib's labelled minor ticks
+    overlap at a figure's usual width)."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_stress(
@@ -83,7 +95,7 @@ def plot_stress(
     ax_hit.set_ylim(0, 100)
     ax_hit.set_title("hit rate so far")
     ax_hit.grid(True, alpha=0.3)
-    _legend_below(ax_hit, columns=2)
+    legend_below(ax_hit, columns=2)
 
     plotted = 0
     positive = True
@@ -105,7 +117,7 @@ def plot_stress(
     ax_lat.set_ylim(0, 1.0)
     ax_lat.set_title("latency CDF per phase")
     ax_lat.grid(True, alpha=0.3, which="both")
-    _legend_below(ax_lat)
+    legend_below(ax_lat)
     fig.savefig(path, format="png", dpi=100)
     return fig
 
@@ -171,7 +183,7 @@ def plot_study(path: str, study: str, rows: Sequence[Mapping[str, Any]], *, titl
         left.axhline(bound, color=BOUND_COLOR, linestyle="--", linewidth=1.2,
                      label=f"infinite-cache bound ({bound:.1f}%)")
         left.set_ylim(0, max(100.0 if study != "sweep" else 0.0, bound * 1.15))
-    _legend_below(left, columns=2)
-    _legend_below(right, columns=2)
+    legend_below(left, columns=2)
+    legend_below(right, columns=2)
     fig.savefig(path, format="png", dpi=100)
     return fig

@@ -71,14 +71,14 @@ CONFIGS = ("vllm_mooncake", "hylinker", "baseline")
 GEOMETRIES = ("tiny", "qwen3-next-80b")
 
 
-def _levels(args: argparse.Namespace) -> list[str]:
+def _levels(integrity: str) -> list[str]:
     """``--integrity`` as a list: the first level is ``hylinker``'s, each further one a configuration of its own."""
-    return [level.strip() for level in str(args.integrity).split(",") if level.strip()]
+    return [level.strip() for level in str(integrity).split(",") if level.strip()]
 
 
 def _integrity(config: str, args: argparse.Namespace) -> str:
     """The integrity level a hylinker configuration runs at (``hylinker_<level>``, else the first level)."""
-    levels = _levels(args)
+    levels = _levels(args.integrity)
     suffix = config.removeprefix("hylinker_")
     return suffix if config != "hylinker" and suffix in levels[1:] else levels[0]
 
@@ -168,7 +168,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     host = host_record()
     rng = random.Random(args.seed)
-    configs = [*CONFIGS, *(f"hylinker_{level}" for level in _levels(args)[1:]),
+    configs = [*CONFIGS, *(f"hylinker_{level}" for level in _levels(args.integrity)[1:]),
                *(["hylinker_before"] if args.before else [])]
     samples: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
     cached: dict[str, dict[str, list[int]]] = {c: {} for c in configs}
@@ -237,7 +237,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                            "restore_best_s": round(min(restores), 4), "miss_best_s": round(min(misses), 4),
                            "cached": sorted(set(cached[config].get(str(n), [])))}
         hy, vm, base = row["hylinker"], row["vllm_mooncake"], row["baseline"]
-        row["restore_speedup_hylinker_over_vllm"] = round(vm["restore_s"] / hy["restore_s"], 3)
         row["restore_speedup_over_vllm"] = {c: round(vm["restore_s"] / row[c]["restore_s"], 3)
                                             for c in configs if c.startswith("hylinker")}
         row["miss_over_recompute"] = {c: round(row[c]["miss_s"] / base["miss_s"], 3) for c in configs if c != "baseline"}
@@ -257,7 +256,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     """The printed (and docs') table: medians per configuration, exactness and losses beside them."""
-    levels = str(result["args"].get("integrity", "checksum")).split(",")
+    levels = _levels(result["args"].get("integrity", "checksum"))
     names = {"vllm_mooncake": "vLLM MooncakeStoreConnector", "hylinker": f"HylinkerConnector ({levels[0]})",
              "baseline": "no connector (recompute)", "hylinker_before": "HylinkerConnector, --before build"}
     names.update({f"hylinker_{level}": f"HylinkerConnector ({level})" for level in levels[1:]})
@@ -286,8 +285,8 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{names[c]}: {f['resets_flushed']} prefix-cache resets refused until a short request ran, "
                          f"{f['restores_not_reset']} restores left out (their reset stayed refused)")
     for r in result["ttft"]:
-        speedups = r.get("restore_speedup_over_vllm", {"hylinker": r["restore_speedup_hylinker_over_vllm"]})
-        lines.append(f"restore {r['tokens']}: " + ", ".join(f"{names[c]} {x:.2f}x vLLM's connector" for c, x in speedups.items())
+        lines.append(f"restore {r['tokens']}: " + ", ".join(f"{names[c]} {x:.2f}x vLLM's connector"
+                                                             for c, x in r["restore_speedup_over_vllm"].items())
                      + (f"; {r['restore_speedup_over_before']:.2f}x the --before build" if "hylinker_before" in r else ""))
     return "\n".join(lines)
 
@@ -296,13 +295,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     """TTFT CDFs of the three configurations: restores (solid) and misses (dashed), every length pooled."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    from ..plots import legend_below, log_seconds_axis
 
     fig = Figure(figsize=(7, 5.6))
     ax = fig.add_subplot(1, 1, 1)
     colors = {"vllm_mooncake": "tab:orange", "hylinker": "tab:blue", "baseline": "tab:gray",
-              "hylinker_before": "tab:cyan", "hylinker_header": "tab:green", "hylinker_checksum": "tab:purple",
-              "hylinker_none": "tab:olive"}
+              "hylinker_before": "tab:cyan", "hylinker_header": "tab:green"}
     for config in result["configs"]:
         for kind, style in (("restore", "-"), ("miss", "--")):
             xs = sorted(v for k, vs in result["samples"][config].items() if k.startswith(kind + ":") for v in vs)
@@ -310,18 +309,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 label = f"{config} {kind if config != 'baseline' or kind == 'miss' else 'recompute'}"
                 ax.step(xs, ys, style, where="post", color=colors.get(config, "tab:red"), label=label)
-    ax.set_xscale("log")  # restores and misses differ by an order of magnitude; stalls by another
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 0.02, 0.05, 0.1, ... s
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap at this width
+    log_seconds_axis(ax)  # restores and misses differ by an order of magnitude; stalls by another
     ax.set_xlabel("time to first token, s (log)")
     ax.set_ylabel("fraction of requests")
     sizes = ",".join(str(r["tokens"]) for r in result["ttft"])
     host = result["host"]
     ax.set_title(f"vLLM CPU build, {sizes} tokens, {host['cores']} cores, load {host['load_average'][0]}"
                  f" -> {host.get('load_average_end', '?')}", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
-    fig.subplots_adjust(bottom=0.36)  # the legend below the panel, never over the curves
+    legend_below(ax, columns=2, fontsize=8)
+    fig.subplots_adjust(bottom=0.36)  # room for the legend
     ax.grid(alpha=0.3)
     FigureCanvasAgg(fig).print_png(str(path))
 

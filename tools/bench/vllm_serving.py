@@ -349,7 +349,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     """TTFT CDFs of the three configurations, every round pooled."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    from ..plots import legend_below, log_seconds_axis
 
     fig = Figure(figsize=(7, 5.0))
     ax = fig.add_subplot(1, 1, 1)
@@ -360,18 +361,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
             t = result["table"][config]
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=colors[config],
                     label=f"{NAMES[config]}: p99 {t['ttft_p99_s']:.3f} s, hit rate {t['hit_rate']:.2f}")
-    ax.set_xscale("log")
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 0.02, 0.05, 0.1, ... s
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks overlap at this width
+    log_seconds_axis(ax)
     ax.set_xlabel("time to first token, s (log)")
     ax.set_ylabel("fraction of requests")
     host, w = result["host"], result["workload"]
     ax.set_title(f"vLLM CPU server, {w['requests']} trace requests at concurrency {result['args']['concurrency']}, "
                  f"{len(result['rounds'])} rounds pooled\n{host['cores']} cores, load {host['load_average'][0]} -> "
                  f"{host.get('load_average_end', '?')}", fontsize=9)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
-    fig.subplots_adjust(bottom=0.32)
+    legend_below(ax, columns=1, fontsize=8)
+    fig.subplots_adjust(bottom=0.32)  # room for the legend
     ax.grid(alpha=0.3)
     FigureCanvasAgg(fig).print_png(str(path))
 
