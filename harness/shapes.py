@@ -106,7 +106,7 @@ def sglang_cache_spec(geometry: HybridGeometry = QWEN3_NEXT_80B, *, page_size: i
                       kv_pages: int = 16, mamba_slots: int = 4) -> Any:
     """The SGLang harness's :class:`~hylinker.harness.sglang_cache.CacheSpec` at ``geometry``:
     its layers and full-attention pattern, MHA KV heads and head dim, and the Mamba2 state shape
-    SGLang derives for Qwen3-Next (``configs/qwen3_next.py``: intermediate = value heads x value
+    SGLang derives for Qwen3-Next (``sglang/srt/configs/qwen3_next.py``: intermediate = value heads x value
     dim, ``n_groups`` = key heads, state size = key dim), fp32 recurrent state. Pages above 1
     use SGLang's ``extra_buffer`` Mamba strategy (it needs it there)."""
     from .sglang_cache import CacheSpec

@@ -1,5 +1,5 @@
 """The vLLM connector's view of what every rank's store holds (``integrations/vllm/index.py``)
-and the worker reports that feed it (``vllm_pages.PageTransfers.take_report``): engine-free."""
+and the worker reports that feed it (``integrations/vllm/pages.py``: ``PageTransfers.take_report``): engine-free."""
 
 from __future__ import annotations
 

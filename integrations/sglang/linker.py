@@ -12,7 +12,7 @@ version is refused at construction). Launch::
 SGLang owns the prefix tree, the allocators, the locks and COMMIT; this linker says what the
 store can restore and moves pages and states between SGLang's device pools and the store over
 the project's one data path: a :class:`~hylinker.runtime.dataplane.sync_plane.SyncDataPlane` over
-pool views of SGLang's tensors (``sglang_pools.py``), its store wrapped in a
+pool views of SGLang's tensors (``integrations/sglang/pools.py``), its store wrapped in a
 :class:`~hylinker.stores.resilient.ResilientStore`. What it adds over SGLang's own linker:
 
 * **integrity**: every object is framed (layout fingerprint, key, XXH3 checksum). Loads are
@@ -211,7 +211,7 @@ class HylinkerLinker(UnifiedCacheLinker):
 
     def rows(self, pool: str, indices: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``pool`` for SGLang's transfer indices: the indices themselves, or
-        under DCP the rows this DCP rank holds of the widened KV locs (``sglang_pools.DcpShare``)."""
+        under DCP the rows this DCP rank holds of the widened KV locs (``pools.DcpShare``)."""
         return self._pools[_KINDS[pool]].rows(indices)
 
     def _count(self, name: str, n: int = 1) -> None:

@@ -136,7 +136,7 @@ class _Tracked:
     """Scheduler-side state of one request."""
 
     request: Request
-    keys: BlockKeys  # the request's own keys: its tokens and vLLM's extra keys (vllm_request_keys)
+    keys: BlockKeys  # the request's own keys: its tokens and vLLM's extra keys (request_keys)
     saved_blocks: int = 0  # attention blocks below this are stored, restored or the engine's own hit
     stored_states: set[int] = field(default_factory=set)  # boundaries (in blocks) stored or restored
 
@@ -154,7 +154,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = VllmConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
         if self.config.tracing:  # one JSON line per phase event on stderr, with vLLM's request id
             enable_trace_logging(sys.stderr)
-        self.stats = vllm_metrics.StatsReporter()  # figures for vLLM's stats path (vllm_metrics)
+        self.stats = vllm_metrics.StatsReporter()  # figures for vLLM's stats path (metrics)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ValueError(f"HylinkerConnector: pipeline_parallel_size {parallel.pipeline_parallel_size} "
@@ -192,7 +192,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, _Tracked] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._no_store_hit: set[str] = set()
-        self._unkeyable: set[str] = set()  # requests served without the store (vllm_request_keys)
+        self._unkeyable: set[str] = set()  # requests served without the store (request_keys)
         self._step = HylinkerConnectorMetadata()
         # worker side
         self._transfers: PageTransfers | None = None

@@ -35,7 +35,7 @@ import attrs
 from ..store_host import StoreHost
 
 RANK_MARK = ":r"
-BLOCK_MARK = ":kv:"  # in the names of attention blocks (vllm_plan.attention_key), not of states
+BLOCK_MARK = ":kv:"  # in the names of attention blocks (plan.attention_key), not of states
 
 
 def rank_key(name: str, rank: int) -> str:

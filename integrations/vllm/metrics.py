@@ -58,7 +58,7 @@ _SEP = "|"
 SCHEDULER_FIGURES = {
     "lookup_hits": ("lookups", "hit"),
     "lookup_errors": ("lookups", "error"),
-    "requests_unkeyable": ("lookups", "unkeyable"),  # served without the store (vllm_request_keys)
+    "requests_unkeyable": ("lookups", "unkeyable"),  # served without the store (request_keys)
     "hit_tokens": ("hit_tokens", "store"),
     "loads_refused": ("loads", "refused"),
 }

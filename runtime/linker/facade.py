@@ -19,10 +19,10 @@ unwritten offload, and are counted. A failed device fence fails its offload the 
 (``offload_failures``, traced). Misuse raises: bad tokens (``TokenError``), a phase out of
 order or a linker that is not running (``PhaseError``).
 
-The rules of each phase live in its own room: :mod:`.lookup` (LOOKUP, TOUCH),
-:mod:`.restore` (LOAD, COMMIT, ABORT, partial restores) and :mod:`.offload` (offload
-planning, backpressure, settlement); this class validates, holds the open requests and
-delegates.
+The rules of each phase live in its own room: :mod:`.lookup_room` (LOOKUP),
+:mod:`.touch_room` (TOUCH), :mod:`.restore_room` (LOAD, COMMIT, ABORT, partial restores) and
+:mod:`.offload_room` (offload planning, backpressure, settlement); this class validates, holds
+the open requests and delegates.
 """
 
 from __future__ import annotations
