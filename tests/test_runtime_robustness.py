@@ -182,3 +182,22 @@ async def test_insert_while_a_load_is_in_flight_is_refused() -> None:
         await _settle_and_check(lk, pools)
 
 
+
+
+async def test_close_does_not_wait_out_a_pending_touch_batch() -> None:
+    """A touch waits ``touch_batch_s`` to share a call with others; closing the linker ends that
+    window at once and sends nothing more (before, close slept the whole window)."""
+    layout = small_hybrid_layout()
+    pools = HybridPools(layout, kv_pages=32, mamba_slots=8)
+    store = GatedStore(EmbeddedStore(8 << 20))
+    lk = Linker(layout, pools, store, LinkerConfig(touch_batch_s=3600.0))
+    content = SyntheticContent(pools)
+    with anyio.fail_after(30):
+        async with lk:
+            donor = lk.request("donor", _tokens(40))
+            await lk.lookup(donor)
+            await synthetic_prefill(lk, content, donor)
+            await lk.release(donor)
+            await lk.drain()
+            assert lk.toucher.pending > 0  # the offload's touch waits in its batch window
+    assert store.keys["touch"] == []

@@ -21,6 +21,7 @@ class TouchBatcher:
         self._pending: dict[str, None] = {}  # insertion-ordered set of keys
         self._wake = anyio.Event()
         self._stopped = False
+        self._stop = anyio.Event()  # ends the batch window at once: close never waits it out
         self.calls = 0  # store.touch calls made
         self.keys_sent = 0
 
@@ -42,13 +43,15 @@ class TouchBatcher:
         self._stopped = True
         self._pending.clear()
         self._wake.set()
+        self._stop.set()
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             if self._stopped:
                 return
-            await anyio.sleep(self.batch_s)
+            with anyio.move_on_after(self.batch_s):
+                await self._stop.wait()
             if self._stopped:
                 return
             self._wake = anyio.Event()
