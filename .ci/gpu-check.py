@@ -62,7 +62,7 @@ WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2
 DEVICE_PYTHON = "3.12"
 CARRY_LIMIT = 64 << 20
 STAGES = {"tests": 240, "demo": 150, "bench": 60}  # seconds each, 450 s in all (< 8 minutes)
-DEVICE_TEST_FILES = ("tests/test_vllm_device_pages.py", "tests/test_device_copies.py",
+DEVICE_TEST_FILES = ("tests/test_vllm_device_pages.py", "tests/test_device_suites.py", "tests/test_device_copies.py",
                      "tests/test_device_integrity.py", "tests/test_device_checksum.py", "tests/test_events.py")
 
 
