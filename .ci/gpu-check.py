@@ -358,7 +358,7 @@ def run_all(device: str, out_dir: Path, budget: dict[str, int]) -> int:
             log.write(f"== {name} (at most {limit} s)\n")
             log.flush()
             try:
-                proc = subprocess.run([sys.executable, __file__, "--stage", name, "--device", device,
+                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--stage", name, "--device", device,
                                        "--fragment", str(frag)], cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, timeout=limit)
                 text, rc = proc.stdout, proc.returncode
