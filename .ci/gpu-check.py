@@ -76,11 +76,16 @@ def prepare(log: list[str]) -> list[Path]:
     its wheel is there already; return the wheel files."""
     folder = ROOT / WHEELS
     folder.mkdir(exist_ok=True)
-    pins = [f"{name}=={metadata.version(name)}" for name in CARRIED]
+    try:
+        pins = [f"{name}=={metadata.version(name)}" for name in CARRIED]
+    except metadata.PackageNotFoundError as exc:
+        raise SystemExit(f"gpu-check: {exc.name} is not installed here; the wheels carry the versions "
+                         "installed here (run `just setup`)") from None
     wanted = {_norm(p.split("==")[0]): p.split("==")[1] for p in pins}
-    have = {_norm(w.name.split("-")[0]): w for w in folder.glob("*.whl")}
-    for stale in [w for n, w in have.items() if n not in wanted or f"-{wanted[n]}-" not in w.name]:
-        stale.unlink()  # one version of each: two stop the whole install there
+    for wheel in folder.glob("*.whl"):  # one version of each: two stop the whole install there
+        name = _norm(wheel.name.split("-")[0])
+        if name not in wanted or wheel.name.split("-")[1] != wanted[name]:
+            wheel.unlink()
     missing = [p for p in pins if not any(f"-{p.split('==')[1]}-" in w.name for w in folder.glob(
         f"{p.split('==')[0].replace('-', '_')}-*.whl"))]
     if missing:
@@ -89,7 +94,9 @@ def prepare(log: list[str]) -> list[Path]:
         for p in WHEEL_PLATFORMS:
             cmd[5:5] = ["--platform", p]
         log.append("downloading " + " ".join(missing))
-        subprocess.run(cmd, check=True)
+        if subprocess.run(cmd).returncode != 0:
+            raise SystemExit(f"gpu-check: pip could not download {' '.join(missing)} into {folder} "
+                             "(is the package registry reachable?)")
     wheels = sorted(folder.glob("*.whl"))
     if len(wheels) != len(CARRIED):
         raise SystemExit(f"gpu-check: {folder} holds {[w.name for w in wheels]}, want one wheel each of {CARRIED}")
