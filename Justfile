@@ -72,3 +72,8 @@ bench-sglang *ARGS:
 lint: setup
     {{py}} -m ruff check .
     bash .ci/typecheck.sh
+
+# the prepared device check (issue 57): prepares .gpu-wheels/ and prints the one command line for
+# the device tool; --dry-run runs every stage on this CPU (in CI); docs/operations.md "The device path"
+gpu-check *ARGS:
+    bash .ci/gpu-check {{ARGS}}

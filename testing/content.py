@@ -104,7 +104,8 @@ class SyntheticContent:
         """Content of ``keys``' pages for pool tensor ``t`` as bytes, shaped like ``t[:, rows]``'s bytes."""
         per_page = t.shape[0] * self.page * int(torch.Size(t.shape[2:]).numel())
         x = _pattern(keys, per_page, self._salt(salt), t.dtype).view(len(keys), t.shape[0], self.page, *t.shape[2:])
-        return x.transpose(0, 1).reshape(t.shape[0], len(keys) * self.page, *t.shape[2:]).view(torch.uint8)
+        pages = x.transpose(0, 1).reshape(t.shape[0], len(keys) * self.page, *t.shape[2:]).view(torch.uint8)
+        return pages.to(t.device)  # device pools: the content is made on the host
 
     def write_pages(self, keys: Sequence[bytes], rows: torch.Tensor) -> None:
         """Write page ``i``'s content into ``rows[i*P:(i+1)*P]`` of the KV (and draft) pool."""
@@ -128,7 +129,7 @@ class SyntheticContent:
         return sorted(bad)
 
     def _state(self, key: bytes, t: torch.Tensor, salt: int) -> torch.Tensor:
-        return _pattern([key], t[0].numel(), self._salt(salt), t.dtype)[0].view(t.shape[1:]).view(torch.uint8)
+        return _pattern([key], t[0].numel(), self._salt(salt), t.dtype)[0].view(t.shape[1:]).view(torch.uint8).to(t.device)
 
     def write_state(self, key: bytes, slot: int) -> None:
         """Write the state of the boundary whose last page key is ``key`` into ``slot``."""

@@ -18,6 +18,8 @@ import torch
 from hylinker.components.layout import PoolKind
 from hylinker.components.pool_view import PoolSet, PoolViewError, kv_view, state_view
 from hylinker.integrations.sglang.loads import LoadBatch, LoadBatchHooks
+from hylinker.runtime.dataplane.device import CudaCopies
+from hylinker.runtime.dataplane.events import record_fence
 from hylinker.runtime.dataplane.plane import (
     DataPlane,
     DataPlaneClosedError,
@@ -42,14 +44,14 @@ class EnginePools:
     """What an engine owns: per-layer MHA K/V buffers, SGLang-style stacked state tensors,
     a draft KV on the same rows."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, device: str = "cpu") -> None:
         g = torch.Generator().manual_seed(seed)
 
         def rnd(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             t = torch.empty(*shape, dtype=dtype)
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g,
                                                     dtype=torch.uint8))
-            return t
+            return t.to(device)
 
         self.k = [rnd(ROWS, 2, 8, dtype=torch.bfloat16) for _ in FULL_IDS]
         self.v = [rnd(ROWS, 2, 8, dtype=torch.bfloat16) for _ in FULL_IDS]
@@ -623,11 +625,13 @@ async def test_in_place_loads_verify_the_landed_rows(store: EmbeddedStore, fault
         assert dp.pool_statistics()["kv"].verify_failures == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
 @pytest.mark.parametrize("groups", [1, 3])
-async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_place: bool) -> None:
+async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_place: bool, device: str) -> None:
     """The Linker is a client of the same data plane: restore is byte-exact with layer groups
-    and on either path, and every layer of the load is reported landed."""
+    and on either path, and every layer of the load is reported landed; on CUDA pools through
+    the device path (copy streams, pinned staging, the donation fenced on the engine's stream)."""
     import numpy as np
 
     from hylinker.components.pools import HybridPools
@@ -638,15 +642,18 @@ async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_pl
 
     layout = small_hybrid_layout()
     store = EmbeddedStore(8 << 20)
-    pools = HybridPools(layout, kv_pages=64, mamba_slots=16)
+    pools = HybridPools(layout, kv_pages=64, mamba_slots=16, device=device)
     content = SyntheticContent(pools)
     tokens = np.random.default_rng(3).integers(1, 30000, size=41).astype(np.int32)
     async with Linker(layout, pools, store, LinkerConfig(layer_groups=groups, in_place=in_place,
                                                                    in_place_min_bytes=0)) as lk:
-        assert all(a.scatter is in_place for a in lk.actors.values())
+        if device == "cuda":  # device pools move through pinned staging on copy streams
+            assert all(isinstance(a.copies, CudaCopies) and not a.scatter for a in lk.actors.values())
+        else:
+            assert all(a.scatter is in_place for a in lk.actors.values())
         req = lk.request("donor", tokens)
         await lk.lookup(req)
-        assert await synthetic_prefill(lk, content, req) > 0
+        assert await synthetic_prefill(lk, content, req, fence=record_fence(torch.device(device))) > 0
         await lk.release(req)
         await lk.drain()
         lk.flush_device()
@@ -769,6 +776,15 @@ def test_in_place_min_bytes_is_a_non_negative_int(bad: object) -> None:
 # of the load verified; a failed one writes no row at all
 
 
+async def flip_a_payload_bit(store: Store, key: str, payload_bytes: int) -> None:
+    """Rewrite ``key`` with one payload bit flipped: an object damaged at rest."""
+    frame = torch.zeros(payload_bytes + 64, dtype=torch.uint8)
+    await store.get([key], [frame])
+    await store.remove([key])
+    frame[-5] ^= 0x40
+    await store.put([key], [frame])
+
+
 def unchanged(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(before, after))
 
@@ -796,11 +812,7 @@ async def test_one_bad_object_fails_the_load_before_any_layer(in_place: bool) ->
     a, b = EnginePools(1), EnginePools(2)
     async with plane(a, store) as dp:
         assert (await (await dp.offload(transfers("z", pages(0, 1), 0))).wait()).ok
-    frame = torch.zeros(a.views()[PoolKind.FULL].payload_bytes + 64, dtype=torch.uint8)
-    await store.get(["zk-1"], [frame])
-    await store.remove(["zk-1"])
-    frame[-5] ^= 0x40
-    await store.put(["zk-1"], [frame])
+    await flip_a_payload_bit(store, "zk-1", a.views()[PoolKind.FULL].payload_bytes)
     before = b.snapshot()
     settled: list[tuple[int, bool]] = []
     async with plane(b, store, in_place=in_place) as dp:

@@ -36,13 +36,13 @@ PAGES = [1, 16, 64, 384, QWEN3_NEXT_80B.vllm_block_size()]
 TOKEN_BYTES = 2 * 2 * 8 * 2  # K and V, 2 heads x 8 dims, bf16
 
 
-def layer_outer(per_group: int, block: int, num_blocks: int, *, block_outer: bool = False
+def layer_outer(per_group: int, block: int, num_blocks: int, *, block_outer: bool = False, device: str = "cpu"
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, list[str]]]:
     """A hybrid cache like vLLM's: an attention group and a state group of ``per_group`` layers
-    each, overlaid on one int8 buffer (the state page padded to the attention page)."""
+    each, overlaid on one int8 buffer (the state page padded to the attention page) on ``device``."""
     page = block * TOKEN_BYTES
     layers = per_group
-    buf = torch.zeros(num_blocks * page * layers, dtype=torch.int8)
+    buf = torch.zeros(num_blocks * page * layers, dtype=torch.int8, device=device)
     block_stride, layer_stride = (page * layers, page) if block_outer else (page, page * num_blocks)
     kv: dict[str, torch.Tensor] = {}
     groups: dict[str, list[str]] = {"attn": [], "state": []}

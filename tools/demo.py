@@ -233,11 +233,12 @@ async def run_demo(
     if warmup:
         engine.extend(engine.new_sequence(), [3] * longest)
     warm_s = time.perf_counter() - t_warm
-    pools = HybridPools(layout, kv_pages=2 * (-(-longest // PAGE_SIZE)) + 8, mamba_slots=8)
+    device = next(engine.model.parameters()).device  # the pools live where the model runs
+    pools = HybridPools(layout, kv_pages=2 * (-(-longest // PAGE_SIZE)) + 8, mamba_slots=8, device=device)
     out(f"hylinker demo: {g.model_type} reference model ({g.num_layers} layers: "
         f"{len(g.linear)} linear-attention, {len(g.full_layers)} full-attention) + "
         f"{'a llama draft model' if engine.draft_model is not None else 'no draft model'}, "
-        f"fp32 CPU, built in {build_s:.1f}s"
+        f"fp32 {'CPU' if device.type == 'cpu' else device}, built in {build_s:.1f}s"
         + (f", warmed up over {longest} tokens in {warm_s:.1f}s" if warmup else ""))
     out(f"store: {store_name}; page {layout.page_size} tokens, checkpoint grid {layout.grid}, "
         f"chunk schedule {engine.chunk_tokens} tokens on the absolute grid")

@@ -37,6 +37,7 @@ import torch
 from ...components.keys import MultimodalSpan
 from ...components.mamba import restorable_ceiling
 from ...components.pools import HybridPools
+from ...runtime.dataplane.events import record_fence
 from ...runtime.linker.facade import Linker, Request
 from .boundary_pools import read_boundary, write_boundary
 from .engine import (
@@ -218,7 +219,9 @@ class LinkedEngine:
                 start = req.prefix_tokens  # the tree's prefix after the previous insert
                 write_boundary(self.views, req.rows[start:d], slots[d], res.states[d],
                                token_start=start)
-                await linker.insert(req, d, checkpoint_slot=slots[d])
+                # on a GPU the pools were written on the engine's stream: the offload's copy
+                # stream reads them only after that work (None on CPU)
+                await linker.insert(req, d, checkpoint_slot=slots[d], fence=record_fence(self.views.kv.device))
             return PrefillResult(
                 request_id=request_id,
                 prompt_tokens=len(toks),

@@ -21,6 +21,12 @@ bytes; the data plane's FULL and MAMBA views both lie on them.
   reuse a block in the next step) and then write them to the store from there, off the
   forward's path. Without a free staging slot a save is skipped and counted, never blocks.
 
+A KV cache in CUDA memory takes the device path (:mod:`~hylinker.integrations.vllm.device_pages`):
+saves are copied on a copy stream of their own, fenced by the forward's event, into pinned
+staging, and the engine's stream waits for that copy on the device before it can reuse a block;
+loads land through the data plane's device transfers and are reported only once landed and
+verified. Host pages keep the plain copies above.
+
 Objects are planned by rank-free names; this rank's store keys carry its rank
 (:func:`~hylinker.integrations.vllm.index.rank_key`), or, for attention pages vLLM replicates
 over ranks in a shared store, the rank of the one copy (:class:`~hylinker.integrations.vllm.index.KeyLayout`:
@@ -46,12 +52,14 @@ import torch
 
 from ...components.layout import PoolKind
 from ...components.pool_view import LayerParts, PoolSet, PoolView
+from ...runtime.dataplane.events import DeviceEvent
 from ...runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
 from ...runtime.dataplane.tickets import TransferOutcome
 from ...stores.condemned import remove_condemned
 from ...stores.framing import Integrity
 from ..store_host import StoreHost
 from .block_layout import RawPages
+from .device_pages import DevicePages, device_pages_for
 from .index import KeyLayout, name_of
 from .plan import TransferPlan
 from .statistics import TRANSFER_COUNTERS, PageTransferStatistics, counted
@@ -92,7 +100,10 @@ class PageTransfers:
 
     def __init__(self, host: StoreHost, pages: RawPages, *, fingerprint: bytes, with_state: bool,
                  staging_bytes: int, rank: int = 0, save_wait_s: float = 10.0,
-                 integrity: Integrity = Integrity.CHECKSUM, layout: KeyLayout | None = None) -> None:
+                 integrity: Integrity = Integrity.CHECKSUM, layout: KeyLayout | None = None,
+                 device: DevicePages | None = None) -> None:
+        """``device``: how device pages are fenced and copied (default: the CUDA path for pages on
+        a CUDA device, none for host pages)."""
         self.host = host
         self.pages = pages
         self.rank = rank
@@ -100,7 +111,9 @@ class PageTransfers:
         self.save_wait_s = save_wait_s  # longest wait of a load for a save of its objects in flight
         per_object = sum(pages.page_bytes)
         slots = max(1, staging_bytes // per_object)
-        self.staging = [torch.empty((slots, p), dtype=torch.uint8) for p in pages.page_bytes]
+        self.device = device if device is not None else device_pages_for(pages.raws)
+        self.staging = (self.device.staging(pages.page_bytes, slots) if self.device is not None
+                        else [torch.empty((slots, p), dtype=torch.uint8) for p in pages.page_bytes])
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.RLock()  # RLock: a removal's count may come back at once (_removed)
         self._loads: dict[str, tuple[TransferPlan, concurrent.futures.Future[TransferOutcome]]] = {}
@@ -114,7 +127,8 @@ class PageTransfers:
         cfg = DataPlaneConfig(staging_bytes_per_pool=max(16 << 20, 4 * per_object), integrity=integrity)
         self._stack = contextlib.ExitStack()
         try:
-            self.engine_plane = DataPlane(_views(pages.raws, with_state), host.store, cfg, fingerprint=fingerprint)
+            self.engine_plane = DataPlane(_views(pages.raws, with_state), host.store, cfg, fingerprint=fingerprint,
+                                          copies=None if self.device is None else self.device.load_copies)
             self._stack.enter_context(host.portal.wrap_async_context_manager(self.engine_plane))
             self.staging_plane = DataPlane(_views(self.staging, with_state), host.store, cfg, fingerprint=fingerprint)
             self._stack.enter_context(host.portal.wrap_async_context_manager(self.staging_plane))
@@ -128,12 +142,14 @@ class PageTransfers:
         transfers = _transfers(plan, plan.kv_blocks, plan.state_blocks, self.rank, self.layout)
         with self._lock:
             saving = [f for f in {self._saving.get(n) for n in plan.kv_keys + plan.state_keys} if f is not None]
+        # device pages: no row is written before the engine's work queued so far is done
+        fence = self.device.engine_fence() if self.device is not None else None
 
         async def run() -> TransferOutcome:
             if saving:  # an object is still being written by this rank: read it once it landed
                 await anyio.to_thread.run_sync(functools.partial(
                     concurrent.futures.wait, saving, timeout=self.save_wait_s))
-            ticket = await self.engine_plane.load(transfers, request_id=plan.request_id)
+            ticket = await self.engine_plane.load(transfers, request_id=plan.request_id, fence=fence)
             return await ticket.wait()
 
         future = self.host.portal.start_task_soon(run)
@@ -233,14 +249,16 @@ class PageTransfers:
                 slots = [self._free.pop() for _ in range(n)]
             # one row copy per page (a memcpy each): an index_select + index_copy_ of the same
             # pages took ~20x as long here (tools/profile_vllm_restore.py --save-copy), in the step
-            for raw, st in zip(self.pages.raws, self.staging):
-                for slot, block in zip(slots, plan.blocks):
-                    st[slot].copy_(raw[block])
+            pairs = [(st[slot], raw[block]) for raw, st in zip(self.pages.raws, self.staging)
+                     for slot, block in zip(slots, plan.blocks)]
+            fence = self._copy_out(pairs, slots)
             transfers = _transfers(plan, slots[: len(plan.kv_blocks)], slots[len(plan.kv_blocks):], self.rank,
                                    self.layout)
 
-            async def run(transfers: list[Transfer] = transfers, rid: str = plan.request_id) -> TransferOutcome:
-                ticket = await self.staging_plane.offload(transfers, request_id=rid)
+            async def run(transfers: list[Transfer] = transfers, rid: str = plan.request_id,
+                          fence: DeviceEvent | None = fence) -> TransferOutcome:
+                # device pages: the staged bytes are read once the copy stream's event completed
+                ticket = await self.staging_plane.offload(transfers, request_id=rid, fence=fence)
                 return await ticket.wait()
 
             future = self.host.portal.start_task_soon(run)
@@ -251,6 +269,21 @@ class PageTransfers:
                     for name in plan.kv_keys + plan.state_keys:
                         self._saving[name] = future
             future.add_done_callback(functools.partial(self._saved, plan=plan, slots=slots))
+
+    def _copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slots: list[int]) -> DeviceEvent | None:
+        """Copy the pages into their staging slots: at once on host pages; on device pages queued
+        on the copy stream (the returned event completes when they are staged). A copy that
+        cannot be queued gives its slots back before the error goes up."""
+        if self.device is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        try:
+            return self.device.copy_out(pairs)
+        except BaseException:
+            with self._lock:
+                self._free.extend(slots)
+            raise
 
     def _saved(self, future: concurrent.futures.Future[TransferOutcome], *, plan: TransferPlan,
                slots: list[int]) -> None:
