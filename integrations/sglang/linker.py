@@ -63,7 +63,12 @@ import torch
 from ...components.layout import PoolKind
 from ...components.pool_view import PoolSet, PoolViewError
 from ...runtime.dataplane.events import record_fence
-from ...runtime.dataplane.metrics import Figures, plane_figures, store_figures
+from ...runtime.dataplane.metrics import (
+    Figures,
+    plane_figures,
+    store_figures,
+    store_identity_figures,
+)
 from ...runtime.dataplane.plane import DataPlaneConfig, Transfer
 from ...runtime.dataplane.sync_plane import SyncDataPlane, SyncLoad
 from ...runtime.dataplane.tickets import TransferOutcome
@@ -225,7 +230,8 @@ class HylinkerLinker(UnifiedCacheLinker):
     def _metric_totals(self) -> Figures:
         """The data plane's and the store's cumulative figures, as metrics keys (see
         ``runtime/dataplane/metrics.py``); the plugin counts loads and offloads itself."""
-        return {**plane_figures(self.data.pool_statistics()), **store_figures(self.store.resilience())}
+        return {**plane_figures(self.data.pool_statistics()), **store_figures(self.store.resilience()),
+                **store_identity_figures(self.store, self.data.plane.config.integrity.value)}
 
     def _publish_metrics(self, force: bool = False) -> None:
         if self.metrics is not None and not self._closed:

@@ -43,6 +43,7 @@ from ...runtime.dataplane.metrics import (
     plane_figures,
     split,
     store_figures,
+    store_identity_figures,
 )
 from ...runtime.dataplane.plane import DataPlane
 from ...stores.resilient import ResilientStore
@@ -73,11 +74,11 @@ WORKER_FIGURES = {
     "objects_rewritten": ("bad_objects_kept", "rewritten"),
     "objects_kept": ("bad_objects_kept", "unproven"),
 }
-#: the families vLLM's frontend registers (the Linker's agreement and decline figures are not here)
+#: the families vLLM's frontend registers (the Linker's agreement, decline and stored-token figures are not here)
 VLLM_KEYS = ("lookups", "hit_tokens", "loads", "offloads", "objects_skipped", "bad_objects_removed", "bad_objects_kept",
              "bytes",
              "objects", "verify_failures", "transfer_failures", "queue_depth", "load_seconds", "offload_seconds",
-             "store_events", "breaker_open")
+             "store_events", "breaker_open", "info", "store_bytes", "store_objects", "store_capacity_bytes")
 
 
 def _key(figure: tuple[str, ...]) -> str:
@@ -168,6 +169,8 @@ def worker_totals(counters: dict[str, int], planes: list[DataPlane]) -> Figures:
             out[k] = out.get(k, 0) + v
     if planes and isinstance(planes[0].store, ResilientStore):  # one store under both planes
         out.update(store_figures(planes[0].store.resilience()))
+    if planes:
+        out.update(store_identity_figures(planes[0].store, planes[0].config.integrity.value))
     return out
 
 
