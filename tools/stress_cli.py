@@ -14,6 +14,7 @@ from ..components.eviction import EVICTION_POLICIES
 from ..runtime.linker.config import LinkerConfig
 from ..testing.content import PRESETS
 from .arguments import (
+    UsageError,
     fault_plan,
     master_address,
     non_negative_float,
@@ -122,6 +123,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", type=Path, default=None,
                    help="write a PNG: hit rate (device and store) against its bound over the run, latency CDFs")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--trace-file", type=Path, default=None, metavar="PATH",
+                   help="append one JSON line per phase event here (this process's; `hylinker trace PATH` "
+                        "draws the timeline)")
 
 
 def run_ranked(args: argparse.Namespace, requests: list[WorkloadRequest]) -> int:
@@ -139,6 +143,21 @@ def run_ranked(args: argparse.Namespace, requests: list[WorkloadRequest]) -> int
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace_file is None:
+        return _run(args)
+    from ..runtime.dataplane.tracing import disable_trace_logging, enable_trace_logging
+
+    try:
+        enable_trace_logging(path=args.trace_file)
+    except OSError as exc:
+        raise UsageError(f"--trace-file: cannot open {str(args.trace_file)!r} ({exc.strerror or exc})") from None
+    try:
+        return _run(args)
+    finally:
+        disable_trace_logging()
+
+
+def _run(args: argparse.Namespace) -> int:
     requests = load_workload(args)
     if not requests:
         print("stress: the workload is empty", file=sys.stderr)
