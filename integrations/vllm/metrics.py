@@ -131,6 +131,7 @@ class StatsReporter:
         self._seconds: dict[str, list[float]] = collections.defaultdict(list)
         self._lock = threading.Lock()
         self._watched: set[int] = set()
+        self._sent: set[tuple[str, ...]] = set()  # counters reported at least once
 
     def watch(self, plane: DataPlane) -> None:
         """Record ``plane``'s load and offload latencies (once per plane)."""
@@ -145,7 +146,10 @@ class StatsReporter:
     def report(self, totals: Figures) -> HylinkerStats | None:
         counters, gauges = split(totals)
         stats = HylinkerStats()
-        stats.data["counter"] = {_key(k): v for k, v in self._increments.take(counters).items()}
+        # a counter seen for the first time travels even at 0: its series exists from the start
+        stats.data["counter"] = {_key(k): 0 for k in counters.keys() - self._sent}
+        self._sent.update(counters)
+        stats.data["counter"].update({_key(k): v for k, v in self._increments.take(counters).items()})
         for k, v in gauges.items():
             if self._gauges.get(_key(k)) != v:  # a gauge travels when it changed
                 stats.data["gauge"][_key(k)] = self._gauges[_key(k)] = v
@@ -205,8 +209,9 @@ class HylinkerPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, n in transfer_stats_data.get("counter", {}).items():
+            child = self._child(key, engine_idx)  # made at 0 when first reported
             if n > 0:
-                self._child(key, engine_idx).inc(n)
+                child.inc(n)
         for key, v in transfer_stats_data.get("gauge", {}).items():
             self._child(key, engine_idx).set(v)
         for key, seconds in transfer_stats_data.get("histogram", {}).items():
