@@ -36,5 +36,5 @@ fi
 # the dashboard tests query a real Prometheus (Debian's package) on loopback
 if ! command -v prometheus >/dev/null 2>&1; then
     echo "setup: installing prometheus (the dashboard tests)"
-    apt-get update -qq && apt-get install -y -qq prometheus
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus
 fi

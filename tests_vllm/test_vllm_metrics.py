@@ -6,6 +6,7 @@ by vLLM's request id."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
 from hylinker.harness import metrics_scrape
+from hylinker.harness.prometheus import MISSING, PROMETHEUS, dashboard_queries, prometheus
 from hylinker.harness.vllm_server import (
     cached_tokens,
     chat,
@@ -30,6 +32,24 @@ from hylinker.integrations.vllm.metrics import (
     StatsReporter,
 )
 from hylinker.stores.mooncake_master import MooncakeMaster
+from hylinker.tools.timeline import build, read_events
+
+#: dashboard families the connector does not export over a Mooncake client: the Linker's stored
+#: tokens, and occupancy (a Mooncake client keeps none; its master reports the cluster's)
+NOT_EXPORTED = ("stored_tokens_total", "store_bytes", "store_objects")
+
+
+def dashboard_answers(port: int, tmp_path: Path) -> None:
+    """A real Prometheus scraping the server answers every dashboard query of the families the
+    connector exports (``vllm:hylinker_*``); skipped where Debian's prometheus is missing."""
+    if PROMETHEUS is None:
+        pytest.skip(MISSING + " (the server checks above passed)")
+    queries = [(t, q) for t, q in dashboard_queries("vllm:hylinker_", "vllm") if not any(f in q for f in NOT_EXPORTED)]
+    assert len(queries) >= 18
+    with prometheus({"vllm": f"127.0.0.1:{port}"}, tmp_path / "prometheus") as prom:
+        prom.wait(lambda: not prom.missing(queries), 60, "series for every panel")
+        info = prom.query('vllm:hylinker_info{job="vllm"}')
+        assert {s["metric"]["store"] for s in info} == {"mooncake"}
 
 
 def stats(counter: dict[str, int] | None = None, gauge: dict[str, float] | None = None,
@@ -96,8 +116,9 @@ def test_server_metrics_move_with_a_restore_and_a_trace_follows_the_request(
     master, _seg = mooncake
     port = free_port()
     log = tmp_path / "server.log"
+    trace_file = tmp_path / "trace" / "vllm.jsonl"  # the trace_file key: every engine process appends here
     proc = start_server(model_dir, port, log, extra={"store": "mooncake", "master": master.address, "segment_mb": 0,
-                                                     "trace": True})
+                                                     "trace_file": str(trace_file)})
     try:
         before = scrape(port)
         assert metric(before, "loads_total", outcome="ok") == 0
@@ -129,7 +150,7 @@ def test_server_metrics_move_with_a_restore_and_a_trace_follows_the_request(
         # one restored request through the server log by vLLM's request id: lookup, load (its
         # objects verified as they landed), the load reported done (committed), its saves
         rid = again["id"]
-        lines = metrics_scrape.trace_lines(log.read_text())
+        lines = [json.loads(line) for line in trace_file.read_text().splitlines()]  # nothing but JSON lines
         mine = [t for t in lines if rid in str(t.get("request_id", ""))]
         events = [t["event"] for t in mine]
         for event in ("vllm.lookup", "vllm.load.planned", "load", "vllm.load.done"):
@@ -140,5 +161,9 @@ def test_server_metrics_move_with_a_restore_and_a_trace_follows_the_request(
         assert events.index("vllm.lookup") < events.index("vllm.load.planned") < events.index("vllm.load.done")
         first_mine = [t["event"] for t in lines if first["id"] in str(t.get("request_id", ""))]
         assert "vllm.save.planned" in first_mine and "offload" in first_mine
+        # the same file as a timeline: the restored request has its track
+        timeline = build(read_events(trace_file)[0])
+        assert any(rid in track for track in timeline.requests) and timeline.pools
+        dashboard_answers(port, tmp_path)
     finally:
         stop_server(proc)
