@@ -6,13 +6,16 @@ by vLLM's request id."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hylinker.harness import metrics_scrape
 from hylinker.harness.prometheus import MISSING, PROMETHEUS, dashboard_queries, prometheus
@@ -31,6 +34,7 @@ from hylinker.integrations.vllm.metrics import (
     HylinkerStats,
     StatsReporter,
 )
+from hylinker.runtime.dataplane.metrics import PLANE_KEYS
 from hylinker.stores.mooncake_master import MooncakeMaster
 from hylinker.tools.timeline import build, read_events
 
@@ -99,6 +103,24 @@ def test_prom_metrics_add_the_merged_stats_per_engine() -> None:
     assert registry.get_sample_value("vllm:hylinker_breaker_open", labels) == 1
     assert registry.get_sample_value("vllm:hylinker_load_seconds_count", labels) == 2
     assert {m.name for m in registry.collect()} >= {"vllm:hylinker_" + k for k in VLLM_KEYS if k != "lookups"}
+
+
+def test_every_family_a_worker_reports_is_registered_and_an_unknown_one_never_fails_a_step(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The worker reports the data plane's families (``PLANE_KEYS``): each has a family on the
+    frontend (a missing one, ``rereads``, once failed the step that carried it); a figure with
+    no family is logged once and skipped."""
+    assert set(PLANE_KEYS) <= set(VLLM_KEYS)
+    registry = CollectorRegistry()
+    types: dict[type, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = HylinkerPromMetrics(_Config(), types, ["engine"], {0: ["0"]})
+    with caplog.at_level(logging.WARNING):
+        prom.observe(stats({"no_such_family|x": 1, "rereads|kv|failed": 0, "loads|ok": 2}).data)
+        prom.observe(stats({"no_such_family|x": 2}).data)
+    assert len([r for r in caplog.records if "no_such_family" in r.getMessage()]) == 1
+    labels = {"engine": "0", "pool": "kv", "outcome": "failed"}
+    assert registry.get_sample_value("vllm:hylinker_rereads_total", labels) == 0  # exists at 0
+    assert registry.get_sample_value("vllm:hylinker_loads_total", {"engine": "0", "outcome": "ok"}) == 2
 
 
 def scrape(port: int) -> dict[str, float]:

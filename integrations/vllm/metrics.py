@@ -25,6 +25,7 @@ travel as lists of seconds. Merging: counters add, latency lists join, gauges ta
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 
     from .pages import PageTransfers
 
+log = logging.getLogger(__name__)
 VLLM = Naming("vllm:hylinker_")
 _SEP = "|"
 #: the connector's scheduler counters -> metric keys
@@ -77,7 +79,7 @@ WORKER_FIGURES = {
 #: the families vLLM's frontend registers (the Linker's agreement, decline and stored-token figures are not here)
 VLLM_KEYS = ("lookups", "hit_tokens", "loads", "offloads", "objects_skipped", "bad_objects_removed", "bad_objects_kept",
              "bytes",
-             "objects", "verify_failures", "transfer_failures", "queue_depth", "load_seconds", "offload_seconds",
+             "objects", "verify_failures", "rereads", "transfer_failures", "queue_depth", "load_seconds", "offload_seconds",
              "store_events", "breaker_open", "info", "store_bytes", "store_objects", "store_capacity_bytes")
 
 
@@ -192,6 +194,7 @@ class HylinkerPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._families: dict[str, Any] = {}
+        self._unknown: set[str] = set()  # families reported but not registered (logged once each)
         for key in VLLM_KEYS:
             f = FAMILY[key]
             kwargs: dict[str, Any] = {"name": VLLM.name(f), "documentation": f.doc,
@@ -205,18 +208,26 @@ class HylinkerPromMetrics(KVConnectorPromMetrics):
 
     def _child(self, key: str, engine_idx: int) -> Any:
         family, *labels = key.split(_SEP)
-        return self._families[family].labels(*self.per_engine_labelvalues[engine_idx], *labels)
+        metric = self._families.get(family)
+        if metric is None:  # a figure without a family here: never a reason to fail a step
+            if family not in self._unknown:
+                self._unknown.add(family)
+                log.warning("hylinker: vLLM stats carry %r, which has no family here; not exported", family)
+            return None
+        return metric.labels(*self.per_engine_labelvalues[engine_idx], *labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, n in transfer_stats_data.get("counter", {}).items():
             child = self._child(key, engine_idx)  # made at 0 when first reported
-            if n > 0:
+            if child is not None and n > 0:
                 child.inc(n)
         for key, v in transfer_stats_data.get("gauge", {}).items():
-            self._child(key, engine_idx).set(v)
+            child = self._child(key, engine_idx)
+            if child is not None:
+                child.set(v)
         for key, seconds in transfer_stats_data.get("histogram", {}).items():
             child = self._child(key, engine_idx)
-            for s in seconds:
+            for s in seconds if child is not None else ():
                 child.observe(s)
 
 
