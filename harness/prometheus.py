@@ -75,11 +75,29 @@ class Prometheus:
         """The queries that return no series."""
         return [(title, expr) for title, expr in queries if not self.query(expr)]
 
+    def targets(self) -> list[tuple[str, str, str]]:
+        """``(job, health, last error)`` of every scrape target."""
+        with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=10) as resp:
+            body = json.loads(resp.read())
+        return [(t["labels"].get("job", ""), t["health"], t.get("lastError", ""))
+                for t in body["data"]["activeTargets"]]
+
+    def wait_for_series(self, queries: list[tuple[str, str]], timeout_s: float) -> None:
+        """Until every query returns series; else an AssertionError naming those that do not
+        and the targets' health."""
+        deadline = time.monotonic() + timeout_s
+        while missing := self.missing(queries):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"Prometheus: no series within {timeout_s:g} s for {missing}; "
+                                     f"targets {self.targets()}")
+            time.sleep(0.5)
+
 
 @contextmanager
 def prometheus(targets: Mapping[str, str], workdir: Path, scrape_interval_s: float = 1.0) -> Iterator[Prometheus]:
     """Prometheus on a free loopback port scraping ``targets`` (job -> ``host:port``) every
-    ``scrape_interval_s``; stopped (and its data folder left in ``workdir``) on exit."""
+    ``scrape_interval_s`` (also the scrape timeout: an engine's ``/metrics`` on a busy host may
+    need more than 1 s); stopped (and its data folder left in ``workdir``) on exit."""
     if PROMETHEUS is None:
         raise RuntimeError(MISSING)
     workdir.mkdir(parents=True, exist_ok=True)

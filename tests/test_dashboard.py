@@ -53,7 +53,7 @@ def test_every_dashboard_panel_returns_series_from_a_stress_run(stress_port: tup
             return bool(got) and float(got[0]["value"][1]) == REQUESTS
 
         prom.wait(finished, 120, f"the run's {REQUESTS} lookups ({out.read_text()[-500:]})")
-        prom.wait(lambda: not prom.missing(queries), 30, f"series for {prom.missing(queries)}")
+        prom.wait_for_series(queries, 30)
         info = prom.query('hylinker_info{job="stress"}')
         assert [(s["metric"]["version"], s["metric"]["integrity"], s["metric"]["store"]) for s in info] == [
             (__version__, "checksum", "embedded")]

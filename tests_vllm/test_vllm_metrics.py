@@ -50,8 +50,8 @@ def dashboard_answers(port: int, tmp_path: Path) -> None:
         pytest.skip(MISSING + " (the server checks above passed)")
     queries = [(t, q) for t, q in dashboard_queries("vllm:hylinker_", "vllm") if not any(f in q for f in NOT_EXPORTED)]
     assert len(queries) >= 18
-    with prometheus({"vllm": f"127.0.0.1:{port}"}, tmp_path / "prometheus") as prom:
-        prom.wait(lambda: not prom.missing(queries), 60, "series for every panel")
+    with prometheus({"vllm": f"127.0.0.1:{port}"}, tmp_path / "prometheus", scrape_interval_s=3) as prom:
+        prom.wait_for_series(queries, 90)
         info = prom.query('vllm:hylinker_info{job="vllm"}')
         assert {s["metric"]["store"] for s in info} == {"mooncake"}
 

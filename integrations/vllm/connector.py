@@ -449,7 +449,8 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- metrics: vLLM's connector-stats path (integrations/vllm/metrics.py) ----
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return vllm_metrics.report(self.stats, self.counters, self._transfers)
+        return vllm_metrics.report(self.stats, self.counters, self._transfers,
+                                   None if self.host is None else self.host.breaker)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -47,7 +47,7 @@ from ...runtime.dataplane.metrics import (
     store_identity_figures,
 )
 from ...runtime.dataplane.plane import DataPlane
-from ...stores.resilient import ResilientStore
+from ...stores.resilient import CircuitBreaker, ResilientStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -180,11 +180,23 @@ def worker_totals(counters: dict[str, int], planes: list[DataPlane]) -> Figures:
     return out
 
 
-def report(reporter: StatsReporter, counters: dict[str, int], transfers: PageTransfers | None) -> HylinkerStats | None:
-    """One connector instance's report: the worker's (it has ``transfers``) or the scheduler's."""
+def breaker_figures(breaker: CircuitBreaker) -> Figures:
+    """The scheduler's probe breaker (``StoreHost``): its trips and refused probes, open or not."""
+    return {("store_events", "breaker_trip"): breaker.counts["breaker_trips"],
+            ("store_events", "rejected"): breaker.counts["rejected_calls"],
+            ("breaker_open",): 0 if breaker.state == "closed" else 1}
+
+
+def report(reporter: StatsReporter, counters: dict[str, int], transfers: PageTransfers | None,
+           breaker: CircuitBreaker | None = None) -> HylinkerStats | None:
+    """One connector instance's report: the worker's (it has ``transfers``) or the scheduler's
+    (with its store host's probe ``breaker``)."""
     if transfers is not None:
         return reporter.report(worker_totals(dict(transfers.counters), [transfers.engine_plane, transfers.staging_plane]))
-    return reporter.report(scheduler_totals(counters))
+    totals = scheduler_totals(counters)
+    if breaker is not None:
+        totals.update(breaker_figures(breaker))
+    return reporter.report(totals)
 
 
 class HylinkerPromMetrics(KVConnectorPromMetrics):
@@ -231,5 +243,5 @@ class HylinkerPromMetrics(KVConnectorPromMetrics):
                 child.observe(s)
 
 
-__all__ = ["VLLM", "VLLM_KEYS", "HylinkerPromMetrics", "HylinkerStats", "StatsReporter", "report", "scheduler_totals",
+__all__ = ["VLLM", "VLLM_KEYS", "HylinkerPromMetrics", "HylinkerStats", "StatsReporter", "breaker_figures", "report", "scheduler_totals",
            "worker_totals"]
