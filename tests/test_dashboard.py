@@ -26,7 +26,7 @@ REQUESTS = 150
 
 
 @pytest.fixture
-def stress_port(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+def stress_port(tmp_path: Path) -> Iterator[tuple[int, Path, subprocess.Popen[bytes]]]:
     """A stress run serving its metrics on loopback, kept serving after it ends."""
     port = free_port()
     out = tmp_path / "stress.out"
@@ -36,23 +36,31 @@ def stress_port(tmp_path: Path) -> Iterator[tuple[int, Path]]:
              "--no-progress", "--metrics-port", str(port), "--metrics-linger-s", "120"],
             stdout=f, stderr=subprocess.STDOUT)
     try:
-        yield port, out
+        yield port, out, proc
     finally:
         proc.kill()
         proc.wait()
 
 
 @pytest.mark.slow
-def test_every_dashboard_panel_returns_series_from_a_stress_run(stress_port: tuple[int, Path], tmp_path: Path) -> None:
-    port, out = stress_port
+def test_every_dashboard_panel_returns_series_from_a_stress_run(
+        stress_port: tuple[int, Path, subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    port, out, proc = stress_port
     queries = dashboard_queries("hylinker_", "stress")
     assert len(queries) >= 20
     with prometheus({"stress": f"127.0.0.1:{port}"}, tmp_path / "prometheus") as prom:
-        def finished() -> bool:
+        def run_ended() -> bool:  # the tool says so once the run is over and it lingers
+            if proc.poll() is not None:
+                raise AssertionError(f"stress exited {proc.returncode}: {out.read_text()[-800:]}")
+            return "serving metrics on" in out.read_text()
+
+        def scraped_the_end() -> bool:
             got = prom.query('sum(hylinker_lookups_total{job="stress"})')
             return bool(got) and float(got[0]["value"][1]) == REQUESTS
 
-        prom.wait(finished, 120, f"the run's {REQUESTS} lookups ({out.read_text()[-500:]})")
+        prom.wait(run_ended, 300, "the end of the stress run")
+        prom.wait(scraped_the_end, 30, f"the run's {REQUESTS} lookups (targets {prom.targets()}; "
+                                       f"{out.read_text()[-800:]})")
         prom.wait_for_series(queries, 30)
         info = prom.query('hylinker_info{job="stress"}')
         assert [(s["metric"]["version"], s["metric"]["integrity"], s["metric"]["store"]) for s in info] == [
