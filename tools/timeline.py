@@ -8,7 +8,7 @@ Chrome trace-event JSON (``{"traceEvents": [...]}``, microseconds) that Perfetto
 
 * per process that wrote the file, a *requests* process with one track per request: a
   ``request`` slice from its lookup to its last event, and inside it the phases as slices in
-  order: ``lookup``, ``load`` (queued to commit), ``engine`` (restore or lookup to insert: the
+  order: ``lookup``, ``load`` (allocated and submitted to committed), ``engine`` (restore or lookup to insert: the
   engine's prefill), ``offload`` (insert to its last object stored); every other event of the
   request (``release``, ``offload.skipped``, the plugins' events) an instant;
 * a *pool actors* process with a track per pool actor and direction (``kv offload``, ...): each
@@ -144,7 +144,7 @@ def request_slices(evs: list[dict[str, Any]], t0: float) -> list[Slice]:
         cursor = at["lookup"][1]
     load_end = next((at[n][1] for n in LOAD_ENDS if n in at), None)
     if "load.queued" in at and load_end is not None:
-        out.append(Slice("load", at["load.queued"][1], load_end))
+        out.append(Slice("load", at["load.queued"][0], load_end))  # from allocation and submission
         cursor = load_end
     if "insert" in at:
         if at["insert"][1] > cursor:
