@@ -32,3 +32,9 @@ if ! command -v ip >/dev/null 2>&1; then
     echo "setup: installing iproute2 (the fleet suite's network namespaces)"
     apt-get update -qq && apt-get install -y -qq iproute2
 fi
+
+# the dashboard tests query a real Prometheus (Debian's package) on loopback
+if ! command -v prometheus >/dev/null 2>&1; then
+    echo "setup: installing prometheus (the dashboard tests)"
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus
+fi

@@ -11,6 +11,7 @@ This module imports no engine and no store client, so it can be checked anywhere
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -79,11 +80,28 @@ class PluginConfig:
     #: "header" (key, layout, length; no payload hash): ``DataPlaneConfig.integrity``
     integrity: str = "checksum"
     trace: bool = False  # JSON trace lines per phase on stderr (also: HYLINKER_TRACE=1)
+    #: JSON trace lines appended to this file instead of stderr (turns tracing on; every process
+    #: of the engine appends its own lines); `hylinker trace FILE` draws it as a timeline
+    trace_file: str = ""
 
     @property
     def tracing(self) -> bool:
-        """``trace`` or the ``HYLINKER_TRACE`` environment variable (``1``/``true``/``yes``)."""
-        return self.trace or os.environ.get(TRACE_ENV, "").strip().lower() in ("1", "true", "yes")
+        """``trace``, ``trace_file`` or the ``HYLINKER_TRACE`` environment variable (``1``/``true``/``yes``)."""
+        return self.trace or bool(self.trace_file) or os.environ.get(TRACE_ENV, "").strip().lower() in (
+            "1", "true", "yes")
+
+    def start_tracing(self, where: str = "extra_config") -> None:
+        """Turn tracing on as configured (nothing when it is off); a ``trace_file`` that cannot
+        be opened is a :class:`PluginConfigError` naming the key."""
+        if not self.tracing:
+            return
+        from ..runtime.dataplane.tracing import enable_trace_logging
+
+        try:
+            enable_trace_logging(sys.stderr, path=self.trace_file or None)
+        except OSError as exc:
+            raise PluginConfigError(f"{where}['trace_file']: cannot open {self.trace_file!r} "
+                                    f"({exc.strerror or exc})") from None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *,

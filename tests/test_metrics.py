@@ -252,3 +252,61 @@ async def test_store_retries_and_damaged_objects_reach_the_metrics() -> None:
         assert value(registry, "loads_total", outcome="failed") == 1
         assert value(registry, "hit_tokens_total", source="store") == 0
         linker.flush_device()
+
+
+def series(registry: CollectorRegistry) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """Every sample's name and label set on ``registry`` (values aside)."""
+    return {(s.name, tuple(sorted(s.labels.items()))) for fam in registry.collect() for s in fam.samples}
+
+
+async def test_a_linker_built_twice_in_one_process_exports_both_runs() -> None:
+    """The second Linker on a registry takes over the first one's families: its export carries
+    both runs (counters go on from the first one's totals), ``info`` and the store's occupancy."""
+    registry = CollectorRegistry()
+    async with running(registry) as (linker, content):
+        await serve(linker, content, prompt(41, 1), "a")
+        first = linker.statistics()
+        stored = linker.inner_store.statistics()
+        assert value(registry, "lookups_total", outcome="miss") == 1
+        assert first.stored_tokens == 40 and value(registry, "stored_tokens_total") == 40
+        assert value(registry, "store_objects") == stored.objects > 0
+        assert value(registry, "store_bytes") == stored.used_bytes > 0
+        assert value(registry, "store_capacity_bytes") == 8 << 20
+        linker.flush_device()
+    from hylinker import __version__
+
+    info = {"version": __version__, "integrity": "checksum", "store": "embedded"}
+    assert value(registry, "info", **info) == 1
+    async with running(registry, LinkerConfig(staging_bytes_per_pool=1 << 16, integrity="header")) as (
+            linker, content):
+        assert linker.metrics is not None and linker.data.metrics is not None
+        await serve(linker, content, prompt(41, 2), "b")
+        await serve(linker, content, prompt(57, 3), "c")
+        assert value(registry, "lookups_total", outcome="miss") == 3  # 1 + 2: one series, no reset
+        assert value(registry, "stored_tokens_total") == 40 + linker.statistics().stored_tokens
+        assert value(registry, "info", **{**info, "integrity": "header"}) == 1
+        assert value(registry, "store_objects") == linker.inner_store.statistics().objects
+        linker.flush_device()
+
+
+def _label_sets(requests: int) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    import anyio
+
+    async def run() -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+        registry = CollectorRegistry()
+        async with running(registry) as (linker, content):
+            for i in range(requests):
+                await serve(linker, content, prompt(41 + 16 * (i % 3), i % 4), f"req-{i}")
+            linker.flush_device()
+        return series(registry)
+
+    return anyio.run(run)
+
+
+def test_no_label_grows_with_traffic() -> None:
+    """Two runs, 4 and 12 requests (distinct ids, prompts, keys): the same series, and no label
+    value names a request."""
+    few, many = _label_sets(4), _label_sets(12)
+    assert few == many
+    values = {v for _, labels in many for _, v in labels}
+    assert not any(v.startswith("req-") for v in values)

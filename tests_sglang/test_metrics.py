@@ -51,6 +51,12 @@ def test_counters_move_with_a_restore(caches: list[SGLangCache]) -> None:
     page_bytes = framing.framed_size(cache.linker.pools[next(iter(cache.linker.pools))].payload_bytes)
     assert sample("bytes_total", pool="kv", direction="load") - bytes_in0 == len(A) // 4 * page_bytes
     assert sample("bytes_total", pool="kv", direction="offload") - bytes_out0 >= len(A) // 4 * page_bytes
+    from hylinker import __version__
+
+    assert sample("info", version=__version__, integrity="checksum", store="embedded") == 1
+    held = cache.linker.store.statistics()  # then published: a write still landing only adds
+    cache.linker._publish_metrics(force=True)
+    assert sample("store_objects") >= held.objects > 0 and sample("store_bytes") >= held.used_bytes > 0
 
 
 def test_metrics_off_without_enable_metrics(caches: list[SGLangCache]) -> None:

@@ -6,14 +6,19 @@ by vLLM's request id."""
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hylinker.harness import metrics_scrape
+from hylinker.harness.prometheus import MISSING, PROMETHEUS, dashboard_queries, prometheus
 from hylinker.harness.vllm_server import (
     cached_tokens,
     chat,
@@ -29,7 +34,26 @@ from hylinker.integrations.vllm.metrics import (
     HylinkerStats,
     StatsReporter,
 )
+from hylinker.runtime.dataplane.metrics import PLANE_KEYS
 from hylinker.stores.mooncake_master import MooncakeMaster
+from hylinker.tools.timeline import build, read_events
+
+#: dashboard families the connector does not export over a Mooncake client: the Linker's stored
+#: tokens, and occupancy (a Mooncake client keeps none; its master reports the cluster's)
+NOT_EXPORTED = ("stored_tokens_total", "store_bytes", "store_objects")
+
+
+def dashboard_answers(port: int, tmp_path: Path) -> None:
+    """A real Prometheus scraping the server answers every dashboard query of the families the
+    connector exports (``vllm:hylinker_*``); skipped where Debian's prometheus is missing."""
+    if PROMETHEUS is None:
+        pytest.skip(MISSING + " (the server checks above passed)")
+    queries = [(t, q) for t, q in dashboard_queries("vllm:hylinker_", "vllm") if not any(f in q for f in NOT_EXPORTED)]
+    assert len(queries) >= 18
+    with prometheus({"vllm": f"127.0.0.1:{port}"}, tmp_path / "prometheus", scrape_interval_s=3) as prom:
+        prom.wait_for_series(queries, 90)
+        info = prom.query('vllm:hylinker_info{job="vllm"}')
+        assert {s["metric"]["store"] for s in info} == {"mooncake"}
 
 
 def stats(counter: dict[str, int] | None = None, gauge: dict[str, float] | None = None,
@@ -81,6 +105,24 @@ def test_prom_metrics_add_the_merged_stats_per_engine() -> None:
     assert {m.name for m in registry.collect()} >= {"vllm:hylinker_" + k for k in VLLM_KEYS if k != "lookups"}
 
 
+def test_every_family_a_worker_reports_is_registered_and_an_unknown_one_never_fails_a_step(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The worker reports the data plane's families (``PLANE_KEYS``): each has a family on the
+    frontend (a missing one, ``rereads``, once failed the step that carried it); a figure with
+    no family is logged once and skipped."""
+    assert set(PLANE_KEYS) <= set(VLLM_KEYS)
+    registry = CollectorRegistry()
+    types: dict[type, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = HylinkerPromMetrics(_Config(), types, ["engine"], {0: ["0"]})
+    with caplog.at_level(logging.WARNING):
+        prom.observe(stats({"no_such_family|x": 1, "rereads|kv|failed": 0, "loads|ok": 2}).data)
+        prom.observe(stats({"no_such_family|x": 2}).data)
+    assert len([r for r in caplog.records if "no_such_family" in r.getMessage()]) == 1
+    labels = {"engine": "0", "pool": "kv", "outcome": "failed"}
+    assert registry.get_sample_value("vllm:hylinker_rereads_total", labels) == 0  # exists at 0
+    assert registry.get_sample_value("vllm:hylinker_loads_total", {"engine": "0", "outcome": "ok"}) == 2
+
+
 def scrape(port: int) -> dict[str, float]:
     return metrics_scrape.scrape(f"http://127.0.0.1:{port}/metrics", "vllm:hylinker_")
 
@@ -96,8 +138,9 @@ def test_server_metrics_move_with_a_restore_and_a_trace_follows_the_request(
     master, _seg = mooncake
     port = free_port()
     log = tmp_path / "server.log"
+    trace_file = tmp_path / "trace" / "vllm.jsonl"  # the trace_file key: every engine process appends here
     proc = start_server(model_dir, port, log, extra={"store": "mooncake", "master": master.address, "segment_mb": 0,
-                                                     "trace": True})
+                                                     "trace_file": str(trace_file)})
     try:
         before = scrape(port)
         assert metric(before, "loads_total", outcome="ok") == 0
@@ -129,7 +172,7 @@ def test_server_metrics_move_with_a_restore_and_a_trace_follows_the_request(
         # one restored request through the server log by vLLM's request id: lookup, load (its
         # objects verified as they landed), the load reported done (committed), its saves
         rid = again["id"]
-        lines = metrics_scrape.trace_lines(log.read_text())
+        lines = [json.loads(line) for line in trace_file.read_text().splitlines()]  # nothing but JSON lines
         mine = [t for t in lines if rid in str(t.get("request_id", ""))]
         events = [t["event"] for t in mine]
         for event in ("vllm.lookup", "vllm.load.planned", "load", "vllm.load.done"):
@@ -140,5 +183,9 @@ def test_server_metrics_move_with_a_restore_and_a_trace_follows_the_request(
         assert events.index("vllm.lookup") < events.index("vllm.load.planned") < events.index("vllm.load.done")
         first_mine = [t["event"] for t in lines if first["id"] in str(t.get("request_id", ""))]
         assert "vllm.save.planned" in first_mine and "offload" in first_mine
+        # the same file as a timeline: the restored request has its track
+        timeline = build(read_events(trace_file)[0])
+        assert any(rid in track for track in timeline.requests) and timeline.pools
+        dashboard_answers(port, tmp_path)
     finally:
         stop_server(proc)

@@ -129,8 +129,10 @@ class StressRun:
     calls the linker in the same order (the ordering rule, ``runtime/linker/agreement.py``)."""
 
     def __init__(self, cfg: StressConfig, store: Store, requests: list[WorkloadRequest],
-                 agreement: Agreement | None = None, clock: TraceClock | None = None) -> None:
+                 agreement: Agreement | None = None, clock: TraceClock | None = None, registry: Any = None) -> None:
         self.cfg = cfg
+        #: a prometheus_client registry the Linker exports its metrics on (``stress --metrics-port``)
+        self.registry = registry
         self.store = store
         #: trace time (the latest arrival started), which the embedded store stamps evictions with
         self.clock = clock if clock is not None else TraceClock()
@@ -190,7 +192,8 @@ class StressRun:
         block = cfg.block_tokens
         async with Linker(self.layout, self.pools, self.store, lk_cfg,
                           checkpoints=checkpoint_policy(cfg.policy, block_tokens=block),
-                          eviction=eviction_policy(cfg.eviction), agreement=self.agreement) as lk:
+                          eviction=eviction_policy(cfg.eviction), agreement=self.agreement,
+                          registry=self.registry) as lk:
             self.linker = lk
 
             async def ticker() -> None:
@@ -489,12 +492,13 @@ def stress_config(args: argparse.Namespace) -> StressConfig:
     )
 
 
-async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest]) -> StressResult:
+async def run_stress(args: argparse.Namespace, requests: list[WorkloadRequest], registry: Any = None) -> StressResult:
     clock = TraceClock()
     store, (master, inner) = await open_store(args, clock)
     cfg = stress_config(args)
     try:
-        return await StressRun(cfg, store, requests, clock=clock).run(show_progress=not args.no_progress)
+        return await StressRun(cfg, store, requests, clock=clock, registry=registry).run(
+            show_progress=not args.no_progress)
     finally:
         await store.close()
         if inner is not None:

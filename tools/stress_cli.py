@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -14,6 +16,7 @@ from ..components.eviction import EVICTION_POLICIES
 from ..runtime.linker.config import LinkerConfig
 from ..testing.content import PRESETS
 from .arguments import (
+    UsageError,
     fault_plan,
     master_address,
     non_negative_float,
@@ -122,6 +125,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", type=Path, default=None,
                    help="write a PNG: hit rate (device and store) against its bound over the run, latency CDFs")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--trace-file", type=Path, default=None, metavar="PATH",
+                   help="append one JSON line per phase event here (this process's; `hylinker trace PATH` "
+                        "draws the timeline)")
+    o.add_argument("--metrics-port", type=positive_int, default=None, metavar="PORT",
+                   help="serve the Linker's Prometheus metrics on http://127.0.0.1:PORT/metrics during the run")
+    o.add_argument("--metrics-linger-s", type=non_negative_float, default=0.0, metavar="S",
+                   help="with --metrics-port: keep serving this long after the run (a scraper's last scrapes)")
 
 
 def run_ranked(args: argparse.Namespace, requests: list[WorkloadRequest]) -> int:
@@ -139,6 +149,23 @@ def run_ranked(args: argparse.Namespace, requests: list[WorkloadRequest]) -> int
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.metrics_port is not None and (args.chaos or args.ranks > 1):
+        raise UsageError("--metrics-port: only a single-process run without --chaos exports metrics")
+    if args.trace_file is None:
+        return _run(args)
+    from ..runtime.dataplane.tracing import disable_trace_logging, enable_trace_logging
+
+    try:
+        enable_trace_logging(path=args.trace_file)
+    except OSError as exc:
+        raise UsageError(f"--trace-file: cannot open {str(args.trace_file)!r} ({exc.strerror or exc})") from None
+    try:
+        return _run(args)
+    finally:
+        disable_trace_logging()
+
+
+def _run(args: argparse.Namespace) -> int:
     requests = load_workload(args)
     if not requests:
         print("stress: the workload is empty", file=sys.stderr)
@@ -147,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         return run_chaos(args, stress_config(args), requests)
     if args.ranks > 1:
         return run_ranked(args, requests)
-    result = anyio.run(run_stress, args, requests)
+    registry = serve_metrics(args.metrics_port) if args.metrics_port is not None else None
+    result = anyio.run(run_stress, args, requests, registry)
     s = result.summary
     print(format_stress_summary(s))
     if args.json is not None:
@@ -167,6 +195,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"hylinker stress: error: no request of {s['requests']} completed (never fit {s['never_fit']}, "
               f"rejected {s['rejected']}, allocation failures {s['alloc_failures']})", file=sys.stderr)
         return 1
+    if registry is not None and args.metrics_linger_s > 0:
+        print(f"serving metrics on http://127.0.0.1:{args.metrics_port}/metrics for {args.metrics_linger_s:g} s",
+              flush=True)
+        time.sleep(args.metrics_linger_s)
     bad = s["restore_mismatches"] or s["leaked_rows"] or s["leaked_slots"] or s["locked_nodes_at_end"] \
         or s["idle_check_failed"]
     return 1 if bad else 0
+
+
+def serve_metrics(port: int) -> Any:
+    """A registry served over HTTP on loopback (``--metrics-port``) for the run's Linker."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise UsageError("--metrics-port needs prometheus_client: pip install prometheus-client") from None
+    registry = CollectorRegistry()
+    try:
+        start_http_server(port, addr="127.0.0.1", registry=registry)
+    except OSError as exc:
+        raise UsageError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({exc.strerror or exc})") from None
+    return registry

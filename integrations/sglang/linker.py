@@ -51,7 +51,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -63,11 +62,16 @@ import torch
 from ...components.layout import PoolKind
 from ...components.pool_view import PoolSet, PoolViewError
 from ...runtime.dataplane.events import record_fence
-from ...runtime.dataplane.metrics import Figures, plane_figures, store_figures
+from ...runtime.dataplane.metrics import (
+    Figures,
+    plane_figures,
+    store_figures,
+    store_identity_figures,
+)
 from ...runtime.dataplane.plane import DataPlaneConfig, Transfer
 from ...runtime.dataplane.sync_plane import SyncDataPlane, SyncLoad
 from ...runtime.dataplane.tickets import TransferOutcome
-from ...runtime.dataplane.tracing import enable_trace_logging, trace
+from ...runtime.dataplane.tracing import trace
 from ...stores.base import Store, StoreError
 from ...stores.condemned import Condemned, remove_condemned
 from ...stores.resilient import ResilientStore
@@ -134,8 +138,8 @@ class HylinkerLinker(UnifiedCacheLinker):
             raise RuntimeError(
                 f"HylinkerLinker targets sglang=={SGLANG_VERSION}; this is sglang {sglang.__version__}")
         self.config = SGLangLinkerConfig.from_extra_config(extra_config)
-        if self.config.tracing:  # one JSON line per phase event on stderr (SGLang's server log)
-            enable_trace_logging(sys.stderr)
+        # one JSON line per phase event on stderr (SGLang's server log), or in the trace_file
+        self.config.start_tracing("linker_extra_config")
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         pools, (self.dcp_size, self.dcp_rank) = engine_pools(params, components, self.page_size)
@@ -225,7 +229,8 @@ class HylinkerLinker(UnifiedCacheLinker):
     def _metric_totals(self) -> Figures:
         """The data plane's and the store's cumulative figures, as metrics keys (see
         ``runtime/dataplane/metrics.py``); the plugin counts loads and offloads itself."""
-        return {**plane_figures(self.data.pool_statistics()), **store_figures(self.store.resilience())}
+        return {**plane_figures(self.data.pool_statistics()), **store_figures(self.store.resilience()),
+                **store_identity_figures(self.store, self.data.plane.config.integrity.value)}
 
     def _publish_metrics(self, force: bool = False) -> None:
         if self.metrics is not None and not self._closed:

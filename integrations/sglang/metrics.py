@@ -28,9 +28,9 @@ from ...runtime.dataplane.metrics import FAMILIES, Exporter, Naming
 log = logging.getLogger(__name__)
 
 SGLANG = Naming("sglang:hylinker_", ("tp_rank",))
-#: the families the plugin records (the Linker's agreement and decline figures are not its)
+#: the families the plugin records (the Linker's agreement, decline and stored-token figures are not its)
 SGLANG_KEYS = tuple(f.key for f in FAMILIES if f.key not in (
-    "agreement_rounds", "rank_disagreements", "declined_hit_tokens"))
+    "agreement_rounds", "rank_disagreements", "declined_hit_tokens", "stored_tokens"))
 
 
 def create_metrics(enabled: bool, tp_rank: int, figures: Callable[[], Mapping[tuple[str, ...], float]],

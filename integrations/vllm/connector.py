@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...components.identity import model_identity, namespace_term
-from ...runtime.dataplane.tracing import enable_trace_logging, trace
+from ...runtime.dataplane.tracing import trace
 from .. import store_host
 from . import metrics as vllm_metrics
 from .cache_groups import cache_geometry, cache_groups, key_layout
@@ -152,8 +151,8 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         self.config = VllmConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
-        if self.config.tracing:  # one JSON line per phase event on stderr, with vLLM's request id
-            enable_trace_logging(sys.stderr)
+        # one JSON line per phase event (stderr, or the trace_file), with vLLM's request id
+        self.config.start_tracing("kv_connector_extra_config")
         self.stats = vllm_metrics.StatsReporter()  # figures for vLLM's stats path (metrics)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
@@ -450,7 +449,8 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- metrics: vLLM's connector-stats path (integrations/vllm/metrics.py) ----
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return vllm_metrics.report(self.stats, self.counters, self._transfers)
+        return vllm_metrics.report(self.stats, self.counters, self._transfers,
+                                   None if self.host is None else self.host.breaker)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

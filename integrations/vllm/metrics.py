@@ -25,6 +25,7 @@ travel as lists of seconds. Merging: counters add, latency lists join, gauges ta
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,15 +44,17 @@ from ...runtime.dataplane.metrics import (
     plane_figures,
     split,
     store_figures,
+    store_identity_figures,
 )
 from ...runtime.dataplane.plane import DataPlane
-from ...stores.resilient import ResilientStore
+from ...stores.resilient import CircuitBreaker, ResilientStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from .pages import PageTransfers
 
+log = logging.getLogger(__name__)
 VLLM = Naming("vllm:hylinker_")
 _SEP = "|"
 #: the connector's scheduler counters -> metric keys
@@ -73,11 +76,11 @@ WORKER_FIGURES = {
     "objects_rewritten": ("bad_objects_kept", "rewritten"),
     "objects_kept": ("bad_objects_kept", "unproven"),
 }
-#: the families vLLM's frontend registers (the Linker's agreement and decline figures are not here)
+#: the families vLLM's frontend registers (the Linker's agreement, decline and stored-token figures are not here)
 VLLM_KEYS = ("lookups", "hit_tokens", "loads", "offloads", "objects_skipped", "bad_objects_removed", "bad_objects_kept",
              "bytes",
-             "objects", "verify_failures", "transfer_failures", "queue_depth", "load_seconds", "offload_seconds",
-             "store_events", "breaker_open")
+             "objects", "verify_failures", "rereads", "transfer_failures", "queue_depth", "load_seconds", "offload_seconds",
+             "store_events", "breaker_open", "info", "store_bytes", "store_objects", "store_capacity_bytes")
 
 
 def _key(figure: tuple[str, ...]) -> str:
@@ -130,6 +133,7 @@ class StatsReporter:
         self._seconds: dict[str, list[float]] = collections.defaultdict(list)
         self._lock = threading.Lock()
         self._watched: set[int] = set()
+        self._sent: set[tuple[str, ...]] = set()  # counters reported at least once
 
     def watch(self, plane: DataPlane) -> None:
         """Record ``plane``'s load and offload latencies (once per plane)."""
@@ -144,7 +148,10 @@ class StatsReporter:
     def report(self, totals: Figures) -> HylinkerStats | None:
         counters, gauges = split(totals)
         stats = HylinkerStats()
-        stats.data["counter"] = {_key(k): v for k, v in self._increments.take(counters).items()}
+        # a counter seen for the first time travels even at 0: its series exists from the start
+        stats.data["counter"] = {_key(k): 0 for k in counters.keys() - self._sent}
+        self._sent.update(counters)
+        stats.data["counter"].update({_key(k): v for k, v in self._increments.take(counters).items()})
         for k, v in gauges.items():
             if self._gauges.get(_key(k)) != v:  # a gauge travels when it changed
                 stats.data["gauge"][_key(k)] = self._gauges[_key(k)] = v
@@ -168,14 +175,28 @@ def worker_totals(counters: dict[str, int], planes: list[DataPlane]) -> Figures:
             out[k] = out.get(k, 0) + v
     if planes and isinstance(planes[0].store, ResilientStore):  # one store under both planes
         out.update(store_figures(planes[0].store.resilience()))
+    if planes:
+        out.update(store_identity_figures(planes[0].store, planes[0].config.integrity.value))
     return out
 
 
-def report(reporter: StatsReporter, counters: dict[str, int], transfers: PageTransfers | None) -> HylinkerStats | None:
-    """One connector instance's report: the worker's (it has ``transfers``) or the scheduler's."""
+def breaker_figures(breaker: CircuitBreaker) -> Figures:
+    """The scheduler's probe breaker (``StoreHost``): its trips and refused probes, open or not."""
+    return {("store_events", "breaker_trip"): breaker.counts["breaker_trips"],
+            ("store_events", "rejected"): breaker.counts["rejected_calls"],
+            ("breaker_open",): 0 if breaker.state == "closed" else 1}
+
+
+def report(reporter: StatsReporter, counters: dict[str, int], transfers: PageTransfers | None,
+           breaker: CircuitBreaker | None = None) -> HylinkerStats | None:
+    """One connector instance's report: the worker's (it has ``transfers``) or the scheduler's
+    (with its store host's probe ``breaker``)."""
     if transfers is not None:
         return reporter.report(worker_totals(dict(transfers.counters), [transfers.engine_plane, transfers.staging_plane]))
-    return reporter.report(scheduler_totals(counters))
+    totals = scheduler_totals(counters)
+    if breaker is not None:
+        totals.update(breaker_figures(breaker))
+    return reporter.report(totals)
 
 
 class HylinkerPromMetrics(KVConnectorPromMetrics):
@@ -185,6 +206,7 @@ class HylinkerPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._families: dict[str, Any] = {}
+        self._unknown: set[str] = set()  # families reported but not registered (logged once each)
         for key in VLLM_KEYS:
             f = FAMILY[key]
             kwargs: dict[str, Any] = {"name": VLLM.name(f), "documentation": f.doc,
@@ -198,19 +220,28 @@ class HylinkerPromMetrics(KVConnectorPromMetrics):
 
     def _child(self, key: str, engine_idx: int) -> Any:
         family, *labels = key.split(_SEP)
-        return self._families[family].labels(*self.per_engine_labelvalues[engine_idx], *labels)
+        metric = self._families.get(family)
+        if metric is None:  # a figure without a family here: never a reason to fail a step
+            if family not in self._unknown:
+                self._unknown.add(family)
+                log.warning("hylinker: vLLM stats carry %r, which has no family here; not exported", family)
+            return None
+        return metric.labels(*self.per_engine_labelvalues[engine_idx], *labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, n in transfer_stats_data.get("counter", {}).items():
-            if n > 0:
-                self._child(key, engine_idx).inc(n)
+            child = self._child(key, engine_idx)  # made at 0 when first reported
+            if child is not None and n > 0:
+                child.inc(n)
         for key, v in transfer_stats_data.get("gauge", {}).items():
-            self._child(key, engine_idx).set(v)
+            child = self._child(key, engine_idx)
+            if child is not None:
+                child.set(v)
         for key, seconds in transfer_stats_data.get("histogram", {}).items():
             child = self._child(key, engine_idx)
-            for s in seconds:
+            for s in seconds if child is not None else ():
                 child.observe(s)
 
 
-__all__ = ["VLLM", "VLLM_KEYS", "HylinkerPromMetrics", "HylinkerStats", "StatsReporter", "report", "scheduler_totals",
+__all__ = ["VLLM", "VLLM_KEYS", "HylinkerPromMetrics", "HylinkerStats", "StatsReporter", "breaker_figures", "report", "scheduler_totals",
            "worker_totals"]

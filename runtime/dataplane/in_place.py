@@ -25,6 +25,7 @@ from ...stores import framing
 from ...stores.base import GetResult, Outcome, StoreError
 from ...stores.rows import CODE, OK, OUTCOMES, RowBatch, RowResults, digests_of, expected_headers
 from .pool_staging import PoolStaging, check_landed
+from .tracing import trace
 from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, OffloadResult, TransferJob
 
@@ -262,7 +263,10 @@ class InPlaceTransfers(PoolStaging):
             got = await call(batch, self.integrity is framing.Integrity.CHECKSUM)
         except StoreError:
             got = unreachable()
-        self.latency.observe(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.latency.observe(seconds)
+        trace("store", pool=self.kind.value, call=getattr(call, "__name__", "call"), objects=len(batch.keys),
+              us=round(seconds * 1e6))
         return got
 
     async def _offload_rows(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> OffloadResult:

@@ -13,9 +13,17 @@ statistics by :func:`plane_figures`, :func:`store_figures` and the linker's :fun
 A counter is published as the increment its total grew by since the last publish
 (:class:`Increments`), a gauge as its value; histograms are observed when a transfer ends.
 
-Bad input never fails a request: a registry that already holds these families (given twice),
-a missing ``prometheus_client`` or a metric that fails to record degrade to no metrics with one
-log line.
+Families outlive their exporter: closing a component stops its refresh and releases its
+families, and a component built later on the same registry (a ``Linker`` rebuilt in one process)
+takes them over, so its counters go on from the first one's totals (no reset, no duplicate
+series). No label's values grow with traffic: every label is a pool, a direction, an outcome, a
+reason, an event, a phase, a source, the engine's identity or ``hylinker_info``'s constants; no
+request id or key is ever a label (``tests/test_metrics.py`` checks the series of two runs of
+different lengths are the same).
+
+Bad input never fails a request: two components open at once on one registry (the second
+degrades), a missing ``prometheus_client`` or a metric that fails to record degrade to no
+metrics with one log line.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
 
+from ...stores.base import Store
 from ...stores.resilient import ResilienceStatistics
 from .statistics import DataPlaneStatistics, PoolActorStatistics
 
@@ -85,11 +95,20 @@ FAMILIES: tuple[Family, ...] = (
     _f("store_events", "counter", "Store retries, timeouts, breaker trips and calls the open "
        "breaker refused.", "event"),
     _f("breaker_open", "gauge", "1 while the store's circuit breaker is open or half open."),
+    # what runs, and what the store holds
+    _f("info", "gauge", "1, labelled with the hylinker version, the integrity level and the store.",
+       "version", "integrity", "store"),
+    _f("store_bytes", "gauge", "Bytes the store holds (this client's view; not exported for a Mooncake "
+       "client, whose master reports the cluster's)."),
+    _f("store_objects", "gauge", "Objects the store holds (as store_bytes)."),
+    _f("store_capacity_bytes", "gauge", "The store's capacity (a Mooncake client: the segment it contributes)."),
+    _f("stored_tokens", "counter", "Prompt tokens whose KV pages an offload stored (written, or found stored)."),
 )
 FAMILY = {f.key: f for f in FAMILIES}
 #: the families the data plane publishes; the Linker adds the rest
 PLANE_KEYS = ("loads", "offloads", "bytes", "objects", "verify_failures", "rereads", "transfer_failures", "queue_depth",
-              "load_seconds", "offload_seconds", "store_events", "breaker_open")
+              "load_seconds", "offload_seconds", "store_events", "breaker_open", "info", "store_bytes",
+              "store_objects", "store_capacity_bytes")
 #: ``ResilienceStatistics`` field -> ``event`` label of ``store_events``
 STORE_EVENTS = {"retries": "retry", "timeouts": "timeout", "breaker_trips": "breaker_trip",
                 "rejected_calls": "rejected"}
@@ -141,6 +160,21 @@ def store_figures(res: ResilienceStatistics | None) -> Figures:
     return out
 
 
+def store_identity_figures(store: Store, integrity: str) -> Figures:
+    """``info`` (version, integrity level, the backend's name) and the store's occupancy."""
+    from ... import __version__
+
+    name = store.capabilities.name
+    while name.endswith(")") and "(" in name:  # the backend under its wrappers: resilient(faulty(embedded))
+        name = name[name.index("(") + 1:-1]
+    st = store.statistics()
+    out: Figures = {("info", __version__, integrity, name): 1, ("store_capacity_bytes",): st.capacity_bytes}
+    if name != "mooncake":  # a Mooncake client keeps no occupancy; its master reports the cluster's
+        out["store_bytes",] = st.used_bytes
+        out["store_objects",] = st.objects
+    return out
+
+
 class Increments:
     """Running totals -> what each grew by since the last :meth:`take` (never negative)."""
 
@@ -167,8 +201,17 @@ def split(figures: Mapping[tuple[str, ...], float]) -> tuple[Figures, Figures]:
 
 
 # ---- export to a prometheus_client registry ------------------------------------------------
-_shared: dict[tuple[int, str], dict[str, Any]] = {}  # per (registry, prefix): families made once
-_shared_lock = threading.Lock()
+@attrs.define
+class _Held:
+    """What this process made on one registry: families by name, and the names an open
+    exporter holds (a second exporter may not take them until the first closes)."""
+
+    families: dict[str, Any] = attrs.field(factory=dict)
+    claimed: set[str] = attrs.field(factory=set)
+
+
+_held: weakref.WeakKeyDictionary[Any, _Held] = weakref.WeakKeyDictionary()
+_held_lock = threading.Lock()
 
 
 def make_families(registry: Any, naming: Naming, keys: Iterable[str]) -> dict[str, Any]:
@@ -234,6 +277,8 @@ class Exporter:
         self._lock = threading.Lock()
         self._broken = False
         self._refresh: tuple[Any, _Refresh] | None = None
+        self._claim: tuple[Any, list[str]] | None = None
+        self._exported: set[tuple[str, ...]] = set()  # counter series made so far
 
     @classmethod
     def create(cls, registry: Any, naming: Naming, keys: Iterable[str], *, who: str,
@@ -251,19 +296,19 @@ class Exporter:
             if refresh_on_scrape and figures is not None:  # first: collected before the families
                 collector = _Refresh()
                 registry.register(collector)
-            if shared:
-                with _shared_lock:
-                    families = _shared.get((id(registry), naming.prefix))
-                    if families is None:
-                        families = _shared[id(registry), naming.prefix] = make_families(registry, naming, keys)
-            else:
-                families = make_families(registry, naming, keys)
+            families = _take(registry, naming, list(keys), claim=not shared)
+            if collector is not None:  # families taken over sit before the new collector: move them after it
+                for metric in families.values():
+                    registry.unregister(metric)
+                    registry.register(metric)
         except Exception as exc:  # missing package, names registered already
             if collector is not None:
                 registry.unregister(collector)
             log.warning("%s: no metrics (%r)", who, exc)
             return None
         out = cls(families, base_values, figures, interval_s)
+        if not shared:
+            out._claim = (registry, [naming.name(FAMILY[k]) for k in families])
         if collector is not None:
             collector.exporter = out
             out._refresh = (registry, collector)
@@ -297,6 +342,9 @@ class Exporter:
             def push() -> None:
                 source = figures if figures is not None else (self._figures() if self._figures else {})
                 counters, gauges = split({k: v for k, v in source.items() if k[0] in self._f})
+                for figure in counters.keys() - self._exported:  # every known series exists, at 0 until it grows
+                    _child(self._f[figure[0]], (*self._base, *figure[1:]))
+                    self._exported.add(figure)
                 for (key, *values), grown in self._increments.take(counters).items():
                     _child(self._f[key], (*self._base, *values)).inc(grown)
                 for (key, *values), value in gauges.items():
@@ -309,13 +357,40 @@ class Exporter:
         self.publish(force=True)
 
     def close(self) -> None:
-        """Publish the last figures and stop refreshing on scrapes (the families stay)."""
+        """Publish the last figures, stop refreshing on scrapes and release the families: they
+        stay on the registry with their last values, for the next exporter to take over."""
         self.publish(force=True)
         if self._refresh is not None:
             registry, collector = self._refresh
             self._refresh = None
             self._safely(lambda: registry.unregister(collector))
+        if self._claim is not None:
+            registry, names = self._claim
+            self._claim = None
+            with _held_lock:
+                held = _held.get(registry)
+                if held is not None:
+                    held.claimed.difference_update(names)
+
+
+def _take(registry: Any, naming: Naming, keys: list[str], *, claim: bool) -> dict[str, Any]:
+    """The families of ``keys`` on ``registry``: made on first use, then reused (a component
+    rebuilt in this process goes on counting on them). ``claim``: held until the exporter
+    closes; a name another open exporter holds raises ``ValueError``. Unclaimed (the plugins'
+    ranks, told apart by their labels): shared."""
+    with _held_lock:
+        held = _held.setdefault(registry, _Held())
+        names = {key: naming.name(FAMILY[key]) for key in keys}
+        busy = sorted(n for n in names.values() if n in held.claimed)
+        if claim and busy:
+            raise ValueError(f"another open component exports {busy[0]} on this registry")
+        missing = [key for key, name in names.items() if name not in held.families]
+        for key, metric in make_families(registry, naming, missing).items():
+            held.families[names[key]] = metric
+        if claim:
+            held.claimed.update(names.values())
+        return {key: held.families[name] for key, name in names.items()}
 
 
 __all__ = ["FAMILIES", "FAMILY", "LATENCY_BUCKETS", "LIBRARY", "PLANE_KEYS", "STORE_EVENTS", "Exporter", "Family",
-           "Figures", "Increments", "Naming", "plane_figures", "split", "store_figures"]
+           "Figures", "Increments", "Naming", "plane_figures", "split", "store_figures", "store_identity_figures"]

@@ -84,7 +84,16 @@ from ...stores.resilient import ResilientStore
 from ...stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
 from .events import DeviceEvent
-from .metrics import LIBRARY, PLANE_KEYS, Exporter, Figures, Naming, plane_figures, store_figures
+from .metrics import (
+    LIBRARY,
+    PLANE_KEYS,
+    Exporter,
+    Figures,
+    Naming,
+    plane_figures,
+    store_figures,
+    store_identity_figures,
+)
 from .pool_actor import PoolActor
 from .pool_staging import LatencyMonitor
 from .restore_cost import LoadBandwidth
@@ -482,9 +491,10 @@ class DataPlane:
         return {k.value: a.statistics() for k, a in self.actors.items()}
 
     def metric_figures(self) -> Figures:
-        """The data path's figures for :mod:`.metrics`: per pool, by outcome, the store's."""
+        """The data path's figures for :mod:`.metrics`: per pool, by outcome, the store's, what runs."""
         res = self.store.resilience() if isinstance(self.store, ResilientStore) else None
-        return {**plane_figures(self.pool_statistics(), self.statistics()), **store_figures(res)}
+        return {**plane_figures(self.pool_statistics(), self.statistics()), **store_figures(res),
+                **store_identity_figures(self.store, self.config.integrity.value)}
 
 
 def _job_ended(ticket: _Ticket, pool: PoolKind, group: int, job: TransferJob, _done: object) -> None:

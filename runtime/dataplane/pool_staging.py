@@ -300,7 +300,10 @@ class PoolStaging:
             got = [unreachable] * len(keys)
         if len(got) != len(keys):
             got = [broken] * len(keys)
-        self.latency.observe(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.latency.observe(seconds)
+        trace("store", pool=self.kind.value, call=getattr(call, "__name__", "call"), objects=len(keys),
+              us=round(seconds * 1e6))
         return got
 
     def _inline(self, batch: tuple[int, int], size: int) -> bool:

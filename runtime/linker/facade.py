@@ -150,7 +150,7 @@ class Linker:
             "bad_objects_removed", "bad_objects_rewritten", "failed_objects_kept", "close_timeouts", "partial_loads", "partial_pages_lost",
             "offloads_skipped_breaker", "rank_shortened_lookups", "rank_shortened_loads",
             "rank_unsettled_offloads", "lookup_hits", "declined_lookups", "declined_hit_tokens",
-            "decline_probes")}
+            "decline_probes", "stored_tokens")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         # the rooms: each phase's rules live in one of them; the linker checks and delegates
         #: what the rooms share (runtime/linker/context.py): they reach the linker only through it

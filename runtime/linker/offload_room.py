@@ -309,5 +309,7 @@ class OffloadRoom(LinkerRoom):
             if stored is None:
                 continue
             if all(j in where and stored[where[j]] for j in self.rules[kind].pages(n)):
+                if kind is PoolKind.FULL and kind not in n.stored:
+                    self._c["stored_tokens"] += len(n.keys) * self.page
                 n.stored.add(kind)
 

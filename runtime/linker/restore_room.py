@@ -6,6 +6,8 @@ claims that keep a commit and an abort (a release, ``close``) from both settling
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import torch
 
@@ -101,6 +103,7 @@ class RestoreRoom(LinkerRoom):
     async def _queue(self, req: Request) -> LoadHandle | None:
         """Allocate and queue the reads of ``req.store_pages`` pages (None: a miss)."""
         n = req.store_pages
+        t0 = time.perf_counter()
         self._c["loads"] += 1
         rows = self.tree.try_alloc_rows(n)
         slot: int | None = None
@@ -143,7 +146,9 @@ class RestoreRoom(LinkerRoom):
             trace("load.miss", request_id=req.id, reason="closing", pages=n)
             await self.settle(handle)
             return None
-        trace("load.queued", request_id=req.id, pages=n, first_page=first, slot=slot)
+        # us: allocation and submission (waiting for queue space): the start of the load's span
+        trace("load.queued", request_id=req.id, pages=n, first_page=first, slot=slot,
+              us=round((time.perf_counter() - t0) * 1e6))
         return handle
 
     async def _agree(self, req: Request, handle: LoadHandle | None) -> LoadHandle | None:

@@ -47,6 +47,7 @@ class LinkerStatistics:
     declined_lookups: int = 0  # lookups whose store hit was declined: recompute was cheaper
     declined_hit_tokens: int = 0  # store hit tokens those lookups gave up
     decline_probes: int = 0  # hits taken though declined, after decline_probe_every declines in a row
+    stored_tokens: int = 0  # prompt tokens whose KV pages an offload settled as stored
 
 
 def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
@@ -57,6 +58,7 @@ def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
         ("hit_tokens", "device"): s.device_hit_tokens,
         ("hit_tokens", "store"): s.store_hit_tokens,
         ("declined_hit_tokens",): s.declined_hit_tokens,
+        ("stored_tokens",): s.stored_tokens,
         ("objects_skipped", "mamba_backpressure"): s.offloads_skipped_mamba,
         ("objects_skipped", "kv_backpressure"): s.offloads_skipped_kv,
         ("objects_skipped", "store_latency"): s.offloads_dropped,
