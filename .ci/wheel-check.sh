@@ -17,6 +17,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 start=$SECONDS
 
+rm -rf "$root/build"  # setuptools' staging folder: a stale one would ship deleted modules
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$root"
 wheel=$(ls "$work"/dist/hylinker-*.whl)
 "$PY" -m venv "$work/venv"

@@ -19,7 +19,7 @@ MIB = 1 << 20
 def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     if args.trace is not None:
         if not args.trace.exists():
-            raise SystemExit(f"stress: trace file not found: {args.trace}")
+            raise UsageError(f"--trace: no such file: {args.trace}")
         reqs = read_mooncake_trace(args.trace, first_n=args.requests, time_scale=1.0)
     elif getattr(args, "workload", "agentic") == "production":
         from .production_workload import production_agentic, production_shape
