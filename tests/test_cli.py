@@ -121,6 +121,7 @@ SUBCOMMAND_MISTAKES: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
     "stress --plot without matplotlib": (["stress", "--requests", "5", "--plot", "DIR/p.png"], "--plot",
                                          ("matplotlib",)),
     "study --plot without matplotlib": (["study", "sweep", "--plot", "DIR/p.png"], "--plot", ("matplotlib",)),
+    "study misspelled policy": (["study", "admission", "--policies", "marconni"], "did you mean 'marconi'", ()),
     "bench rounds 0": (["bench", "--rounds", "0"], "--rounds", ()),
     "bench --mooncake yes without Mooncake": (["bench", "--mooncake", "yes"], "--mooncake yes",
                                               ("mooncake", "mooncake.store")),
