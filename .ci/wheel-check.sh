@@ -60,14 +60,19 @@ PYEOF
 "$work/venv/bin/hylinker" stress --requests 50 --no-progress >"$work/stress.txt"  # exit 1 on a mismatch or leak
 grep -Eq "^restore mismatches +0$" "$work/stress.txt" || { cat "$work/stress.txt"; exit 1; }
 echo "wheel-check: hylinker stress --requests 50 ran from the wheel"
+"$work/venv/bin/hylinker" --help >/dev/null
+rc=0; "$work/venv/bin/hylinker" config-doc 2>"$work/config-doc.txt" || rc=$?
+[ "$rc" = 2 ] && grep -q -- "--out" "$work/config-doc.txt" || { cat "$work/config-doc.txt"; exit 1; }
+site_dir=$("$VPY" -c 'import hylinker, os; print(os.path.dirname(os.path.dirname(hylinker.__file__)))')
+[ ! -e "$site_dir/hylinker/docs" ] || { echo "wheel-check: config-doc wrote into $site_dir/hylinker/docs" >&2; exit 1; }
+echo "wheel-check: hylinker --help runs; config-doc asks for --out instead of writing into site-packages"
 
 if [ ! -x "$VLLM_PYTHON" ]; then
     echo "wheel-check: no vLLM interpreter at $VLLM_PYTHON (run .ci/vllm-setup.sh or set VLLM_PYTHON)" >&2
     exit 1
 fi
-site=$("$VPY" -c 'import hylinker, os; print(os.path.dirname(os.path.dirname(hylinker.__file__)))')
-mkdir "$work/only-hylinker" && ln -s "$site/hylinker" "$work/only-hylinker/hylinker"
-PYTHONPATH="$work/only-hylinker" "$VLLM_PYTHON" - "$site" <<'PYEOF'
+mkdir "$work/only-hylinker" && ln -s "$site_dir/hylinker" "$work/only-hylinker/hylinker"
+PYTHONPATH="$work/only-hylinker" "$VLLM_PYTHON" - "$site_dir" <<'PYEOF'
 import os
 import sys
 

@@ -120,6 +120,8 @@ SUBCOMMAND_MISTAKES: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
                                        ("matplotlib",)),
     "stress --plot without matplotlib": (["stress", "--requests", "5", "--plot", "DIR/p.png"], "--plot",
                                          ("matplotlib",)),
+    "stress --store umbp without mori": (["stress", "--store", "umbp", "--requests", "5", "--no-progress"],
+                                         "--store umbp", ("mori", "mori.umbp")),
     "study --plot without matplotlib": (["study", "sweep", "--plot", "DIR/p.png"], "--plot", ("matplotlib",)),
     "study misspelled policy": (["study", "admission", "--policies", "marconni"], "did you mean 'marconi'", ()),
     "bench rounds 0": (["bench", "--rounds", "0"], "--rounds", ()),
@@ -174,10 +176,10 @@ def test_config_doc_never_writes_into_an_installed_package(tmp_path: Path, capsy
 
     installed = tmp_path / "site-packages" / "hylinker"
     installed.mkdir(parents=True)
-    monkeypatch.setattr(config_doc, "DOC", installed.parent / "docs" / "configuration.md")
+    monkeypatch.setattr(config_doc, "DOC", installed / "docs" / "configuration.md")
     assert cli.main(["config-doc"]) == 2
     assert "--out" in capsys.readouterr().err
-    assert not (installed.parent / "docs").exists()
+    assert not (installed / "docs").exists()
     page = tmp_path / "configuration.md"
     assert cli.main(["config-doc", "--out", str(page)]) == 0
     assert cli.main(["config-doc", "--check", "--out", str(page)]) == 0

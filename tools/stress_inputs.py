@@ -44,7 +44,10 @@ async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) 
     elif args.store == "umbp":
         from ..stores.umbp import UmbpStore
 
-        inner = UmbpStore(capacity_bytes=capacity)
+        try:
+            inner = UmbpStore(capacity_bytes=capacity)
+        except StoreUnavailableError as exc:  # no mori UMBP client here
+            raise UsageError(f"--store umbp: {exc}") from exc
     else:
         from ..stores.mooncake import MooncakeConfig, MooncakeStore
 
