@@ -242,9 +242,10 @@ def format_table(rows: Sequence[Prediction]) -> str:
     return "\n".join(lines)
 
 
-#: one colour per TP degree, one line style per TOUCH setting, one marker per KV-once setting:
-#: settings whose curves coincide stay distinguishable (a dashed line over a solid one, a small
-#: filled marker inside a large hollow one)
+#: one colour per TP degree; a line style per TOUCH setting and a marker per KV-once setting, so
+#: curves that cross or touch stay apart (a dashed line over a solid one, a small filled marker
+#: inside a large hollow one); settings predicting the very same curve are one line, its legend
+#: entry naming each of them
 _TP_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 
 
