@@ -14,11 +14,16 @@ PY=${PYTHON:-python3}
 VLLM_PYTHON=${VLLM_PYTHON:-$root/.venv-vllm/bin/python}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# removing the virtualenv (torch: ~1 GB of small files) took ~45 s on the loaded 2-core machine:
+# it goes on in the background, the script's result does not wait for it
+trap '(rm -rf "$work" &)' EXIT
 start=$SECONDS
 
-rm -rf "$root/build"  # setuptools' staging folder: a stale one would ship deleted modules
+# setuptools stages the package in build/ of the checkout: a stale one would ship deleted
+# modules, and one left behind would be type-checked a second time by `just lint`
+rm -rf "$root/build"
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$root"
+rm -rf "$root/build"
 wheel=$(ls "$work"/dist/hylinker-*.whl)
 "$PY" -m venv "$work/venv"
 torch_pin="torch==$("$PY" -c 'import torch; print(torch.__version__)')"
