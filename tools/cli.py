@@ -89,16 +89,16 @@ def _passed_on(name: str, argv: list[str]) -> int:
     ...) is one line naming it, as is a :class:`UsageError` its ``main`` raises."""
     try:
         if name in NEEDS and not {"-h", "--help"} & set(argv):
-            require_package(NEEDS[name], f"hylinker {name}", f"run it in the virtualenv that has it "
-                                                             f"({PASSED_ON[name][1]}); docs/install.md",
-                            find_only=True)
+            venv = PASSED_ON[name][1].rpartition("(")[2].rstrip(")")  # the help ends "(.venv-vllm)"
+            require_package(NEEDS[name], "this subcommand", f"run it with the python of {venv} "
+                                                            "(docs/install.md)", find_only=True)
         module = importlib.import_module(f"hylinker.tools.{PASSED_ON[name][0]}")
         return int(module.main(argv) or 0)
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] == "hylinker":
             raise
         return _usage_error(name, f"needs the Python package {exc.name!r}, which this environment lacks "
-                                  f"(the subcommand's help says which virtualenv has it: {PASSED_ON[name][1]})")
+                                  "(docs/install.md)")
     except UsageError as exc:
         return _usage_error(name, str(exc))
 
