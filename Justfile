@@ -13,7 +13,8 @@ run *ARGS: setup
     {{py}} -m hylinker stress --store embedded --json bench-results/stress.json --plot bench-results/stress.png {{ARGS}}
 
 # the whole test suite, slow suites and the real Mooncake master included, then the fleet suite,
-# the SGLang plugin's suites (SGLang's cache, SGLang's real server) and the vLLM connector's
+# the SGLang plugin's suites (SGLang's cache, SGLang's real server) and the vLLM connector's,
+# then the wheel installed into a fresh virtualenv (.ci/wheel-check.sh, ~2 minutes)
 test *ARGS: setup
     {{py}} -m pytest -q -ra {{ARGS}}
     just test-fleet
@@ -22,6 +23,7 @@ test *ARGS: setup
     just test-sglang-server
     just test-vllm
     just test-umbp
+    bash .ci/wheel-check.sh
 
 # the fleet suite: a Mooncake master and engine hosts in network namespaces (needs root and `ip`;
 # without them it fails saying so)

@@ -10,6 +10,7 @@ This module imports no engine and no store client, so it can be checked anywhere
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Mapping
@@ -114,7 +115,10 @@ class PluginConfig:
         fields = {f.name: f for f in attrs.fields(cls)}
         unknown = sorted(set(extra) - set(fields))
         if unknown:
-            raise PluginConfigError(f"unknown {where} keys {unknown}; known: {sorted(fields)}")
+            hints = [f"{key!r} -> {close[0]!r}" for key in unknown
+                     if (close := difflib.get_close_matches(key, list(fields), n=1))]
+            did_you_mean = f"; did you mean {', '.join(hints)}?" if hints else ""
+            raise PluginConfigError(f"unknown {where} keys {unknown}{did_you_mean}; known: {sorted(fields)}")
         values = {name: coerce_value(where, name, raw, fields[name].default, PluginConfigError) for name, raw in extra.items()}
         try:
             config = cls(**values)

@@ -3,6 +3,7 @@ and the counters of what was injected (see that module's doc for each fault)."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, ClassVar
 
 import attrs
@@ -96,8 +97,10 @@ class FaultPlan:
             if name == "uniform":
                 uniform = _parse_float(name, raw)
             elif name not in names:
+                close = difflib.get_close_matches(name, ["uniform", *names], n=1)
                 raise ValueError(
-                    f"unknown fault plan field {name!r}; known: uniform, {', '.join(sorted(names))}"
+                    f"unknown fault plan field {name!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                    f"known: uniform, {', '.join(sorted(names))}"
                 )
             elif name == "fail_calls":
                 fields[name] = _parse_ranges(raw)

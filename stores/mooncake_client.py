@@ -85,8 +85,9 @@ def import_mooncake_store() -> Any:
         import mooncake.store as mooncake_store
     except (ImportError, OSError) as exc:  # OSError: libibverbs.so.1 missing
         raise StoreUnavailableError(
-            f"cannot import mooncake.store ({exc}); install `mooncake-transfer-engine-non-cuda` "
-            "and Debian's `libibverbs1` (see .ci/mooncake-setup.sh)"
+            f"cannot import mooncake.store ({exc}); install the Mooncake build for your torch "
+            "(`pip install 'hylinker[mooncake]'` without CUDA, `hylinker[mooncake-cuda12]` or "
+            "`hylinker[mooncake-cuda13]`: docs/install.md) and Debian's `libibverbs1`"
         ) from exc
     return mooncake_store
 

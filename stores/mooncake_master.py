@@ -34,7 +34,8 @@ from types import TracebackType
 
 BINARY_NAME = "mooncake_master"
 INSTALL_HINT = (
-    "install it with `pip install mooncake-transfer-engine-non-cuda` (Debian also needs "
+    "install the Mooncake build for your torch (`pip install 'hylinker[mooncake]'` without CUDA, "
+    "`hylinker[mooncake-cuda12]` or `hylinker[mooncake-cuda13]`: docs/install.md; Debian also needs "
     "`apt-get install libibverbs1`), or run .ci/mooncake-setup.sh as root"
 )
 

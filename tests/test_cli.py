@@ -103,3 +103,96 @@ def test_every_stress_option_has_help_with_its_default() -> None:
         assert action.help, f"{action.option_strings} has no help"
         if action.default not in (None, False):
             assert f"(default: {action.default})" in " ".join(text.split()), action.option_strings
+
+
+#: (argv, what the one line must name, modules that do not import for the case): every
+#: subcommand's ordinary mistakes, a missing optional package among them, each found before the
+#: run does its work
+SUBCOMMAND_MISTAKES: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
+    "plan trace missing": (["plan", "--trace", "DIR/none.jsonl"], "--trace", ()),
+    "plan broken trace line": (["plan", "--trace", "BROKEN"], "broken.jsonl:2", ()),
+    "plan misspelled workload field": (["plan", "--workload-param", "hors=1"], "did you mean 'hours'", ()),
+    "plan workload param without =": (["plan", "--workload-param", "hours"], "--workload-param", ()),
+    "plan store size 0": (["plan", "--store-gib", "0,1"], "--store-gib", ()),
+    "plan tp not a number": (["plan", "--tp", "one"], "--tp", ()),
+    "plan requests 0": (["plan", "--requests", "0"], "--requests", ()),
+    "plan --plot without matplotlib": (["plan", "--requests", "5", "--plot", "DIR/p.png"], "matplotlib",
+                                       ("matplotlib",)),
+    "stress --plot without matplotlib": (["stress", "--requests", "5", "--plot", "DIR/p.png"], "--plot",
+                                         ("matplotlib",)),
+    "stress --store umbp without mori": (["stress", "--store", "umbp", "--requests", "5", "--no-progress"],
+                                         "--store umbp", ("mori", "mori.umbp")),
+    "study --plot without matplotlib": (["study", "sweep", "--plot", "DIR/p.png"], "--plot", ("matplotlib",)),
+    "study misspelled policy": (["study", "admission", "--policies", "marconni"], "did you mean 'marconi'", ()),
+    "bench rounds 0": (["bench", "--rounds", "0"], "--rounds", ()),
+    "bench --mooncake yes without Mooncake": (["bench", "--mooncake", "yes"], "--mooncake yes",
+                                              ("mooncake", "mooncake.store")),
+    "demo without transformers": (["demo"], "transformers", ("transformers",)),
+    "demo turns 0": (["demo", "--turns", "0"], "--turns", ()),
+    "demo --store mooncake without Mooncake": (["demo", "--store", "mooncake"], "mooncake",
+                                               ("mooncake", "mooncake.store")),
+    "fleet without Mooncake": (["fleet"], "mooncake", ("mooncake", "mooncake.store")),
+    "fleet misspelled fault": (["fleet", "--faults", "partiton"], "did you mean 'partition'", ()),
+    "fleet one host": (["fleet", "--hosts", "1"], "--hosts", ()),
+    "mooncake up without Mooncake": (["mooncake", "up"], "mooncake", ("mooncake", "mooncake.store")),
+    "mooncake segment size 0": (["mooncake", "segment", "--segment-mib", "0", "--master", "127.0.0.1:1"],
+                                "--segment-mib", ()),
+    "mooncake segment master not listening": (["mooncake", "segment", "--master", "127.0.0.1:1",
+                                               "--segment-mib", "8"], "--master", ()),
+    "config-doc --check of a missing file": (["config-doc", "--check", "--out", "DIR/none.md"], "--check", ()),
+    "config-doc --out a directory": (["config-doc", "--out", "DIR"], "--out", ()),
+    "bench-sglang without SGLang": (["bench-sglang"], "sglang", ("sglang",)),
+    "bench-vllm without vLLM": (["bench-vllm"], "vllm", ("vllm",)),
+    "serve-demo without vLLM": (["serve-demo"], "vllm", ("vllm",)),
+}
+
+
+@pytest.mark.parametrize("case", list(SUBCOMMAND_MISTAKES))
+def test_each_subcommands_mistakes_are_one_line_and_exit_2(case: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process (a traceback would fail the test as an exception): exit 2 and one line on
+    stderr, ``hylinker CMD: error: ...``, naming the flag, file or package."""
+    args, names, missing = SUBCOMMAND_MISTAKES[case]
+    for module in missing:  # `import module` raises ModuleNotFoundError, as where it is not installed
+        monkeypatch.setitem(sys.modules, module, None)
+    args = [_broken_trace(tmp_path) if a == "BROKEN" else a.replace("DIR", str(tmp_path)) for a in args]
+    rc: int | str | None
+    try:
+        rc = cli.main(args)
+    except SystemExit as exc:  # argparse's own errors
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"hylinker {args[0]}") and ": error: " in lines[0] and names in lines[0], lines[0]
+    assert not list(tmp_path.glob("*.png")), "the run went on before failing"
+
+
+def test_config_doc_never_writes_into_an_installed_package(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from hylinker.tools import config_doc
+
+    installed = tmp_path / "site-packages" / "hylinker"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(config_doc, "DOC", installed / "docs" / "configuration.md")
+    assert cli.main(["config-doc"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert not (installed / "docs").exists()
+    page = tmp_path / "configuration.md"
+    assert cli.main(["config-doc", "--out", str(page)]) == 0
+    assert cli.main(["config-doc", "--check", "--out", str(page)]) == 0
+    page.write_text(page.read_text().replace("| `store` |", "| `stor` |", 1))
+    assert cli.main(["config-doc", "--check", "--out", str(page)]) == 1  # stale, not missing
+
+
+def test_bench_auto_mode_skips_mooncake_where_it_does_not_import(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from hylinker.tools.bench.paths import data_path
+
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    # no shape: the setups are built (Mooncake's attempted and skipped), nothing is timed
+    assert data_path(True, "auto", rounds=1, shapes=()) == []
+    assert "skipping Mooncake" in capsys.readouterr().out

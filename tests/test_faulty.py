@@ -67,7 +67,7 @@ def test_uniform_spreads_one_rate_over_every_kind() -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("fial=0.1", "unknown fault plan field 'fial'"),
+        ("fial=0.1", "unknown fault plan field 'fial' \\(did you mean 'fail'\\?\\)"),
         ("fail", "not name=value"),
         ("fail=lots", "not a number"),
         ("fail=1.5", r"\[0, 1\]"),

@@ -31,3 +31,31 @@ def test_the_prediction_matches_a_stress_run_at_two_store_sizes(tmp_path: Path) 
         p = predicted[(mb, True)]
         assert abs(p["hit_rate"] - s["hit_rate"]) <= TOLERANCE, (mb, p["hit_rate"], s["hit_rate"])
     assert predicted[(12, True)]["fill_s"] is not None and predicted[(512, True)]["fill_s"] is None
+
+
+def test_the_plot_draws_coinciding_settings_once_and_shows_the_differences(tmp_path: Path) -> None:
+    """Settings predicting the same curve are one line whose legend names them all; the rest
+    differ in line style or marker; the y range is the data's, the x ticks the store sizes."""
+    from hylinker.tools.plan import GIB, Prediction, plot
+
+    def row(size_gib: float, tp: int, touch: bool, once: bool, rate: float) -> Prediction:
+        return Prediction(store_bytes=int(size_gib * GIB), tp=tp, touch=touch, kv_once=once, hit_rate=rate,
+                          store_hit_tokens=0, device_hit_tokens=0, bytes_per_cached_token=0.0, fill_s=None,
+                          written_bytes=0, restored_bytes=0)
+
+    rows = [row(s, tp, True, True, r) for tp in (1, 8) for s, r in ((0.5, 0.88), (1, 0.90))]  # coincide
+    rows += [row(s, 8, False, True, r) for s, r in ((0.5, 0.87), (1, 0.89))]
+    rows += [row(s, 8, True, False, r) for s, r in ((0.5, 0.86), (1, 0.885))]
+    fig = plot(str(tmp_path / "plan.png"), rows, title="a title")
+    ax = fig.axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["TP 1 and 8, TOUCH on, KV once on", "TP 8, TOUCH on, KV once off",
+                      "TP 8, TOUCH off, KV once on"]
+    styles = {(str(line.get_linestyle()), line.get_marker()) for line in ax.get_lines()}
+    assert len(styles) == 3
+    assert ax.get_title() == "a title"
+    low, high = ax.get_ylim()
+    assert 0.84 < low < 0.86 and 0.90 < high < 0.92
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.5", "1"]
+    assert (tmp_path / "plan.png").stat().st_size > 0

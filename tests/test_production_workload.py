@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hylinker.tools.arguments import UsageError
 from hylinker.tools.cli import main
 from hylinker.tools.production_workload import ProductionShape, production_agentic, production_shape
 from hylinker.tools.workloads import causal_parents
@@ -32,8 +33,10 @@ def test_workload_params_parse_and_bad_ones_are_one_line_errors() -> None:
     shape = production_shape(["hours=0.5", "system_prompt_tokens=100:200"], scale=0.1)
     assert (shape.hours, shape.system_prompt_tokens, shape.scale) == (0.5, (100, 200), 0.1)
     for bad in ("nope=1", "hours", "hours=x", "hours=-1", "user_tokens=5"):
-        with pytest.raises(SystemExit, match="--workload-param"):
+        with pytest.raises(UsageError, match="--workload-param"):
             production_shape([bad], scale=1.0)
+    with pytest.raises(UsageError, match="did you mean 'system_prompt_tokens'"):
+        production_shape(["system_promt_tokens=100:200"], scale=1.0)
 
 
 def test_stress_replays_the_production_workload_with_evictions_accounted(tmp_path: Path) -> None:

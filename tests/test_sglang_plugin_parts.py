@@ -38,6 +38,7 @@ def test_config_defaults_and_keys() -> None:
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"stor": "embedded"}, "unknown linker_extra_config keys"),
+    ({"capacity_mib": 64}, r"did you mean 'capacity_mib' -> 'capacity_mb'\?"),
     ({"store": "redis"}, "must be one of"),
     ({"store": "mooncake"}, "HOST:PORT"),
     ({"store": "mooncake", "master": "localhost"}, "HOST:PORT"),

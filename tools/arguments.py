@@ -11,13 +11,20 @@ exit status 2: argparse's own errors through :class:`OneLineParser`, later ones 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import importlib.util
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
 #: the exit status of a command the user asked for wrongly (argparse's own)
 USAGE_EXIT = 2
+#: how to install what ``--store mooncake`` and the Mooncake tools need (docs/install.md)
+MOONCAKE_INSTALL = ("install one Mooncake build: pip install 'hylinker[mooncake]' (no CUDA), "
+                    "'hylinker[mooncake-cuda12]' or 'hylinker[mooncake-cuda13]', and Debian's libibverbs1 "
+                    "(docs/install.md)")
 
 
 class UsageError(ValueError):
@@ -49,6 +56,40 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 def one_line(message: str) -> str:
     return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+def nearest(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to a misspelled ``name``, else ''."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def require_package(package: str, needed_by: str, install: str, *, find_only: bool = False) -> None:
+    """A :class:`UsageError` naming ``needed_by`` (a flag or a subcommand) and the package when
+    ``package`` does not import here: checked before a run starts, not after its work.
+    ``find_only``: only look for it (an engine whose import takes seconds)."""
+    try:
+        if find_only:
+            if importlib.util.find_spec(package) is None:
+                raise ImportError(f"no module named {package!r}")
+        else:
+            importlib.import_module(package)
+    except (ImportError, OSError, ValueError) as exc:  # OSError: a native library missing; ValueError: find_spec
+        raise UsageError(f"{needed_by} needs the Python package {package!r}, which does not import here "
+                         f"({type(exc).__name__}: {exc}); {install}") from None
+
+
+def number_list(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """Comma-separated values, each checked by ``kind`` (one of the checks above)."""
+
+    def check(text: str) -> list[Any]:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
+        return values
+
+    check.__name__ = "list"
+    return check
 
 
 def _number(kind: Callable[[str], Any], text: str) -> Any:
@@ -135,6 +176,6 @@ def master_address(text: str) -> str:
     return text
 
 
-__all__ = ["USAGE_EXIT", "DefaultsFormatter", "OneLineParser", "UsageError", "fault_plan", "float_in",
-           "int_at_least", "master_address", "non_negative_float", "one_line", "positive_float",
-           "positive_int", "probability", "share", "trace_file"]
+__all__ = ["MOONCAKE_INSTALL", "USAGE_EXIT", "DefaultsFormatter", "OneLineParser", "UsageError", "fault_plan", "float_in",
+           "int_at_least", "master_address", "nearest", "non_negative_float", "number_list", "one_line",
+           "positive_float", "positive_int", "probability", "require_package", "share", "trace_file"]

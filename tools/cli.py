@@ -16,7 +16,14 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from .arguments import USAGE_EXIT, DefaultsFormatter, OneLineParser, UsageError, one_line
+from .arguments import (
+    USAGE_EXIT,
+    DefaultsFormatter,
+    OneLineParser,
+    UsageError,
+    one_line,
+    require_package,
+)
 from .bench import BENCHMARKS
 
 # subcommand -> module under hylinker.tools
@@ -38,6 +45,13 @@ PASSED_ON: dict[str, tuple[str, str]] = {
     **{name: (bench.path, bench.help) for name, bench in BENCHMARKS.items()},
     "profile-vllm-restore": ("profile_vllm_restore", "vLLM CPU build: where one restore's time goes (.venv-vllm)"),
     "serve-demo": ("serve_demo", "vLLM's OpenAI server on a tiny hybrid model with and without hylinker (.venv-vllm)"),
+}
+
+#: passed-on subcommand -> the engine package it runs in, checked before it starts
+NEEDS: dict[str, str] = {
+    **{name: bench.needs for name, bench in BENCHMARKS.items() if bench.needs},
+    "profile-vllm-restore": "vllm",
+    "serve-demo": "vllm",
 }
 
 
@@ -62,9 +76,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: what ``--plot`` needs, for every subcommand that has it
+PLOT_INSTALL = "pip install 'hylinker[plot]' (matplotlib)"
+
+
+def _usage_error(command: str, message: str) -> int:
+    print(f"hylinker {command}: error: {one_line(message)}", file=sys.stderr)
+    return USAGE_EXIT
+
+
 def _passed_on(name: str, argv: list[str]) -> int:
-    module = importlib.import_module(f"hylinker.tools.{PASSED_ON[name][0]}")
-    return int(module.main(argv) or 0)
+    """Run a passed-on subcommand; an engine or package this environment lacks (SGLang, vLLM,
+    ...) is one line naming it, as is a :class:`UsageError` its ``main`` raises."""
+    try:
+        if name in NEEDS and not {"-h", "--help"} & set(argv):
+            venv = PASSED_ON[name][1].rpartition("(")[2].rstrip(")")  # the help ends "(.venv-vllm)"
+            require_package(NEEDS[name], "this subcommand", f"run it with the python of {venv} "
+                                                            "(docs/install.md)", find_only=True)
+        module = importlib.import_module(f"hylinker.tools.{PASSED_ON[name][0]}")
+        return int(module.main(argv) or 0)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] == "hylinker":
+            raise
+        return _usage_error(name, f"needs the Python package {exc.name!r}, which this environment lacks "
+                                  "(docs/install.md)")
+    except UsageError as exc:
+        return _usage_error(name, str(exc))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,10 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         enable_trace_logging()
     try:
+        if getattr(args, "plot", None) is not None:  # before the run, not after its work
+            require_package("matplotlib", "--plot", PLOT_INSTALL)
         return int(args._run(args) or 0)
     except UsageError as exc:  # the user's mistake, found after parsing: one line, no traceback
-        print(f"hylinker {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
-        return USAGE_EXIT
+        return _usage_error(args.command, str(exc))
 
 
 if __name__ == "__main__":

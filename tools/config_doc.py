@@ -21,8 +21,11 @@ from typing import Any
 
 import attrs
 
+from .arguments import UsageError
+
 HELP = "write docs/configuration.md from the config classes (--check: fail if it is stale)"
 
+#: the page in a checkout (the repository root is the package); an installed wheel has no docs/
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 #: (heading, where a user gives it, dotted class path)
@@ -126,19 +129,37 @@ def render() -> str:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 if the file differs")
-    parser.add_argument("--out", type=Path, default=DOC)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the page to write or check (default: docs/configuration.md of the checkout "
+                             "hylinker runs from; an installed hylinker has none, so give a path)")
+
+
+def _page(out: Path | None) -> Path:
+    """``--out``, else the checkout's page; never a path inside an installed package."""
+    if out is not None:
+        if out.is_dir():
+            raise UsageError(f"--out {out} is a directory; name the page's file")
+        return out
+    if not DOC.parent.is_dir():
+        raise UsageError(f"--out: hylinker runs from an installed package ({DOC.parent.parent}), which has "
+                         "no docs/ folder; give the page's path, e.g. --out configuration.md")
+    return DOC
 
 
 def run(args: argparse.Namespace) -> int:
+    out = _page(args.out)
     text = render()
     if args.check:
-        current = args.out.read_text() if args.out.exists() else ""
-        if current != text:
-            print(f"{args.out} is stale: run `python -m hylinker config-doc`", file=sys.stderr)
+        if not out.is_file():
+            raise UsageError(f"--check: no such file {out} to compare (without --check the command writes it)")
+        if out.read_text() != text:
+            print(f"{out} is stale: run `python -m hylinker config-doc`", file=sys.stderr)
             return 1
         return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {out}: no such folder {out.parent}")
+    out.write_text(text)
+    print(f"wrote {out}")
     return 0
 
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
+
+from .arguments import MOONCAKE_INSTALL, UsageError, int_at_least, positive_int, require_package
 
 HELP = "multi-turn agentic chat on the reference hybrid model; restores must be bit-exact"
 
@@ -57,7 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"transformers model type with recurrent layers (default {DEFAULT_ARCH}; "
                              f"{', '.join(SUPPORTED_ARCHS)} are in the fast tests, docs/figures.md "
                              "lists every hybrid type transformers ships and what it does)")
-    parser.add_argument("--turns", type=int, default=None,
+    parser.add_argument("--turns", type=positive_int, default=None,
                         help=f"conversation turns (default {DEFAULT_SHAPE.turns}, "
                              f"{LARGE_SHAPE.turns} with --large)")
     parser.add_argument("--store", choices=STORES, default="embedded",
@@ -65,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--large", action="store_true",
                         help=f"a conversation of thousands of tokens (a {LARGE_SHAPE.system_tokens}-"
                              "token system prompt): restoring clearly beats recomputing")
-    parser.add_argument("--system-tokens", type=int, default=None, metavar="N",
+    parser.add_argument("--system-tokens", type=int_at_least(0), default=None, metavar="N",
                         help=f"length of the system prompt that opens turn 1 (default "
                              f"{DEFAULT_SHAPE.system_tokens}, {LARGE_SHAPE.system_tokens} with "
                              "--large); e.g. --large --system-tokens 16384 for 16 K-token prompts")
@@ -77,17 +78,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_package("transformers", "hylinker demo", "pip install 'hylinker[reference]'")
+    if args.store == "mooncake":
+        require_package("mooncake.store", "--store mooncake", MOONCAKE_INSTALL)
     shape = LARGE_SHAPE if args.large else DEFAULT_SHAPE
     if args.turns is not None:
-        if args.turns < 1:
-            print(f"hylinker demo: --turns must be at least 1, got {args.turns}", file=sys.stderr)
-            return 2
         shape = attrs.evolve(shape, turns=args.turns)
     if args.system_tokens is not None:
-        if args.system_tokens < 0:
-            print(f"hylinker demo: --system-tokens must be >= 0, got {args.system_tokens}",
-                  file=sys.stderr)
-            return 2
         shape = attrs.evolve(shape, system_tokens=args.system_tokens)
     import anyio
 
@@ -98,12 +95,8 @@ def run(args: argparse.Namespace) -> int:
 
             overrides = transformers_overrides(args.arch)
         report = anyio.run(_run_with_store, args.arch, args.store, shape, args.seed, args.large, overrides)
-    except ValueError as exc:
-        print(f"hylinker demo: {exc}", file=sys.stderr)
-        return 2
-    except DemoSetupError as exc:
-        print(f"hylinker demo: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, DemoSetupError) as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +36,15 @@ import attrs
 
 from ..harness.fleet import Fleet, FleetConfig
 from ..harness.netns import NetnsUnavailableError
+from .arguments import (
+    MOONCAKE_INSTALL,
+    UsageError,
+    int_at_least,
+    nearest,
+    non_negative_float,
+    positive_float,
+    require_package,
+)
 from .report import format_table, percentiles
 
 HELP = "faults on a fleet of network namespaces (partition, host death, master restart, kill -9)"
@@ -190,13 +198,13 @@ def format_faults(result: dict[str, Any]) -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--faults", default=",".join(FAULTS),
+    parser.add_argument("--faults", type=fault_list, default=",".join(FAULTS),
                         help=f"comma-separated, applied in order (default all: {','.join(FAULTS)})")
-    parser.add_argument("--hosts", type=int, default=2, help="engine hosts (>= 2)")
-    parser.add_argument("--warm-s", type=float, default=4.0, help="traffic before each fault")
-    parser.add_argument("--fault-s", type=float, default=4.0, help="how long each fault lasts")
-    parser.add_argument("--after-s", type=float, default=8.0, help="traffic after each fault")
-    parser.add_argument("--deadline-s", type=float, default=2.0,
+    parser.add_argument("--hosts", type=int_at_least(2), default=2, help="engine hosts (>= 2)")
+    parser.add_argument("--warm-s", type=non_negative_float, default=4.0, help="traffic before each fault")
+    parser.add_argument("--fault-s", type=positive_float, default=4.0, help="how long each fault lasts")
+    parser.add_argument("--after-s", type=positive_float, default=8.0, help="traffic after each fault")
+    parser.add_argument("--deadline-s", type=positive_float, default=2.0,
                         help="the engines' store transfer deadline (ResiliencePolicy.deadline_s)")
     parser.add_argument("--throughput", action="store_true",
                         help="instead: put/get GB/s to another host's segment across the veth and over "
@@ -205,10 +213,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the result here")
 
 
+def fault_list(text: str) -> list[str]:
+    """``--faults``: names of :data:`FAULTS`, comma-separated; a misspelled one gets the nearest."""
+    faults = [f.strip() for f in text.split(",") if f.strip()]
+    for fault in faults:
+        if fault not in FAULTS:
+            raise argparse.ArgumentTypeError(f"unknown fault {fault!r}{nearest(fault, FAULTS)}; "
+                                             f"choose from {', '.join(FAULTS)}")
+    return faults
+
+
+def _check_host() -> None:
+    """What every fleet run needs, checked before it starts any process."""
+    require_package("mooncake.store", "hylinker fleet", MOONCAKE_INSTALL)
+    from ..stores.mooncake_master import MooncakeMasterError, find_master_binary
+
+    try:
+        find_master_binary()
+    except MooncakeMasterError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_host()
     if args.throughput:
         return _throughput(args)
-    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    faults = args.faults
     cfg = FleetConfig(hosts=args.hosts, deadline_s=args.deadline_s,
                       call_timeout_s=min(1.0, args.deadline_s / 2))
     from .bench.host import describe, finish, host_record
@@ -218,9 +248,8 @@ def run(args: argparse.Namespace) -> int:
         with Fleet(cfg, workdir=args.workdir) as fleet:
             result = run_faults(fleet, faults, warm_s=args.warm_s, fault_s=args.fault_s,
                                 after_s=args.after_s)
-    except NetnsUnavailableError as exc:
-        print(f"fleet: {exc}", file=sys.stderr)
-        return 2
+    except NetnsUnavailableError as exc:  # not root, or no `ip`
+        raise UsageError(str(exc)) from None
     result["host"] = finish(host)
     print(format_faults(result))
     print(describe(result["host"]))
@@ -241,9 +270,8 @@ def _throughput(args: argparse.Namespace) -> int:
     host = host_record()
     try:
         rows = throughput()
-    except NetnsUnavailableError as exc:
-        print(f"fleet: {exc}", file=sys.stderr)
-        return 2
+    except NetnsUnavailableError as exc:  # not root, or no `ip`
+        raise UsageError(str(exc)) from None
     host = finish(host)
     keys = ("setup", "raw_put_gbps", "raw_get_gbps", "store_put_gbps", "store_get_gbps",
             "runtime_put_gbps", "runtime_get_gbps", "one_object_get_ms_p50", "exists_call_ms_p50")

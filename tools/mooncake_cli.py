@@ -16,6 +16,15 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from .arguments import (
+    MOONCAKE_INSTALL,
+    UsageError,
+    int_at_least,
+    master_address,
+    positive_int,
+    require_package,
+)
+
 if TYPE_CHECKING:
     from ..stores.mooncake_client import MooncakeSegmentHost
 
@@ -30,17 +39,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="mooncake_command", required=True)
     up = sub.add_parser("up", help="start a master in the foreground; print its address")
     add_master_arguments(up)
-    up.add_argument("--segment-mib", type=int, default=0,
+    up.add_argument("--segment-mib", type=int_at_least(0), default=0,
                     help="also contribute a storage segment of this many MiB (default none)")
     segment = sub.add_parser("segment", help="contribute a storage segment to a master")
-    segment.add_argument("--master", required=True, help="master address host:port")
-    segment.add_argument("--segment-mib", type=int, required=True, help="segment size in MiB")
+    segment.add_argument("--master", required=True, type=master_address, help="master address host:port")
+    segment.add_argument("--segment-mib", type=positive_int, required=True, help="segment size in MiB")
     segment.add_argument("--hostname", default="127.0.0.1",
                          help="address other clients reach this process at")
-    segment.add_argument("--protocol", default="tcp", help="transfer protocol: tcp or rdma")
+    segment.add_argument("--protocol", choices=("tcp", "rdma"), default="tcp", help="transfer protocol")
 
 
 def run(args: argparse.Namespace) -> int:
+    require_package("mooncake.store", f"hylinker mooncake {args.mooncake_command}", MOONCAKE_INSTALL)
     if args.mooncake_command == "up":
         return _up(args)
     return _segment(args)
@@ -53,20 +63,14 @@ def _up(args: argparse.Namespace) -> int:
         wait_for_stop_signal,
     )
 
-    if args.segment_mib < 0:
-        print("error: --segment-mib must be >= 0", file=sys.stderr)
-        return 2
     try:
         master = master_from_arguments(args).start()
-    except MooncakeMasterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except MooncakeMasterError as exc:  # no binary, or it did not start on that port
+        raise UsageError(str(exc)) from None
     with master:
         host = None
         if args.segment_mib:
             host = _open_segment(master.address, args.segment_mib, args.host, "tcp")
-            if host is None:
-                return 1
         print(master.address, flush=True)
         print(f"mooncake master pid {master.pid} ready in {master.startup_seconds:.3f}s"
               + (f", segment {args.segment_mib} MiB" if host else "")
@@ -82,12 +86,7 @@ def _up(args: argparse.Namespace) -> int:
 def _segment(args: argparse.Namespace) -> int:
     from ..stores.mooncake_master import wait_for_stop_signal
 
-    if args.segment_mib <= 0:
-        print("error: --segment-mib must be > 0", file=sys.stderr)
-        return 2
     host = _open_segment(args.master, args.segment_mib, args.hostname, args.protocol)
-    if host is None:
-        return 1
     print(f"segment of {args.segment_mib} MiB mounted on {args.master}; Ctrl-C to stop",
           file=sys.stderr, flush=True)
     try:
@@ -97,7 +96,7 @@ def _segment(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_segment(master: str, mib: int, hostname: str, protocol: str) -> MooncakeSegmentHost | None:
+def _open_segment(master: str, mib: int, hostname: str, protocol: str) -> MooncakeSegmentHost:
     from ..stores.base import StoreUnavailableError
     from ..stores.mooncake_client import MooncakeConfig, MooncakeSegmentHost
 
@@ -106,8 +105,7 @@ def _open_segment(master: str, mib: int, hostname: str, protocol: str) -> Moonca
                                 local_hostname=hostname, protocol=protocol)
         return MooncakeSegmentHost(config)
     except (StoreUnavailableError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
+        raise UsageError(f"--master {master}: {exc}") from None
 
 
 def start_segment_process(master: str, segment_mib: int) -> subprocess.Popen[str]:

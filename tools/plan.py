@@ -21,16 +21,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
 import xxhash
 
 from ..components.mamba import restorable_ceiling
+from .arguments import (
+    UsageError,
+    int_at_least,
+    number_list,
+    positive_float,
+    positive_int,
+    trace_file,
+)
 from .workloads import Request as WorkloadRequest
 
 HELP = "predict hit rate, bytes per cached token, fill time and store traffic per store size and TP degree"
@@ -234,43 +242,77 @@ def format_table(rows: Sequence[Prediction]) -> str:
     return "\n".join(lines)
 
 
-def plot(path: str, rows: Sequence[Prediction]) -> None:
-    import matplotlib
+#: one colour per TP degree; a line style per TOUCH setting and a marker per KV-once setting, so
+#: curves that cross or touch stay apart (a dashed line over a solid one, a small filled marker
+#: inside a large hollow one); settings predicting the very same curve are one line, its legend
+#: entry naming each of them
+_TP_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def plot(path: str, rows: Sequence[Prediction], *, title: str = "") -> Any:
+    """A PNG of the predicted hit rate against store size, one curve per (TP, TOUCH, KV once)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    from .plots import _import_matplotlib, legend_below
+
+    figure_cls, canvas_cls = _import_matplotlib()
+    fig = figure_cls(figsize=(9, 6), layout="constrained")
+    canvas_cls(fig)
+    ax = fig.subplots()
     curves: dict[tuple[int, bool, bool], list[Prediction]] = {}
     for r in rows:
         curves.setdefault((r.tp, r.touch, r.kv_once), []).append(r)
-    for (tp, touch, once), pts in sorted(curves.items()):
+    # settings that predict the same curve are drawn once, the legend naming all of them
+    same: dict[tuple[tuple[int, float], ...], list[tuple[int, bool, bool]]] = {}
+    for setting, pts in sorted(curves.items(), key=lambda kv: (not kv[0][1], not kv[0][2], kv[0][0])):
         pts.sort(key=lambda r: r.store_bytes)
-        ax.plot([r.store_bytes / GIB for r in pts], [r.hit_rate for r in pts], marker="o",
-                label=f"TP {tp}, touch {'on' if touch else 'off'}, KV once {'on' if once else 'off'}")
+        same.setdefault(tuple((r.store_bytes, r.hit_rate) for r in pts), []).append(setting)
+    colors = {tp: _TP_COLORS[i % len(_TP_COLORS)] for i, tp in enumerate(sorted({r.tp for r in rows}))}
+    for points, settings in same.items():
+        tp, touch, once = settings[0]
+        tps = " and ".join(str(s[0]) for s in settings)
+        kinds = {(s[1], s[2]) for s in settings}
+        label = (f"TP {tps}, TOUCH {'on' if touch else 'off'}, KV once {'on' if once else 'off'}" if len(kinds) == 1
+                 else " = ".join(f"TP {s[0]} TOUCH {'on' if s[1] else 'off'} KV once {'on' if s[2] else 'off'}"
+                                 for s in settings))
+        ax.plot([b / GIB for b, _ in points], [h for _, h in points], color=colors[tp],
+                linestyle="-" if touch else (0, (4, 3)), linewidth=2.4 if touch else 1.4,
+                marker="o" if once else "s", markersize=9 if touch else 5,
+                markerfacecolor="none" if touch else colors[tp], label=label)
+    sizes = sorted({r.store_bytes / GIB for r in rows})
     ax.set_xscale("log")
-    ax.set_xlabel("store size, GiB")
+    ax.xaxis.set_major_locator(FixedLocator(sizes))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    rates = [r.hit_rate for r in rows]
+    low, high = min(rates), max(rates)
+    pad = max((high - low) * 0.15, 0.002)
+    ax.set_ylim(max(0.0, low - pad), min(1.0, high + pad))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.1%}"))
+    ax.set_xlabel("store size, GiB (log scale)")
     ax.set_ylabel("predicted prefix hit rate")
-    ax.legend(fontsize=7)
+    ax.set_title(title or "hylinker plan: predicted hit rate against store size", fontsize=10)
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
+    legend_below(ax, columns=2, fontsize=8)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, default=None, help="Mooncake-format JSONL trace (.gz read as such)")
+    parser.add_argument("--trace", type=trace_file, default=None, help="Mooncake-format JSONL trace (.gz read as such)")
     parser.add_argument("--workload-param", action="append", default=[], metavar="FIELD=VALUE",
                         help="without --trace: the production-regime generator's ProductionShape field (repeatable)")
-    parser.add_argument("--synthetic-scale", type=float, default=0.25, help="generator token-size multiplier")
-    parser.add_argument("--requests", type=int, default=2000, help="take the first N requests")
+    parser.add_argument("--synthetic-scale", type=positive_float, default=0.25, help="generator token-size multiplier")
+    parser.add_argument("--requests", type=positive_int, default=2000, help="take the first N requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", choices=sorted(GEOMETRIES), default="stress-kimi")
-    parser.add_argument("--store-gib", default="0.25,0.5,1,2,4", help="store sizes, GiB, comma-separated")
-    parser.add_argument("--tp", default="1,8", help="tensor-parallel degrees, comma-separated")
-    parser.add_argument("--kv-pages", type=int, default=4096, help="device KV pool, pages")
-    parser.add_argument("--mamba-slots", type=int, default=97, help="device state pool, slots")
-    parser.add_argument("--concurrency", type=int, default=8,
+    parser.add_argument("--store-gib", type=number_list(positive_float), default="0.25,0.5,1,2,4",
+                        help="store sizes, GiB, comma-separated")
+    parser.add_argument("--tp", type=number_list(positive_int), default="1,8",
+                        help="tensor-parallel degrees, comma-separated")
+    parser.add_argument("--kv-pages", type=positive_int, default=4096, help="device KV pool, pages")
+    parser.add_argument("--mamba-slots", type=int_at_least(0), default=97, help="device state pool, slots")
+    parser.add_argument("--concurrency", type=int_at_least(0), default=8,
                         help="requests running at once: their pages and 3 slots each are not cache")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="PNG: hit rate against store size, one curve per setting")
@@ -288,19 +330,14 @@ def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        sizes = [int(float(v) * GIB) for v in args.store_gib.split(",")]
-        tps = [int(v) for v in args.tp.split(",")]
-    except ValueError as exc:
-        print(f"plan: --store-gib / --tp: {exc}", file=sys.stderr)
-        return 2
-    if not sizes or min(sizes) <= 0 or not tps or min(tps) < 1:
-        print("plan: store sizes must be > 0 and TP degrees >= 1", file=sys.stderr)
-        return 2
+    sizes = [int(v * GIB) for v in args.store_gib]
+    tps = list(args.tp)
+    if args.trace is not None and args.workload_param:
+        raise UsageError("--workload-param shapes the generator; it has no effect with --trace")
     requests = load_requests(args)
     if not requests:
-        print("plan: the workload is empty", file=sys.stderr)
-        return 2
+        raise UsageError(f"--trace {args.trace}: the trace holds no request" if args.trace is not None
+                         else "the workload is empty")
     geometry = GEOMETRIES[args.model]()
     mean_pages = sum(r.prompt_length for r in requests) // len(requests) // geometry.page_size
     rows = plan(requests, geometry, store_sizes=sizes, tps=tps,
@@ -314,7 +351,10 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps([attrs.asdict(r) for r in rows], indent=2))
         print(f"wrote {args.json}")
     if args.plot is not None:
-        plot(str(args.plot), rows)
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        source = f"trace {args.trace.name}" if args.trace is not None else "production-regime generator"
+        plot(str(args.plot), rows, title=f"hylinker plan: predicted hit rate per store size\n"
+                                         f"{geometry.name}, {len(requests):,} requests of the {source}")
         print(f"wrote {args.plot}")
     return 0
 

@@ -28,6 +28,7 @@ import math
 import attrs
 import numpy as np
 
+from .arguments import UsageError, nearest
 from .workloads import DEFAULT_VOCAB_SIZE, PromptTokens, Request
 
 
@@ -78,14 +79,16 @@ class ProductionShape:
 
 
 def production_shape(params: list[str], *, scale: float) -> ProductionShape:
-    """A :class:`ProductionShape` from ``FIELD=VALUE`` strings (``stress --workload-param``);
-    a range field takes ``LO:HI``. Raises ``SystemExit`` with one line on a bad one."""
+    """A :class:`ProductionShape` from ``FIELD=VALUE`` strings (``--workload-param``); a range
+    field takes ``LO:HI``. A bad one is a :class:`~.arguments.UsageError` naming the flag (and
+    the nearest field to a misspelled one)."""
     fields = {f.name: f for f in attrs.fields(ProductionShape)}
     values: dict[str, object] = {"scale": scale}
     for item in params:
         name, sep, text = item.partition("=")
         if not sep or name not in fields:
-            raise SystemExit(f"stress: --workload-param {item!r}: expected FIELD=VALUE with FIELD one of "
+            hint = nearest(name, fields) if sep else ""
+            raise UsageError(f"--workload-param {item!r}: expected FIELD=VALUE{hint}, FIELD one of "
                              f"{', '.join(fields)}")
         default = getattr(ProductionShape(), name)
         try:
@@ -95,11 +98,11 @@ def production_shape(params: list[str], *, scale: float) -> ProductionShape:
             else:
                 values[name] = type(default)(text)
         except ValueError as exc:
-            raise SystemExit(f"stress: --workload-param {item!r}: {exc}") from None
+            raise UsageError(f"--workload-param {item!r}: {exc}") from None
     try:
         return ProductionShape(**values)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise SystemExit(f"stress: --workload-param: {exc}") from None
+        raise UsageError(f"--workload-param: {exc}") from None
 
 
 def production_agentic(n_requests: int, *, seed: int, shape: ProductionShape | None = None) -> list[Request]:

@@ -19,7 +19,7 @@ MIB = 1 << 20
 def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
     if args.trace is not None:
         if not args.trace.exists():
-            raise SystemExit(f"stress: trace file not found: {args.trace}")
+            raise UsageError(f"--trace: no such file: {args.trace}")
         reqs = read_mooncake_trace(args.trace, first_n=args.requests, time_scale=1.0)
     elif getattr(args, "workload", "agentic") == "production":
         from .production_workload import production_agentic, production_shape
@@ -44,7 +44,10 @@ async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) 
     elif args.store == "umbp":
         from ..stores.umbp import UmbpStore
 
-        inner = UmbpStore(capacity_bytes=capacity)
+        try:
+            inner = UmbpStore(capacity_bytes=capacity)
+        except StoreUnavailableError as exc:  # no mori UMBP client here
+            raise UsageError(f"--store umbp: {exc}") from exc
     else:
         from ..stores.mooncake import MooncakeConfig, MooncakeStore
 

@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 
 from ..components.eviction import EVICTION_POLICIES
-from .arguments import UsageError, int_at_least
+from .arguments import UsageError, int_at_least, nearest
 from .report import LOSS_COLUMNS, format_table, stress_row
 from .stress import POLICIES, load_workload, run_stress
 from .stress_cli import (
@@ -67,7 +67,8 @@ def _names(choices: tuple[str, ...]) -> Any:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in choices]
         if not names or unknown:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}, got {text!r}")
+            hint = nearest(unknown[0], choices) if unknown else ""
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}, got {text!r}{hint}")
         return names
 
     check.__name__ = "names"

@@ -17,6 +17,7 @@ from typing import NamedTuple
 class Benchmark(NamedTuple):
     module: str  #: below hylinker.tools.bench
     help: str  #: one line for ``hylinker --help``
+    needs: str = ""  #: the engine package it runs in (checked before it starts), if any
 
     @property
     def path(self) -> str:
@@ -28,17 +29,17 @@ class Benchmark(NamedTuple):
 BENCHMARKS: dict[str, Benchmark] = {
     "bench-sglang": Benchmark("sglang", "hylinker's SGLang plugin vs SGLang's "
                                         "MooncakeDirectLinker inside SGLang's cache "
-                                        "(.venv-sglang)"),
+                                        "(.venv-sglang)", "sglang"),
     "bench-dead-store": Benchmark("dead_store", "the SGLang scheduler's time blocked in lookups "
-                                                "while the store does not answer (.venv-sglang)"),
+                                                "while the store does not answer (.venv-sglang)", "sglang"),
     "bench-vllm": Benchmark("vllm", "vLLM CPU build: time to first token restore vs recompute, "
-                                    "decode steps (.venv-vllm)"),
+                                    "decode steps (.venv-vllm)", "vllm"),
     "bench-vllm-peers": Benchmark("vllm_peers", "vLLM CPU build: hylinker's connector against "
                                                 "vLLM's own MooncakeStoreConnector in one run "
-                                                "(.venv-vllm)"),
+                                                "(.venv-vllm)", "vllm"),
     "bench-vllm-serving": Benchmark("vllm_serving", "vLLM CPU build: the OpenAI server replaying a "
                                                     "multi-turn trace with each connector, under load "
-                                                    "(.venv-vllm)"),
+                                                    "(.venv-vllm)", "vllm"),
     "bench-vllm-keys": Benchmark("vllm_keys", "what keying a vLLM request by vLLM's extra keys "
                                               "costs the scheduler"),
     "bench-shapes": Benchmark("shapes", "the vLLM connector's save and load at Qwen3-Next-80B's "

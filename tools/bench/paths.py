@@ -40,8 +40,9 @@ from ...components.layout import ModelLayout
 from ...components.pools import HybridPools
 from ...runtime.linker.config import LinkerConfig
 from ...runtime.linker.facade import Linker
-from ...stores.base import Store
+from ...stores.base import Store, StoreUnavailableError
 from ...stores.embedded import EmbeddedStore
+from ..arguments import MOONCAKE_INSTALL, UsageError, positive_int, require_package
 from .output import write_json
 from .runtime import runtime_transfer
 from .store import FAULTED_IN, fault_in
@@ -58,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "'steps': µs per object of each data-path step, 'calls': Python calls per object through "
                              "the synchronous data plane at 64 KiB, 1 MiB and a 24-segment page; "
                              "neither in the default set)")
-    parser.add_argument("--rounds", type=int, default=None,
+    parser.add_argument("--rounds", type=positive_int, default=None,
                         help="data path: interleaved rounds, best and median kept (default 5, 3 with --quick)")
     parser.add_argument("--mooncake", choices=["auto", "yes", "no"], default="auto",
                         help="include Mooncake in the data path (auto: when importable)")
@@ -70,6 +71,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .host import describe, finish, host_record
 
+    if args.mooncake == "yes":
+        require_package("mooncake.store", "--mooncake yes", MOONCAKE_INSTALL)
     sections = set(args.only or ["control", "lag", "data", "keys", "facade"])
     host = host_record()
     print(describe(host))
@@ -289,9 +292,9 @@ def data_path(quick: bool, mooncake: str = "auto", rounds: int | None = None,
                 from .mooncake import mooncake_setups
 
                 setups.extend(mooncake_setups(stack, segment_bytes=8 * total))
-            except (ImportError, RuntimeError) as exc:
+            except (ImportError, RuntimeError, StoreUnavailableError) as exc:  # no client, master or binary
                 if mooncake == "yes":
-                    raise
+                    raise UsageError(f"--mooncake yes: {exc}") from None
                 print(f"bench: skipping Mooncake ({exc})")
         for name, make in setups:
             if stores is not None and name not in stores:
