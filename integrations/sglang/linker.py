@@ -525,7 +525,6 @@ class HylinkerLinker(UnifiedCacheLinker):
 
     def num_completed_offloads(self) -> int:
         self._lookup_budget = self.config.lookup_budget_s  # called once per scheduler round
-        self.data.pop_completed_offloads()  # ours are the futures in self._offloads
         self._publish_metrics()  # called every scheduler round; publishes at most once a second
         return self._offloads.completed()
 
