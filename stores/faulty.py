@@ -114,6 +114,10 @@ class FaultyStore:
     def plan(self) -> FaultPlan:
         return self._plan
 
+    def replan(self, plan: FaultPlan) -> None:
+        """Inject ``plan`` from the next call on (a soak's store outage, then its usual faults)."""
+        self._plan = plan
+
     # ---- protocol -------------------------------------------------------------------------
 
     @property

@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "fleet": "fleet",
     "config-doc": "config_doc",
     "plan": "plan",
+    "soak": "soak",
 }
 # subcommand -> (module under hylinker.tools, one-line help); the arguments after the subcommand go to
 # the module's main(argv) as they are: every benchmark of the registry (tools/bench/__init__.py)
