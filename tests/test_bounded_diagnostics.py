@@ -23,6 +23,8 @@ from hylinker.runtime.dataplane.plane import Transfer
 from hylinker.runtime.dataplane.sync_plane import SyncDataPlane
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.eviction_memory import ENTRY_BYTES, EvictionMemory
+from hylinker.stores.fault_plan import FaultPlan
+from hylinker.stores.faulty import FaultyStore
 
 KEY = "{:064x}:kv:0"  # hylinker's key shape: a 64-hex hash, the pool, the rank
 
@@ -102,6 +104,16 @@ async def test_extra_config_budget_reaches_the_store() -> None:
     await store.close()
     store = await PluginConfig.from_extra_config({}).open_store()
     assert isinstance(store, EmbeddedStore) and store.evictions_memory.budget_bytes == 4 << 20
+    await store.close()
+
+
+@pytest.mark.parametrize(("plan", "kept"), [(FaultPlan(fail=0.01), 0), (FaultPlan(corrupt_first_read=0.01), 64)])
+async def test_faulty_store_remembers_reads_only_for_a_first_read_fault(plan: FaultPlan, kept: int) -> None:
+    store = FaultyStore(EmbeddedStore(1 << 20), plan, seed=1)
+    keys = [f"k{i}" for i in range(64)]
+    await store.put(keys, [torch.ones(64, dtype=torch.uint8)] * 64)
+    ok = sum(r.nbytes > 0 for r in await store.get(keys, [torch.zeros(64, dtype=torch.uint8) for _ in keys]))
+    assert len(store._read) == (ok if kept else 0) and ok > 50
     await store.close()
 
 

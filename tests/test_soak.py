@@ -7,6 +7,7 @@ The soaks are marked slow (each about 20-25 s on two cores); the rule's tests ar
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,12 @@ def test_growth_rule_flags_growth_beyond_the_tolerance_after_the_warm_up() -> No
     assert grew and "GREW" in text
 
 
+def test_too_few_samples_after_the_warm_up_is_not_flat() -> None:
+    # a sampler starved after the warm-up (one sample left) must not read as "nothing grew"
+    text, grew = report(_samples([100.0] * 10), 9.5, [], {})
+    assert grew and "cannot be judged" in text
+
+
 def test_threads_and_descriptors_have_no_tolerance() -> None:
     assert TOLERANCES["threads"].allowed(10) == TOLERANCES["fds"].allowed(10) == 0
     (g,) = growth(_samples([5.0] * 10 + [6.0] * 10, "fds"), warmup_s=0)
@@ -41,10 +48,11 @@ def test_threads_and_descriptors_have_no_tolerance() -> None:
 
 def test_sampler_sees_this_process_grow(tmp_path: Path) -> None:
     sampler = Sampler(0.0)
-    held: list[bytearray] = []
+    held: list[mmap.mmap] = []
     for i in range(30):
-        held.append(bytearray(2 << 20))  # 2 MiB a sample, touched: resident
-        held[-1][::4096] = b"x" * len(held[-1][::4096])
+        held.append(mmap.mmap(-1, 2 << 20))  # 2 MiB a sample of new pages, touched: resident
+        for page in range(0, 2 << 20, 4096):
+            held[-1][page] = 1
         sampler.take(i, {})
     (rss,) = [g for g in growth(sampler.samples, warmup_s=0) if g.metric == "rss_mib"]
     assert rss.grew and rss.last - rss.first > 30

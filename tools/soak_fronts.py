@@ -119,6 +119,10 @@ async def _conversations(linker: Linker, content: SyntheticContent, worker: int,
             counts.errors[name] = counts.errors.get(name, 0) + 1
         finally:
             await linker.release(req)
+        # the engine's forward and its network I/O: without a suspension here a store that
+        # refuses every call at once (an outage) lets one worker run request after request
+        # without ever yielding, and the loop's other tasks (the restart, the sampling) starve
+        await anyio.sleep(0)
 
 
 async def _restarts(store: FaultyStore, inner: EmbeddedStore, opts: SoakOptions, stop_at: float,

@@ -225,6 +225,9 @@ def report(samples: Sequence[Sample], warmup_s: float, heap_top: Sequence[str],
            summary: Mapping[str, Any], tolerances: Mapping[str, Tolerance] = TOLERANCES) -> tuple[str, bool]:
     """The soak's text report and whether anything grew."""
     grown = growth(samples, warmup_s, tolerances)
+    if not grown:  # nothing to decide on is not "flat"
+        return (f"{table(samples)}\n\nfewer than 2 samples after {warmup_s:.0f} s of warm-up: "
+                "growth cannot be judged (a longer run, or a shorter --warmup-s)"), True
     parts = [table(samples), "", f"growth after {warmup_s:.0f} s of warm-up "
              f"(median of the last {WINDOW:.0%} of samples minus the first {WINDOW:.0%}):", verdict(grown),
              f"not checked (bounded by construction, filling during the run): {', '.join(UNCHECKED)}"]

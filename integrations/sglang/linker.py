@@ -172,7 +172,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         #: offers them again, even where the store cannot remove them (UMBP) or the removal
         #: failed or found a rewrite, so one bad object aborts at most one batch (docs/design.md)
         self._condemned: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
+        self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}  # bounded: held loads until started or cancelled
         # accepted offloads' results, in order, and the bound on them (offloads.py); an offload
         # that carries a state keeps a state slot locked: at most half the slots are
         limit = self.config.offload_max_inflight
