@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
                                          "samples": [{"t_s": round(s.t_s, 2), "done": s.done, **s.values}
                                                      for s in sampler.samples]}, indent=1))
     if args.plot is not None:
-        plot(args.plot, sampler.samples, warmup_s, f"hylinker soak --front {args.front} "
-             f"({opts.minutes:g} min; warm-up shaded)")
+        length = f"{opts.iterations} iterations" if opts.iterations else f"{opts.minutes:g} min"
+        plot(args.plot, sampler.samples, warmup_s, f"hylinker soak --front {args.front} ({length}; warm-up shaded)")
     sys.stdout.flush()
     return 1 if grew else 0
 
