@@ -20,6 +20,7 @@ import attrs
 
 from ..stores.base import Store
 from ..stores.config_rules import Validator, non_negative, positive
+from ..stores.eviction_memory import DEFAULT_BUDGET_BYTES
 from ..stores.faulty import FaultPlan
 from ..stores.framing import Integrity
 
@@ -64,6 +65,9 @@ class PluginConfig:
     master: str | None = None  # Mooncake master "HOST:PORT" (store="mooncake")
     segment_mb: int = attrs.field(default=256, validator=_non_negative)  # Mooncake memory this engine contributes; 0 = none
     capacity_mb: int = attrs.field(default=1024, validator=_positive)  # embedded store capacity
+    #: bytes the embedded store may spend remembering evicted keys, to count those asked for
+    #: again (``evicted_probed_again``); 0 turns that diagnostic off (stores/eviction_memory.py)
+    eviction_memory_bytes: int = attrs.field(default=DEFAULT_BUDGET_BYTES, validator=_non_negative)
     salt: str = ""  # tenant salt: objects of different salts never match
     #: the operator's name for the weights served (part of every key; components/identity.py):
     #: change it to retire every stored object of the model, e.g. after an update in place
@@ -167,7 +171,7 @@ class PluginConfig:
         if self.store == "embedded":
             from ..stores.embedded import EmbeddedStore
 
-            store = EmbeddedStore(self.capacity_mb * MIB)
+            store = EmbeddedStore(self.capacity_mb * MIB, eviction_memory_bytes=self.eviction_memory_bytes)
         elif self.store == "umbp":
             from ..stores.umbp import UmbpStore
 

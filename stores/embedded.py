@@ -51,7 +51,7 @@ from .base import (
 )
 from .condemned import Condemned
 from .embedded_rows import RowTransfers
-from .eviction_memory import EvictionMemory
+from .eviction_memory import DEFAULT_BUDGET_BYTES, EvictionMemory
 from .frame_copies import (
     Frame,
     check_parts,
@@ -131,6 +131,7 @@ class EmbeddedStore(RowTransfers):
     the capacity. ``thread_threshold_bytes``: batches moving more bytes copy in a worker
     thread. ``max_workers``: worker threads copying at once. ``clock``: the time the eviction
     memory (:attr:`evictions_memory`) stamps evictions with (a replay passes its trace time).
+    ``eviction_memory_bytes``: that memory's budget (0: off; ``stores/eviction_memory.py``).
     """
 
     def __init__(
@@ -142,6 +143,7 @@ class EmbeddedStore(RowTransfers):
         max_workers: int = 2,
         name: str = "embedded",
         clock: Callable[[], float] = time.monotonic,
+        eviction_memory_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -172,7 +174,7 @@ class EmbeddedStore(RowTransfers):
         self._stats = new_counters()
         self._on_evict: Callable[[list[str]], None] | None = None
         #: evicted keys asked for again (``evicted_probed_again`` / ``evicted_touched_again``)
-        self.evictions_memory = EvictionMemory(clock)
+        self.evictions_memory = EvictionMemory(clock, eviction_memory_bytes)
 
     # ---- protocol -------------------------------------------------------------------------
 
@@ -203,7 +205,7 @@ class EmbeddedStore(RowTransfers):
                 present = [key in self._index for key in keys]
                 for key, held in zip(keys, present):
                     if not held:
-                        self._stats["evicted_probed_again"] += self.evictions_memory.asked(key)
+                        self._stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
                 return present
         finally:
             self._calls.exit()
@@ -350,7 +352,7 @@ class EmbeddedStore(RowTransfers):
                         self._index.move_to_end(key)
                         self._stats["touches"] += 1
                     else:
-                        self._stats["evicted_touched_again"] += self.evictions_memory.asked(key, touched=True)
+                        self._stats["evicted_touched_again"] += self.evictions_memory.asked_again(key, touched=True)
         finally:
             self._calls.exit()
 
@@ -553,7 +555,7 @@ class EmbeddedStore(RowTransfers):
                 loc = self._index.get(key)
                 if loc is None:
                     self._stats["get_misses"] += 1
-                    self._stats["evicted_probed_again"] += self.evictions_memory.asked(key)
+                    self._stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
                     continue
                 if loc[2] > buf.numel():
                     results[i] = GetResult(Outcome.TOO_SMALL, 0)

@@ -211,7 +211,7 @@ class RowTransfers:
                     loc = index[key]
                 except KeyError:
                     misses += 1
-                    self._stats["evicted_probed_again"] += self.evictions_memory.asked(key)
+                    self._stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
                     continue
                 if loc[2] > size:
                     codes[i] = _TOO_SMALL

@@ -96,8 +96,10 @@ class FaultyStore:
         self._seed = seed
         self._rng = random.Random(seed)
         self._call_number = 0
-        self._vanished: set[str] = set()
-        self._read: set[str] = set()  # keys read since their last put (corrupt_first_read)
+        self._vanished: set[str] = set()  # grows only under a vanish fault (a test plan): put again, forgotten
+        #: keys read since their last put; kept only under a corrupt_first_read plan (else every
+        #: key ever read stayed here: issue 53)
+        self._read: set[str] = set()
         self._faults: dict[str, int] = dict.fromkeys(_FAULT_COUNTERS, 0)
         inner_caps = inner.capabilities
         # scatter-gather and checksumming calls only where the inner store has them
@@ -113,6 +115,10 @@ class FaultyStore:
     @property
     def plan(self) -> FaultPlan:
         return self._plan
+
+    def replan(self, plan: FaultPlan) -> None:
+        """Inject ``plan`` from the next call on (a soak's store outage, then its usual faults)."""
+        self._plan = plan
 
     # ---- protocol -------------------------------------------------------------------------
 
@@ -352,7 +358,8 @@ class FaultyStore:
                 ):
                     self._flip(objects[i], result.nbytes, "corrupted_reads")
                     damaged = True
-                elif result.outcome is Outcome.OK and result.nbytes > 0 and keys[i] not in self._read:
+                elif (plan.corrupt_first_read and result.outcome is Outcome.OK and result.nbytes > 0
+                      and keys[i] not in self._read):
                     self._read.add(keys[i])
                     damaged = bool(plan.corrupt_first_read and self._rng.random() < plan.corrupt_first_read)
                     if damaged:

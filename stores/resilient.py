@@ -217,7 +217,7 @@ class ResilientStore:
         self._c = dict.fromkeys(("calls", "attempts", "retries", "retried_keys", "recovered_keys",
                                  "exhausted_keys", "timeouts", "unavailable", "cancelled",
                                  "cancelled_on_shutdown"), 0)
-        self._inflight: set[anyio.CancelScope] = set()
+        self._inflight: set[anyio.CancelScope] = set()  # bounded: calls in flight, removed as each ends
         self._idle = anyio.Event()
         self._idle.set()
         self._shutting_down = False

@@ -500,7 +500,7 @@ async def test_a_corrupted_object_is_reported_and_other_layers_are_not_claimed(s
 
 def test_sync_facade_from_threads() -> None:
     a, b = EnginePools(1), EnginePools(2)
-    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20), namespace="t") as src:
+    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20), namespace="t", completion_fifo=True) as src:
         futs = [src.offload(transfers(f"s{i}", pages(i), i)) for i in range(4)]
         for f in futs:
             assert f.result(timeout=10).ok
@@ -536,7 +536,7 @@ def test_sync_facade_hands_work_to_a_busy_loop_without_waiting_for_it() -> None:
     """A scheduler thread queues offloads and starts held loads while the loop thread is busy:
     the calls return at once, and the work runs in submission order once the loop is free."""
     a = EnginePools(1)
-    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20), namespace="t") as dp:
+    with SyncDataPlane(a.views(), lambda: EmbeddedStore(16 << 20), namespace="t", completion_fifo=True) as dp:
         assert dp.offload(transfers("w", pages(0), 0)).result(timeout=10).ok
         held = dp.load(transfers("w", pages(5), 1), start=False)
         gate = threading.Event()

@@ -294,8 +294,8 @@ async def test_evicted_objects_asked_for_again_are_counted_once_with_their_delay
     assert [r.outcome for r in got] == [Outcome.OK, Outcome.MISSING]
     stats = store.statistics()
     assert (stats.evictions, stats.evicted_probed_again, stats.evicted_touched_again) == (2, 1, 1)
-    assert sorted(store.evictions_memory.returns) == [(a, 60.0, False), (b, 60.0, True)]
-    assert store.evictions_memory.evicted_by_suffix == {"kv:0": 2}
+    kv = store.evictions_memory.pools["kv"]
+    assert (kv.evicted, kv.asked, kv.touched, kv.soon, list(kv.delays)) == (2, 2, 1, 2, [60.0, 60.0])
     # a key put again is forgotten: evicting and asking for it again counts anew
     await put_each(store, [a])  # evicts c
     assert await store.exists([c, a]) == [False, True]

@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "config-doc": "config_doc",
     "plan": "plan",
     "trace": "timeline",
+    "soak": "soak",
 }
 # subcommand -> (module under hylinker.tools, one-line help); the arguments after the subcommand go to
 # the module's main(argv) as they are: every benchmark of the registry (tools/bench/__init__.py)

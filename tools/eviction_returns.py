@@ -6,13 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import numpy as np
 
 from ..stores.base import Store
-from ..stores.eviction_memory import EvictionMemory
-
-#: the published figure's window: "most within five minutes"
-SOON_S = 300.0
+from ..stores.eviction_memory import SOON_S, EvictionMemory
 
 
 @attrs.define
@@ -43,34 +39,28 @@ def eviction_memory(store: Store) -> EvictionMemory | None:
     return None
 
 
-def _pool(suffix: str) -> str:
-    return suffix.partition(":")[0] or "?"
-
-
 def eviction_returns(store: Store, evictions: int) -> dict[str, Any]:
     """Per pool (the object key's ``:pool:`` part): evicted objects probed or touched again,
-    their share of the evictions, the median delay and the share back within :data:`SOON_S`."""
+    their share of the evictions, the median delay (of a sample past
+    ``eviction_memory.SAMPLE``) and the share back within :data:`SOON_S`; ``forgotten``: the
+    evictions the memory's byte budget dropped (their returns are not counted)."""
     memory = eviction_memory(store)
-    if memory is None:
+    if memory is None or not memory.enabled:
         return {}
-    by_pool: dict[str, list[tuple[float, bool]]] = {}
-    for key, delay, touched in memory.returns:
-        by_pool.setdefault(_pool(key.partition(":")[2]), []).append((delay, touched))
-    evicted: dict[str, int] = {}
-    for suffix, n in memory.evicted_by_suffix.items():
-        evicted[_pool(suffix)] = evicted.get(_pool(suffix), 0) + n
-    out: dict[str, Any] = {"evictions": evictions, "asked_again": len(memory.returns),
-                           "asked_again_share": round(len(memory.returns) / evictions, 4) if evictions else 0.0,
-                           "pools": {}}
-    for pool, rows in sorted(by_pool.items()):
-        delays = np.array([d for d, _ in rows])
+    asked = memory.asked
+    out: dict[str, Any] = {"evictions": evictions, "asked_again": asked,
+                           "asked_again_share": round(asked / evictions, 4) if evictions else 0.0,
+                           "forgotten": memory.dropped, "pools": {}}
+    for pool, r in sorted(memory.pools.items()):
+        if not r.asked:
+            continue
         out["pools"][pool] = {
-            "evicted": evicted.get(pool, 0),
-            "asked_again": len(rows),
-            "asked_again_share": round(len(rows) / evicted[pool], 4) if evicted.get(pool) else 0.0,
-            "by_touch": sum(1 for _, t in rows if t),
-            "median_delay_s": round(float(np.median(delays)), 1),
-            "within_soon_share": round(float(np.mean(delays <= SOON_S)), 4),
+            "evicted": r.evicted,
+            "asked_again": r.asked,
+            "asked_again_share": round(r.asked / r.evicted, 4) if r.evicted else 0.0,
+            "by_touch": r.touched,
+            "median_delay_s": round(r.median_delay_s(), 1),
+            "within_soon_share": round(r.soon / r.asked, 4),
         }
     return out
 

@@ -14,6 +14,8 @@ from .workloads import Request as WorkloadRequest
 from .workloads import read_mooncake_trace, synthetic_agentic
 
 MIB = 1 << 20
+#: the stress replay's eviction memory budget (the embedded store's default is 4 MiB)
+REPLAY_EVICTION_MEMORY_BYTES = 256 * MIB
 
 
 def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
@@ -40,7 +42,10 @@ async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) 
     if args.store == "embedded":
         from ..stores.embedded import EmbeddedStore
 
-        inner = EmbeddedStore(capacity) if clock is None else EmbeddedStore(capacity, clock=clock)
+        # a replay ends with its trace: its eviction memory may hold far more than a server's
+        # (the published eviction-return figures count every return of a long trace)
+        inner = EmbeddedStore(capacity, eviction_memory_bytes=REPLAY_EVICTION_MEMORY_BYTES) if clock is None \
+            else EmbeddedStore(capacity, clock=clock, eviction_memory_bytes=REPLAY_EVICTION_MEMORY_BYTES)
     elif args.store == "umbp":
         from ..stores.umbp import UmbpStore
 

@@ -176,7 +176,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         #: offers them again, even where the store cannot remove them (UMBP) or the removal
         #: failed or found a rewrite, so one bad object aborts at most one batch (docs/design.md)
         self._condemned: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}
+        self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}  # bounded: held loads until started or cancelled
         # accepted offloads' results, in order, and the bound on them (offloads.py); an offload
         # that carries a state keeps a state slot locked: at most half the slots are
         limit = self.config.offload_max_inflight
@@ -530,7 +530,6 @@ class HylinkerLinker(UnifiedCacheLinker):
 
     def num_completed_offloads(self) -> int:
         self._lookup_budget = self.config.lookup_budget_s  # called once per scheduler round
-        self.data.pop_completed_offloads()  # ours are the futures in self._offloads
         self._publish_metrics()  # called every scheduler round; publishes at most once a second
         return self._offloads.completed()
 

@@ -188,6 +188,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             model_identity(model, self.config.model_revision), self.config.integrity))
         self.counters: dict[str, int] = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         # scheduler side
+        # bounded: the scheduler's live requests (these four); _forget drops each when it finishes
         self._requests: dict[str, _Tracked] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._no_store_hit: set[str] = set()

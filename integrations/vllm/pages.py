@@ -116,9 +116,10 @@ class PageTransfers:
                         else [torch.empty((slots, p), dtype=torch.uint8) for p in pages.page_bytes])
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.RLock()  # RLock: a removal's count may come back at once (_removed)
+        #: bounded: loads in flight, by request; each is deleted when its result is collected
         self._loads: dict[str, tuple[TransferPlan, concurrent.futures.Future[TransferOutcome]]] = {}
-        self._saves: set[concurrent.futures.Future[TransferOutcome]] = set()
-        self._failed_now: set[str] = set()
+        self._saves: set[concurrent.futures.Future[TransferOutcome]] = set()  # bounded: saves in flight
+        self._failed_now: set[str] = set()  # bounded: this step's failed loads, cleared each step
         self._saving: dict[str, concurrent.futures.Future[TransferOutcome]] = {}  # name -> save in flight
         self._stored: list[str] = []  # names stored since the last report
         self._dropped: list[str] = []  # names gone since the last report

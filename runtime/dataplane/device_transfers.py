@@ -114,7 +114,7 @@ class DeviceTransfers(HeldLoads):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._sides: dict[tuple[str, int], torch.Tensor] = {}
+        self._sides: dict[tuple[str, int], torch.Tensor] = {}  # bounded: one per (pool, side), not per transfer
 
     def device_route(self, job: TransferJob) -> bool:
         """Whether a job moves here: a device pool summed on the device, or registered."""

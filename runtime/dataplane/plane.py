@@ -221,7 +221,7 @@ class DataPlane:
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)
-        self._open: set[_Ticket] = set()
+        self._open: set[_Ticket] = set()  # bounded: tickets in flight; each is discarded when it ends
         self._idle = anyio.Event()
         self._idle.set()
         self._submit_lock = {"load": anyio.Lock(), "offload": anyio.Lock()}

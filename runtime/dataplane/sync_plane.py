@@ -5,8 +5,9 @@ a background thread (an anyio blocking portal). Every call is thread-safe and re
 with a ``concurrent.futures.Future`` (or a :class:`SyncLoad`, which has one future per layer:
 the shape of SGLang's layer-wise load counter); transfers are handed to the loop by a hand-off
 thread, so a scheduler thread never waits for the loop thread to queue work; :meth:`SyncDataPlane.reset` and
-:meth:`SyncDataPlane.close` block until every transfer is quiesced. Offload outcomes also queue
-in submission order (:meth:`SyncDataPlane.pop_completed_offloads`).
+:meth:`SyncDataPlane.close` block until every transfer is quiesced. With ``completion_fifo=True``
+offload outcomes also queue in submission order (:meth:`SyncDataPlane.pop_completed_offloads`);
+without it nothing is kept of a finished offload but the future the caller holds (issue 53).
 """
 
 from __future__ import annotations
@@ -105,14 +106,18 @@ class SyncDataPlane:
     the loop that uses them; it may be a coroutine function); the facade closes it on
     :meth:`close` when ``own_store``.
 
-    Offload outcomes also queue in submission order: :meth:`pop_completed_offloads` returns
-    the outcomes of the oldest offloads that ended, stopping at the first still running.
+    ``completion_fifo``: offload outcomes also queue in submission order, and
+    :meth:`pop_completed_offloads` returns those of the oldest offloads that ended, stopping at
+    the first still running. The caller must pop them (the queue holds every outcome, and its
+    transfers, until then), so it is off by default: a caller that waits on each future keeps
+    nothing per finished offload.
     """
 
     def __init__(self, pools: PoolSet | Mapping[PoolKind, PoolView],
                  store_factory: Callable[[], Store] | Callable[[], Awaitable[Store]],
                  config: DataPlaneConfig | None = None, *, fingerprint: bytes | None = None,
-                 namespace: bytes | str = b"", own_store: bool = True, registry: Any = None) -> None:
+                 namespace: bytes | str = b"", own_store: bool = True, registry: Any = None,
+                 completion_fifo: bool = False) -> None:
         """``registry``: a ``prometheus_client`` registry for the data path's metrics
         (:class:`DataPlane`'s; default none)."""
         self._stack = contextlib.ExitStack()
@@ -133,6 +138,8 @@ class SyncDataPlane:
         self._handoff: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._relay = threading.Thread(target=self._hand_off, name="hylinker-handoff", daemon=True)
         self._relay.start()
+        #: offloads in submission order, until popped (``completion_fifo`` only)
+        self._completion_fifo = completion_fifo
         self._fifo: deque[concurrent.futures.Future[TransferOutcome]] = deque()
         self._fifo_lock = threading.Lock()
         self._closed = False
@@ -301,12 +308,21 @@ class SyncDataPlane:
             except BaseException as exc:
                 result.set_exception(exc)
 
+        if not self._completion_fifo:
+            self._spawn(run, functools.partial(_fail_future, result))
+            return result
         with self._fifo_lock:  # FIFO order = submission order = queue order (tasks start in order)
             self._fifo.append(result)
             self._spawn(run, functools.partial(_fail_future, result))
         return result
 
+    def _check_fifo(self) -> None:
+        if not self._completion_fifo:
+            raise RuntimeError("offload outcomes are queued only for a SyncDataPlane built with "
+                               "completion_fifo=True (otherwise wait on each offload's future)")
+
     def num_completed_offloads(self) -> int:
+        self._check_fifo()
         with self._fifo_lock:
             n = 0
             for f in self._fifo:
@@ -318,6 +334,7 @@ class SyncDataPlane:
     def pop_completed_offloads(self) -> list[TransferOutcome]:
         """Outcomes of the oldest ended offloads, in submission order (a failed submission
         reads as an outcome with ``ok`` false)."""
+        self._check_fifo()
         out: list[TransferOutcome] = []
         with self._fifo_lock:
             while self._fifo and self._fifo[0].done():

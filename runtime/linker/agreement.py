@@ -68,7 +68,9 @@ class Agreement:
     size: int = 1
 
     def __init__(self) -> None:
-        #: seconds each round took, per (channel, phase): the cost of agreeing
+        #: seconds each round took, per (channel, phase): the cost of agreeing. Unbounded: one
+        #: float per round (tools read every one); a TP server running for weeks needs a streaming
+        #: summary here (issue 53 audit, left to the owner)
         self.round_seconds: dict[tuple[str, str], list[float]] = {}
         self.rounds = 0
 

@@ -139,7 +139,7 @@ class Linker:
             latency_low_ms=c.latency_low_ms, layer_groups=c.layer_groups, in_place=c.in_place,
             in_place_min_bytes=c.in_place_min_bytes, integrity=c.integrity),
             fingerprint=layout.fingerprint, registry=registry if self.metrics is not None else None)
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # bounded: the live requests; release() drops each
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._c: dict[str, int] = {k: 0 for k in (

@@ -428,7 +428,6 @@ def sync_facade(quick: bool = False) -> dict[str, Any]:
                     else:
                         dp.load(*args).result.result()
                     out[name].append((time.perf_counter() - t0) * 1e6)
-                dp.pop_completed_offloads()
         return out
 
     async def direct() -> dict[str, list[float]]:

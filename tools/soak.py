@@ -1,0 +1,124 @@
+"""``hylinker soak``: run a runtime for MINUTES under constant traffic with faults, and fail
+when its memory, threads, descriptors or tasks grow (issue 53).
+
+The fronts are :mod:`.soak_fronts` (``linker``, ``dataplane``) and :mod:`.soak_sglang`
+(``sglang``: the SGLang plugin through SGLang's own cache, in SGLang's environment); the
+sampling, the growth rule, the table and the plot are :mod:`.soak_measure`. Exit status 0:
+nothing grew after the warm-up beyond its tolerance; 1: something did (the table says what);
+2: a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from ..stores.eviction_memory import DEFAULT_BUDGET_BYTES
+from .arguments import UsageError, fault_plan, non_negative_float, positive_float, positive_int
+from .soak_fronts import SoakOptions
+from .soak_measure import TOLERANCES, Sampler, Tolerance, plot, report
+
+HELP = "run a runtime for MINUTES under constant traffic with faults; exit 1 if memory, threads, fds or tasks grow"
+FRONTS = ("linker", "dataplane", "sglang")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--front", choices=FRONTS, default="linker",
+                        help="the runtime driven: the Linker, the synchronous data plane (issue 53's "
+                             "held-out loop) or the SGLang plugin in SGLang's cache (.venv-sglang)")
+    parser.add_argument("--minutes", type=positive_float, default=1.0, help="how long the traffic runs")
+    parser.add_argument("--iterations", type=positive_int, default=None,
+                        help="dataplane: stop after this many iterations instead of --minutes")
+    parser.add_argument("--warmup-s", type=non_negative_float, default=None,
+                        help="seconds before growth counts (default: a fifth of the run)")
+    parser.add_argument("--interval-s", type=positive_float, default=5.0, help="seconds between samples")
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="sample the Python heap with tracemalloc (slower) and list its top growth by file")
+    parser.add_argument("--concurrency", type=positive_int, default=8, help="requests running at once")
+    parser.add_argument("--kv-pages", type=positive_int, default=SoakOptions().kv_pages,
+                        help="linker: the device KV pool, pages of 16 tokens")
+    parser.add_argument("--store-kib", type=positive_int, default=SoakOptions().store_kib,
+                        help="embedded store capacity, KiB: small, so it evicts all the time "
+                             "(sglang: whole MiB, at least 1, the plugin's capacity_mb)")
+    parser.add_argument("--faults", type=fault_plan, default=SoakOptions().faults,
+                        help="the store's fault plan (the `stress --faults` syntax)")
+    parser.add_argument("--restart-every-s", type=non_negative_float, default=120.0,
+                        help="seconds between store restarts (an outage, then an empty store); 0: none")
+    parser.add_argument("--outage-s", type=non_negative_float, default=3.0, help="how long a restart's outage lasts")
+    parser.add_argument("--rss-tolerance-mib", type=positive_float, default=TOLERANCES["rss_mib"].absolute,
+                        help="resident memory growth allowed after the warm-up")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the samples and the verdict here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of every metric against time")
+
+
+def options(args: argparse.Namespace) -> SoakOptions:
+    if args.iterations is not None and args.front != "dataplane":
+        raise UsageError("--iterations applies to --front dataplane only")
+    return SoakOptions(minutes=args.minutes, iterations=args.iterations or 0, concurrency=args.concurrency,
+                       store_kib=args.store_kib, kv_pages=args.kv_pages, faults=args.faults, restart_every_s=args.restart_every_s,
+                       outage_s=args.outage_s, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = options(args)
+    warmup_s = args.warmup_s if args.warmup_s is not None else opts.seconds / 5
+    sampler = Sampler(args.interval_s, trace_heap=args.tracemalloc)
+    tolerances = dict(TOLERANCES)
+    tolerances["rss_mib"] = Tolerance(args.rss_tolerance_mib, unit=" MiB")
+    summary: dict[str, Any]
+    if args.front == "linker":
+        from .soak_fronts import held_pages_per_request, linker_front
+
+        # bounded by what is in flight: tasks (the workers, each on one request), the pages the
+        # workers' requests hold; the eviction memory by its budget
+        tolerances["tasks"] = Tolerance(float(opts.concurrency))
+        tolerances["pool_held"] = Tolerance(float(opts.concurrency * held_pages_per_request()))
+        tolerances["diag_kib"] = Tolerance(DEFAULT_BUDGET_BYTES / 1024, unit=" KiB")
+        summary = anyio.run(linker_front, opts, sampler, warmup_s)
+    elif args.front == "dataplane":
+        from .soak_fronts import dataplane_front
+
+        summary = dataplane_front(opts, sampler, warmup_s)
+    else:
+        from .soak_sglang import sglang_front
+
+        # requests are served one at a time; the plugin's completion FIFO holds what is in flight
+        tolerances["tasks"] = Tolerance(1.0)
+        tolerances["offloads_held"] = Tolerance(1.0)
+        tolerances["diag_kib"] = Tolerance(DEFAULT_BUDGET_BYTES / 1024, unit=" KiB")
+        summary = sglang_front(opts, sampler, warmup_s)
+    sampler.finish()
+    text, grew = report(sampler.samples, warmup_s, sampler.heap_top, summary, tolerances)
+    print(f"soak --front {args.front}: {len(sampler.samples)} samples over "
+          f"{sampler.samples[-1].t_s / 60 if sampler.samples else 0:.1f} min")
+    print(text)
+    print("GREW: see the table above" if grew else "flat: nothing grew beyond its tolerance")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"front": args.front, "warmup_s": warmup_s, "grew": grew,
+                                         "summary": summary,
+                                         "samples": [{"t_s": round(s.t_s, 2), "done": s.done, **s.values}
+                                                     for s in sampler.samples]}, indent=1))
+    if args.plot is not None:
+        length = f"{opts.iterations} iterations" if opts.iterations else f"{opts.minutes:g} min"
+        try:
+            plot(args.plot, sampler.samples, warmup_s, f"hylinker soak --front {args.front} ({length}; warm-up shaded)")
+        except ImportError as exc:  # an engine's environment without matplotlib: the verdict stands
+            print(f"soak: no plot written: {exc}", file=sys.stderr)
+    sys.stdout.flush()
+    return 1 if grew else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hylinker soak", description=HELP)
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
