@@ -3,7 +3,7 @@
 
 UMBP's Python client is pointer based: batch put/get/exists over ``(key, address, size)``
 lists, answering one boolean per key. What the real 1.2.4 client does (pinned by
-``tests/test_umbp_client.py``, which runs against it and against
+``tests/stores/test_umbp_client.py``, which runs against it and against
 :mod:`hylinker.testing.umbp_double`) and what the adapter makes of it:
 
 * **Object layout: a 16-byte header, then the payload, in one UMBP object.** A get needs the

@@ -1,7 +1,7 @@
 """``hylinker fleet --throughput``: put/get GB/s to another host's Mooncake segment, across a veth
 and a bridge, beside the same transfers over loopback.
 
-Both setups run in network namespaces this tool creates (:mod:`hylinker.harness.netns`): a
+Both setups run in network namespaces this tool creates (:mod:`hylinker.tools.harness.netns`): a
 storage host (``hylinker mooncake segment``) and a client that contributes no segment, so every
 byte crosses the transfer engine's TCP transport; ``veth``: master, storage and client each in
 a namespace of their own (10.77.0.0/24); ``loopback``: all three in one namespace on

@@ -13,7 +13,7 @@ import pytest
 
 from hylinker.tools import config_doc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/ and its subfolders
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "serving_example.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "serving_example.py"
 
 
 def _load_example() -> ModuleType:

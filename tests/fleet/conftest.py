@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from hylinker.harness.fleet import Fleet, FleetConfig
-from hylinker.harness.netns import NetnsUnavailableError, list_own, require_netns
 from hylinker.tools.fleet import FAULTS, run_faults
+from hylinker.tools.harness.fleet import Fleet, FleetConfig
+from hylinker.tools.harness.netns import NetnsUnavailableError, list_own, require_netns
 
 WARM_S = 3.0
 FAULT_S = 4.0

@@ -15,9 +15,9 @@ import torch
 from conftest import AFTER_S, CONFIG, row
 
 from hylinker.components.pools import HybridPools
-from hylinker.harness.netns import Network, list_own
 from hylinker.testing.content import SyntheticContent, preset_layout
 from hylinker.tools.fleet import FAULTS
+from hylinker.tools.harness.netns import Network, list_own
 
 #: what "bounded by the configured timeouts" allows, with 1 s for a loaded 2-core host. A lookup
 #: is one wrapper transfer (deadline_s; exists calls are abandoned at the call timeout). A get

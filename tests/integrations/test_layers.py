@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "harness", "tools")
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "tools", "tests/support")
 
 #: package -> the other packages its modules may import (docs/structure.md, last column)
 MAY_IMPORT: dict[str, set[str]] = {
@@ -23,8 +23,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "runtime/linker": {"components", "stores", "runtime/dataplane"},
     "integrations": {"components", "stores", "runtime/dataplane"},
     "testing": {"components", "stores", "runtime/dataplane", "runtime/linker"},
-    "harness": {"components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing"},
-    "tools": {"components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "harness"},
+    "tools": {"components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing"},
+    # never shipped: what only the suites use (tools never import it)
+    "tests/support": {"components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "tools"},
     "runtime": set(),
     "__init__": {"components", "stores", "runtime/dataplane", "runtime/linker"},
     "__main__": {"tools"},
@@ -40,7 +41,7 @@ def _modules() -> list[Path]:
 
 def _owner(path: Path) -> str:
     rel = path.relative_to(ROOT)
-    if rel.parts[0] == "runtime" and len(rel.parts) > 2:
+    if rel.parts[0] in ("runtime", "tests") and len(rel.parts) > 2:
         return "/".join(rel.parts[:2])
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
@@ -83,7 +84,7 @@ def imported_packages(path: Path, rel: Path | None = None) -> dict[str, int]:
     found: dict[str, int] = {}
     for line, targets in _runtime_imports(path, rel or path.relative_to(ROOT)):
         for t in targets:
-            pkg = "/".join(t[:2]) if t[0] == "runtime" and len(t) > 1 else t[0]
+            pkg = "/".join(t[:2]) if t[0] in ("runtime", "tests") and len(t) > 1 else t[0]
             if pkg in PACKAGES:
                 found.setdefault(pkg, line)
     return found
@@ -119,7 +120,7 @@ def test_the_checker_sees_a_crossing(tmp_path: Path) -> None:
 
 #: packages whose modules import each other without a cycle (type-only imports aside; module-level
 #: and function-level imports both count): a cycle is two modules that cannot be read apart
-CYCLE_FREE = ("components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "harness", "tools")
+CYCLE_FREE = ("components", "stores", "runtime/dataplane", "runtime/linker", "integrations", "testing", "tools", "tests/support")
 
 
 def _module_name(rel: Path) -> str:

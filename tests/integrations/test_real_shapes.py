@@ -3,7 +3,7 @@
 Layers per group 1, 2 and >= 8 (Qwen3-Next-80B: 12 per vLLM KV cache group) and pages of 1, 16,
 64 tokens (SGLang) and vLLM's hybrid block sizes (384, and 1,056 for Qwen3-Next-80B's geometry).
 The vLLM layouts here follow the placement vLLM 0.32 documents on ``KVCacheTensor`` (layer ``l``'s
-page of block ``b`` at ``offset + l * layer_stride + b * block_stride``); ``tests_vllm`` derives
+page of block ``b`` at ``offset + l * layer_stride + b * block_stride``); ``tests/engines/vllm`` derives
 them from vLLM's own allocation code as well.
 """
 
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from hylinker.components.pool_view import PoolViewError, kv_view
-from hylinker.harness.shapes import QWEN3_NEXT_80B, poll_loads
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig
 from hylinker.integrations.vllm.block_layout import find_segments
@@ -30,6 +29,7 @@ from hylinker.integrations.vllm.plan import (
     state_key,
 )
 from hylinker.runtime.dataplane.transfer_codec import PoolCodec
+from hylinker.tools.harness.shapes import QWEN3_NEXT_80B, poll_loads
 
 PER_GROUP = [1, 2, 12]
 PAGES = [1, 16, 64, 384, QWEN3_NEXT_80B.vllm_block_size()]

@@ -1,7 +1,7 @@
 """The SGLang plugin's bound on offloads in flight, by count and by bytes (issue 42, item 5).
 
 Imports no SGLang: the bound and the bytes an offload names are the plugin's own rules
-(``integrations/sglang/offloads.py``); ``tests_sglang/test_bounded_store.py`` floods SGLang's
+(``integrations/sglang/offloads.py``); ``tests/engines/sglang/test_bounded_store.py`` floods SGLang's
 real cache against a gated store.
 """
 

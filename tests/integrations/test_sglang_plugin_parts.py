@@ -1,6 +1,6 @@
 """The SGLang plugin's parts that need no SGLang: its config keys and its pool views.
 
-The plugin itself runs against SGLang's real cache in `tests_sglang/` (its own environment).
+The plugin itself runs against SGLang's real cache in `tests/engines/sglang/` (its own environment).
 """
 
 from __future__ import annotations

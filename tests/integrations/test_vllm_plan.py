@@ -161,7 +161,7 @@ def test_page_transfers_save_then_load_into_other_blocks_and_fail_on_corruption(
         assert pt.statistics().loads_failed == 1
         # a damaged object (300 bytes of zeros, shorter than its room) fails its load; the good one
         # stays. Whether this path proves the short object bad and removes it is not asserted here
-        # (issue 42: a reader removes only what it proved bad; tests/test_vllm_removal.py covers removal)
+        # (issue 42: a reader removes only what it proved bad; tests/integrations/test_vllm_removal.py covers removal)
         host.portal.call(host.store.put, [rank_key("k9", 0)], [torch.zeros(300, dtype=torch.uint8)])
         pt.load(TransferPlan("f", ("k1", "k9"), (5, 6)))
         done, bad = set(), set()

@@ -4,7 +4,7 @@
   missing from it ships nowhere (an installed wheel fails to import it) while every checkout test
   passes.
 - A checkout that imports another install of ``hylinker`` tests code it does not hold: the suite
-  plugin (:mod:`hylinker.harness.suite_checks`) stops such a session before collection.
+  plugin (:mod:`hylinker.tests.support.suite_checks`) stops such a session before collection.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import hylinker
-from hylinker.harness.suite_checks import checkout_root, foreign_import
+from hylinker.tests.support.suite_checks import checkout_root, foreign_import
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,7 +25,7 @@ else:  # pragma: no cover - CI runs 3.11
 
 ROOT = Path(os.path.realpath(os.path.dirname(hylinker.__file__)))
 #: folders at the root that hold tests or tooling outside the package, never shipped
-NOT_SHIPPED = {"tests", "tests_fleet", "tests_sglang", "tests_sglang_server", "tests_vllm", "build"}
+NOT_SHIPPED = {"tests", "build"}
 
 
 def package_folders(root: Path) -> set[str]:

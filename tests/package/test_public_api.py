@@ -44,7 +44,7 @@ def test_every_name_resolves() -> None:
 
 def test_no_unlisted_public_names() -> None:
     public = {n for n in vars(hylinker) if not n.startswith("_")}
-    modules = {"components", "runtime", "stores", "tools", "testing", "harness", "integrations"}
+    modules = {"components", "runtime", "stores", "tools", "testing", "tests", "integrations"}
     assert public - modules - EXPECTED == set()
 
 

@@ -1,6 +1,6 @@
 """Decode-context parallelism (DCP) through the runtime: one linker per DCP rank, in one
 process over one shared embedded store, and (slow) one process per DCP rank over a Mooncake
-master (``hylinker.harness.dcp``).
+master (``hylinker.tests.support.dcp``).
 
 A tree page is ``dcp_size`` kernel pages of ``P = 4`` rows: its ``W = 4 * dcp_size`` tokens are
 interleaved over the ranks (token ``o`` of a page on rank ``o % dcp_size``), so each rank holds
@@ -31,7 +31,12 @@ from hylinker.components.layout import LayoutError, MambaLayerSpec, ModelLayout,
 from hylinker.components.pool_rules import FoldedPages, pool_rules
 from hylinker.components.pool_view import PoolSet, PoolViewError, stacked_kv_view
 from hylinker.components.pools import HybridPools
-from hylinker.harness.dcp import (
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker, Request, deployment_seed
+from hylinker.stores import framing
+from hylinker.stores.embedded import EmbeddedStore
+from hylinker.testing.fakes import GatedStore
+from hylinker.tests.support.dcp import (
     DcpContent,
     dcp_prefill,
     dcp_prompt,
@@ -39,11 +44,6 @@ from hylinker.harness.dcp import (
     dcp_test_layout,
     logical_page,
 )
-from hylinker.runtime.linker.config import LinkerConfig
-from hylinker.runtime.linker.facade import Linker, Request, deployment_seed
-from hylinker.stores import framing
-from hylinker.stores.embedded import EmbeddedStore
-from hylinker.testing.fakes import GatedStore
 
 prompt = dcp_prompt
 
@@ -320,7 +320,7 @@ def test_who_writes_under_dcp(tp_rank: int, pool: PoolKind, replicated: list[str
 
 def _run_ranks(master: str, dcp: int, phase: str, salt: str, hybrid: bool) -> list[dict[str, Any]]:
     """One process per DCP rank, all at once; each prints one JSON line."""
-    cmd = [sys.executable, "-m", "hylinker.harness.dcp", "--master", master, "--dcp", str(dcp),
+    cmd = [sys.executable, "-m", "hylinker.tests.support.dcp", "--master", master, "--dcp", str(dcp),
            "--phase", phase, "--salt", salt, "--tokens", str(6 * P * dcp + 3), *(["--hybrid"] if hybrid else [])]
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(dcp)]

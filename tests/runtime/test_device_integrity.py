@@ -1,5 +1,5 @@
 """Integrity on the device for device pools (``runtime/dataplane/device_transfers.py``; the frame kinds
-themselves: ``tests/test_frame_kinds.py``): version-3 frames
+themselves: ``tests/stores/test_frame_kinds.py``): version-3 frames
 carry the device checksum, summed on the copy stream over the rows and verified there over the
 bytes as they landed, before a layer is reported; host and device readers read each other's
 frames by what the header says; registered device rows move with no staging.

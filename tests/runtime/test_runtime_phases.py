@@ -632,7 +632,7 @@ async def test_a_replicated_pool_is_written_by_rank_zero_only() -> None:
 
 async def test_touch_once_per_interval_with_every_page_and_the_boundary_state() -> None:
     p = prompt(50, seed=22)
-    # the device hits' TOUCH alone (the offload's TOUCH of its path: tests/test_touch_on_offload.py)
+    # the device hits' TOUCH alone (the offload's TOUCH of its path: tests/runtime/test_touch_on_offload.py)
     async with harness(config=LinkerConfig(touch_interval_s=5.0, touch_on_offload=False,
                                            staging_bytes_per_pool=SMALL)) as env:
         await donate(env, p[:17])  # A: 0..16

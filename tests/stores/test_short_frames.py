@@ -10,7 +10,7 @@ must be a counted miss that writes no row.
 
 Paths: host staged, host held (verify-all), host in place, host rows (embedded; Mooncake's rows
 in ``test_a_short_frame_is_refused_by_mooncake_rows``), held in place / held rows, device
-(``FakeDeviceCopies`` stands in, as in ``tests/test_device_integrity.py``) staged and held; at
+(``FakeDeviceCopies`` stands in, as in ``tests/runtime/test_device_integrity.py``) staged and held; at
 both integrity levels and at 1, 2 and 8 layers."""
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ def _faulty_with_capacity(capacity: int) -> Store:
 
 
 # Backends whose capacity a test can set and that evict just enough to fit. umbp: its tier is
-# counted in 64 KiB pages and evicts down to 70 % in one go (tests/test_umbp_store.py and
-# tests/test_umbp_client.py pin that), mooncake: the master's segment is the fixture's.
+# counted in 64 KiB pages and evicts down to 70 % in one go (tests/stores/test_umbp_store.py and
+# tests/stores/test_umbp_client.py pin that), mooncake: the master's segment is the fixture's.
 CAPACITY_STORES: dict[str, Callable[[int], Store]] = {
     "embedded": _embedded_with_capacity,
     "faulty": _faulty_with_capacity,

@@ -8,7 +8,7 @@ key, the token's offset in the page and the layer, so every rank's bytes differ)
 :func:`~hylinker.components.pools.dcp_fold` names, and checks them after a restore. A recurrent
 state is per TP rank: :meth:`DcpContent.write_state` writes this TP rank's shard.
 
-``python -m hylinker.harness.dcp --master HOST:PORT --dcp N --rank R --phase {offload,restore}``
+``python -m hylinker.tests.support.dcp --master HOST:PORT --dcp N --rank R --phase {offload,restore}``
 runs one rank in its own process, on a pure-client Mooncake store (the objects live in the
 segment of whoever contributes one, so they outlive the process): ``offload`` prefills a prompt
 and writes it through, ``restore`` (in a fresh process, with fresh pools) restores it and checks
@@ -27,9 +27,9 @@ import anyio
 import numpy as np
 import torch
 
-from ..components.layout import MambaLayerSpec, ModelLayout
-from ..components.pools import HybridPools, dcp_fold
-from ..runtime.linker.facade import Linker, Request
+from ...components.layout import MambaLayerSpec, ModelLayout
+from ...components.pools import HybridPools, dcp_fold
+from ...runtime.linker.facade import Linker, Request
 
 #: rows a restore must not touch keep this value
 SENTINEL = -77.0
@@ -181,9 +181,9 @@ async def dcp_restore(linker: Linker, content: DcpContent, tokens: np.ndarray, r
 
 
 async def _rank_main(args: argparse.Namespace) -> dict[str, object]:
-    from ..runtime.linker.config import LinkerConfig
-    from ..stores.mooncake import MooncakeConfig, MooncakeStore
-    from ..testing.fakes import GatedStore
+    from ...runtime.linker.config import LinkerConfig
+    from ...stores.mooncake import MooncakeConfig, MooncakeStore
+    from ...testing.fakes import GatedStore
 
     lay = dcp_test_layout(args.dcp, args.rank, hybrid=args.hybrid)
     tokens = dcp_prompt(args.tokens, seed=args.seed)
@@ -216,7 +216,7 @@ async def _rank_main(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hylinker.harness.dcp", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m hylinker.tests.support.dcp", description=__doc__)
     ap.add_argument("--master", required=True, help="mooncake_master HOST:PORT")
     ap.add_argument("--dcp", type=int, required=True)
     ap.add_argument("--rank", type=int, required=True)

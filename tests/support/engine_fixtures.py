@@ -1,5 +1,5 @@
-"""Pytest fixtures the engine suites share (``tests_sglang/``, ``tests_sglang_server/``): each
-suite's root ``conftest.py`` loads them with ``pytest_plugins = ["hylinker.harness.engine_fixtures"]``."""
+"""Pytest fixtures the engine suites share (``tests/engines/sglang/``, ``tests/engines/sglang_server/``): each
+suite's root ``conftest.py`` loads them with ``pytest_plugins = ["hylinker.tests.support.engine_fixtures"]``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SGLang ranks, each its own process, as SGLang runs them: for the several-rank tests.
 
-``python -m hylinker.harness.sglang_ranks --rank R --world N --port P --master HOST:PORT --out F``
+``python -m hylinker.tests.support.sglang_ranks --rank R --world N --port P --master HOST:PORT --out F``
 joins a gloo process group on loopback, builds SGLang's ``UnifiedRadixCache`` with that group as
 its TP group and ``HylinkerLinker`` on a shared Mooncake master, and drives the same requests as
 the other ranks. SGLang's own code intersects the ranks' lookups (``_sync_restorable_prefix``: a
@@ -41,7 +41,7 @@ from typing import Any
 
 import attrs
 
-from ..components.layout import PoolKind
+from ...components.layout import PoolKind
 
 A = list(range(1000, 1024))
 B = list(range(2000, 2016))
@@ -94,7 +94,7 @@ def _lose(cache: Any, key: str, pool: PoolKind, damage: str) -> int:
     objects were removed."""
     linker = cache.linker
     if damage == "corrupt":
-        from ..stores import framing
+        from ...stores import framing
 
         cache.corrupt_object(key, framing.framed_size(linker.data.plane.pools[pool].payload_bytes))
         return 0
@@ -210,7 +210,7 @@ def run_rank_processes(out_dir: Path, master: str, world: int, *args: str,
     port = _free_port()
     procs = []
     for rank in range(world):
-        cmd = [sys.executable, "-m", "hylinker.harness.sglang_ranks", "--rank", str(rank), "--world", str(world),
+        cmd = [sys.executable, "-m", "hylinker.tests.support.sglang_ranks", "--rank", str(rank), "--world", str(world),
                "--port", str(port), "--master", master, "--out", str(out_dir / f"rank{rank}.json"), *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []

@@ -1,7 +1,7 @@
 """SGLang's real server (``python -m sglang.launch_server``) as a child process, launched with the
 README's own flags, and a tiny dense model built locally for it (standard library + transformers).
 
-For the SGLang plugin's server suite (``tests_sglang_server/``, run from ``.venv-sglang-server``).
+For the SGLang plugin's server suite (``tests/engines/sglang_server/``, run from ``.venv-sglang-server``).
 The launch line is **read from the README** (the ``bash`` block of "For SGLang users"), so the
 suite runs what a user copies: :func:`readme_launch_args` returns its arguments, and
 :func:`launch_command` swaps in the model path and the test's ``linker_extra_config`` and adds
@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .tiny_qwen3_next import VOCAB, build_tokenizer, corpus
+from hylinker.tools.harness.tiny_qwen3_next import VOCAB, build_tokenizer, corpus
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 _SECTION = "## For SGLang users"
 
 

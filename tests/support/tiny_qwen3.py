@@ -33,7 +33,7 @@ def build_tiny_qwen3(path: Path | str, *, seed: int = 0) -> Path:
     the tiny tokenizer to ``path``; returns ``path``."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from .tiny_qwen3_next import VOCAB, build_tokenizer, save_random_model
+    from hylinker.tools.harness.tiny_qwen3_next import VOCAB, build_tokenizer, save_random_model
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

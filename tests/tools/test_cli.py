@@ -15,8 +15,8 @@ import pytest
 from hylinker.tools import cli
 
 TOOLS = Path(cli.__file__).parent
-#: modules with an entry point that are not user-facing: the CLI itself and a child process's entry
-CHILD_ENTRIES = {"cli", "fleet_bench"}
+#: modules with an entry point that are not user-facing: the CLI itself and child processes' entries
+CHILD_ENTRIES = {"cli", "fleet_bench", "harness.vllm_runner", "harness.fleet_engine"}
 
 
 def _entry_points() -> set[str]:

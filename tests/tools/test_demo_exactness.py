@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hylinker.harness.reference import ReferenceEngine, build_model
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.testing.fakes import FakeClock, GatedStore, attach_clock
 from hylinker.tools.demo import ConversationShape, run_demo
 from hylinker.tools.demo_controls import CONTROLS, MARGIN, StateControl, measure
+from hylinker.tools.harness.reference import ReferenceEngine, build_model
 
 SHAPE = ConversationShape(100, (60, 90), 3, 3)
 

@@ -20,11 +20,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hylinker.harness.reference import UnsupportedModelError, build_model
-from hylinker.harness.reference.engine import _forward, _new_cache, cache_geometry
-from hylinker.harness.reference.models import RECURRENT_LAYER_KINDS, recurrent_model_types
 from hylinker.tools.cli import main
 from hylinker.tools.demo_controls import MARGIN
+from hylinker.tools.harness.reference import UnsupportedModelError, build_model
+from hylinker.tools.harness.reference.engine import _forward, _new_cache, cache_geometry
+from hylinker.tools.harness.reference.models import RECURRENT_LAYER_KINDS, recurrent_model_types
 
 PASS = "restores bit-exactly"
 # transformers defects (each has a test below that fails once it is fixed)
@@ -78,7 +78,7 @@ def test_model_types_come_from_the_library() -> None:
     from transformers import CONFIG_MAPPING
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    from hylinker.harness.reference.models import _LAYER_PATTERN
+    from hylinker.tools.harness.reference.models import _LAYER_PATTERN
 
     types = recurrent_model_types()
     assert list(types) == sorted(set(types))
@@ -230,7 +230,7 @@ async def _demo(engine: object, turns: int = 3) -> dict[str, object]:
 async def test_conv_only_layers_restore_exactly() -> None:
     # LFM2: short-conv layers (one conv state each, no recurrent state) and attention layers.
     # Its config defaults to attention on every layer; the tiny one has the checkpoints' mix
-    from hylinker.harness.reference import ReferenceEngine, build_draft_model
+    from hylinker.tools.harness.reference import ReferenceEngine, build_draft_model
 
     engine = ReferenceEngine(build_model("lfm2", seed=0), build_draft_model(seed=1), chunk_tokens=64)
     g = engine.geometry
@@ -245,7 +245,7 @@ async def test_conv_only_layers_restore_exactly() -> None:
 async def test_sliding_window_layers_restore_past_their_window() -> None:
     # a 48-token window: every restore lies far past it, so the rows of tokens that left the
     # window are exported as zeros and must never matter
-    from hylinker.harness.reference import ReferenceEngine, build_draft_model
+    from hylinker.tools.harness.reference import ReferenceEngine, build_draft_model
 
     engine = ReferenceEngine(build_model("lara_mini", seed=0, sliding_window=48),
                              build_draft_model(seed=1), chunk_tokens=64)
@@ -256,7 +256,7 @@ async def test_sliding_window_layers_restore_past_their_window() -> None:
 
 
 async def test_layers_with_both_kv_and_a_state_restore_exactly() -> None:
-    from hylinker.harness.reference import ReferenceEngine, build_draft_model
+    from hylinker.tools.harness.reference import ReferenceEngine, build_draft_model
 
     engine = ReferenceEngine(build_model("falcon_h1", seed=0), build_draft_model(seed=1),
                              chunk_tokens=64)
@@ -272,7 +272,7 @@ async def test_a_purely_recurrent_model_restores_through_a_state_only_layout() -
     # forward honours the cached state (unlike the Mamba1 torch path above), so the layout is
     # state-only: the tree pages the tokens, the store holds only MAMBA states
     from hylinker.components.layout import PoolKind
-    from hylinker.harness.reference import ReferenceEngine, build_draft_model
+    from hylinker.tools.harness.reference import ReferenceEngine, build_draft_model
 
     model = build_model("mamba2", seed=0)
     ids = torch.randint(3, 512, (128,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -306,8 +306,8 @@ def test_indexer_keys_travel_on_the_kv_rows_and_decide_the_continuation() -> Non
     # on the layer's KV row (K ‖ V ‖ indexer key); the history is rebuilt from the positions
     from types import SimpleNamespace
 
-    from hylinker.harness.reference import ReferenceEngine
-    from hylinker.harness.reference.engine import _position_history
+    from hylinker.tools.harness.reference import ReferenceEngine
+    from hylinker.tools.harness.reference.engine import _position_history
 
     engine = ReferenceEngine(build_model("qwen4_exp_text", seed=0), None, chunk_tokens=64)
     g = engine.geometry
@@ -342,7 +342,7 @@ def test_several_conv_states_travel_as_one_conv_tensor() -> None:
     # Inkling keeps 4 conv states per layer (two wide, two narrow); one MAMBA slot carries
     # them concatenated along the channel axis, and a restore splits them back, each state
     # bit for bit, so the continuation equals the uninterrupted run
-    from hylinker.harness.reference import ReferenceEngine
+    from hylinker.tools.harness.reference import ReferenceEngine
 
     engine = ReferenceEngine(build_model("inkling_text", seed=0), None, chunk_tokens=64)
     g = engine.geometry
@@ -371,7 +371,7 @@ def test_several_conv_states_travel_as_one_conv_tensor() -> None:
 def test_conv_states_that_cannot_be_concatenated_are_refused() -> None:
     from types import SimpleNamespace
 
-    from hylinker.harness.reference.engine import _several_conv_states
+    from hylinker.tools.harness.reference.engine import _several_conv_states
 
     def layer(second: torch.Tensor) -> SimpleNamespace:
         return SimpleNamespace(conv_states={0: torch.zeros(1, 8, 4), 1: second},

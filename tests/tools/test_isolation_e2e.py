@@ -20,11 +20,11 @@ pytest.importorskip("transformers")
 from hylinker import HybridPools, Linker, ModelLayout, MultimodalSpan, PoolKind
 from hylinker.components.keys import as_tokens, object_keys, page_keys, request_seed
 from hylinker.components.mamba import restorable_ceiling
-from hylinker.harness.reference import ExtendResult, ReferenceEngine, build_model
-from hylinker.harness.reference.runtime_engine import LinkedEngine, PrefillResult
 from hylinker.runtime.linker.facade import deployment_seed
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
+from hylinker.tools.harness.reference import ExtendResult, ReferenceEngine, build_model
+from hylinker.tools.harness.reference.runtime_engine import LinkedEngine, PrefillResult
 
 PAGE = 16
 PROMPT_LEN = 250  # ceiling 192 on the 64-token grid

@@ -362,7 +362,7 @@ def test_rank_disagreements_counts_requests_whose_prefix_differs() -> None:
 # ---- agreement under decode-context parallelism (tp 4 x dcp 2) ----------------------------------
 
 async def scenario_dcp(rank: int, size: int, agreement: Agreement, address: str, prefix: int) -> dict[str, Any]:
-    from hylinker.harness.dcp import (
+    from hylinker.tests.support.dcp import (
         DcpContent,
         dcp_prefill,
         dcp_prompt,

@@ -22,7 +22,10 @@ pytest.importorskip("transformers")
 from hylinker.components.layout import ModelLayout
 from hylinker.components.mamba import restorable_ceiling
 from hylinker.components.pools import HybridPools
-from hylinker.harness.reference import (
+from hylinker.runtime.linker.facade import Linker, Request
+from hylinker.stores.base import Store
+from hylinker.stores.embedded import EmbeddedStore
+from hylinker.tools.harness.reference import (
     BoundaryState,
     ExtendResult,
     LinearStateMode,
@@ -33,10 +36,7 @@ from hylinker.harness.reference import (
     kl_divergence,
     max_abs_diff,
 )
-from hylinker.harness.reference.runtime_engine import LinkedEngine, PrefillResult, pool_views
-from hylinker.runtime.linker.facade import Linker, Request
-from hylinker.stores.base import Store
-from hylinker.stores.embedded import EmbeddedStore
+from hylinker.tools.harness.reference.runtime_engine import LinkedEngine, PrefillResult, pool_views
 
 PAGE = 16
 PROMPT_LEN = 250  # ceiling 192 on the 64-token grid; the prefill donates at 192

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hylinker.components.layout import LayoutError
-from hylinker.harness.reference import (
+from hylinker.tools.harness.reference import (
     BoundaryState,
     LinearStateMode,
     ReferenceEngine,

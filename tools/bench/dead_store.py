@@ -4,7 +4,7 @@ Runs in the SGLang environment (``.ci/sglang-setup.sh``)::
 
     .venv-sglang/bin/python -m hylinker bench-dead-store --seconds 60 --json bench-results/dead-store.json
 
-One SGLang cache (``hylinker.harness.sglang_cache``, CPU) with the plugin over a store that never
+One SGLang cache (``hylinker.tools.harness.sglang_cache``, CPU) with the plugin over a store that never
 answers (the fault plan ``latency_ms=3600000``: every call waits an hour). For ``--seconds`` the
 scheduler is driven as SGLang drives it: each round calls ``num_completed_offloads`` (SGLang's
 ``check_hicache_events``), looks up ``--lookups`` new requests and then runs a forward of

@@ -7,7 +7,7 @@ Runs in the SGLang environment (``.ci/sglang-setup.sh``)::
 For each page-object size (64 KiB and 1 MiB of KV per page by default) and each linker, on a
 fresh loopback ``mooncake_master`` and an in-process segment, the same SGLang
 ``UnifiedRadixCache`` geometry (MLA full attention + Mamba2 states, page size 1, CPU) serves
-the same requests (``hylinker.harness.sglang_cache``):
+the same requests (``hylinker.tools.harness.sglang_cache``):
 
 * **offload**: a prompt of ``--tokens`` pages is inserted; time from SGLang's insert to the
   last offload result (``check_hicache_events``); GB/s over the page and state bytes; and the

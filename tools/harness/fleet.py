@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import attrs
 
-from ..stores.mooncake_master import MooncakeMaster
+from ...stores.mooncake_master import MooncakeMaster
 from .netns import Host, Network
 
 MASTER_PORT = 50051
@@ -73,7 +73,7 @@ class EngineProcess:
         cfg = fleet.config
         self.name = f"{role}g{generation}"
         self.log_path = fleet.workdir / f"{self.name}.log"
-        argv = [sys.executable, "-m", "hylinker.harness.fleet_engine", "--name", self.name,
+        argv = [sys.executable, "-m", "hylinker.tools.harness.fleet_engine", "--name", self.name,
                 "--master", fleet.master_address, "--address", self.host.address,
                 "--seed", str(1000 * int(role[1:]) + generation), "--docs", str(cfg.docs),
                 "--doc-pages", str(cfg.doc_pages), "--segment-mib", str(cfg.segment_mib),

@@ -1,7 +1,7 @@
 """One fleet host's engine process: a :class:`~hylinker.runtime.linker.facade.Linker` on a Mooncake
 client that contributes a segment, serving its own stream of requests with synthetic content.
 
-Run inside a host's namespace by :mod:`.fleet` (``python -m hylinker.harness.fleet_engine``).
+Run inside a host's namespace by :mod:`.fleet` (``python -m hylinker.tools.harness.fleet_engine``).
 Every request is one of ``--docs`` shared documents (the same token ids on every host) plus a
 tail of its own, so a document one host computed and offloaded is a store hit on the other. The
 device tree is flushed after every request: every hit is a store hit, read through Mooncake.
@@ -31,16 +31,16 @@ import attrs
 import numpy as np
 import torch
 
-from ..components.keys import page_keys
-from ..components.pools import HybridPools, PoolError
-from ..runtime.linker.config import LinkerConfig
-from ..runtime.linker.facade import Linker
-from ..stores.base import GetResult, Outcome, Store
-from ..stores.mooncake import MooncakeStore
-from ..stores.mooncake_client import MooncakeConfig
-from ..stores.resilient import ResiliencePolicy
-from ..testing.content import SyntheticContent, preset_layout
-from ..testing.fakes import GatedStore
+from ...components.keys import page_keys
+from ...components.pools import HybridPools, PoolError
+from ...runtime.linker.config import LinkerConfig
+from ...runtime.linker.facade import Linker
+from ...stores.base import GetResult, Outcome, Store
+from ...stores.mooncake import MooncakeStore
+from ...stores.mooncake_client import MooncakeConfig
+from ...stores.resilient import ResiliencePolicy
+from ...testing.content import SyntheticContent, preset_layout
+from ...testing.fakes import GatedStore
 
 MIB = 1 << 20
 
@@ -97,7 +97,7 @@ class EngineArgs:
 
 
 def _parse(argv: Sequence[str] | None) -> EngineArgs:
-    p = argparse.ArgumentParser(prog="python -m hylinker.harness.fleet_engine")
+    p = argparse.ArgumentParser(prog="python -m hylinker.tools.harness.fleet_engine")
     for f in attrs.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):

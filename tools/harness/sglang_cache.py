@@ -602,7 +602,7 @@ class SGLangCache:
     def stored_bytes(self, key: str, nbytes: int) -> bytes | None:
         """The object under ``key`` as the store holds it (frame included), or None if absent;
         ``nbytes``: a buffer at least that large."""
-        from ..stores.base import Outcome
+        from ...stores.base import Outcome
 
         store = self.linker.store
         buf = torch.zeros(nbytes, dtype=torch.uint8)
@@ -611,7 +611,7 @@ class SGLangCache:
 
     def replace_object(self, key: str, data: bytes) -> None:
         """Store ``data`` under ``key`` in place of what is there, past every check of the plugin."""
-        from ..stores.base import Outcome
+        from ...stores.base import Outcome
 
         store = self.linker.store
         self.linker.data.call_store(store.remove, [key]).result(timeout=10)

@@ -104,7 +104,7 @@ def build_qwen3_next_at(path: Path | str, geometry: HybridGeometry = QWEN3_NEXT_
 
 def sglang_cache_spec(geometry: HybridGeometry = QWEN3_NEXT_80B, *, page_size: int = 64, tree_core: str = "python",
                       kv_pages: int = 16, mamba_slots: int = 4) -> Any:
-    """The SGLang harness's :class:`~hylinker.harness.sglang_cache.CacheSpec` at ``geometry``:
+    """The SGLang harness's :class:`~hylinker.tools.harness.sglang_cache.CacheSpec` at ``geometry``:
     its layers and full-attention pattern, MHA KV heads and head dim, and the Mamba2 state shape
     SGLang derives for Qwen3-Next (``sglang/srt/configs/qwen3_next.py``: intermediate = value heads x value
     dim, ``n_groups`` = key heads, state size = key dim), fp32 recurrent state. Pages above 1

@@ -25,7 +25,7 @@ between steps. Steps (a JSON list, ``--steps``):
   runs in this process (``--in-process``); in vLLM's default process model the workers log theirs
   at shutdown (``hylinker: rank R worker shut down ... statistics {...}``).
 
-    python -m hylinker.harness.vllm_runner --model DIR --extra '{"store": "embedded"}' --steps '[...]'
+    python -m hylinker.tools.harness.vllm_runner --model DIR --extra '{"store": "embedded"}' --steps '[...]'
 
 By default the engine runs as ``LLM(...)`` does for its users (its engine core and workers in
 processes of their own); ``--in-process`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core

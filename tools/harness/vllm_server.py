@@ -24,7 +24,7 @@ from typing import Any
 
 from .tiny_qwen3_next import BLOCK_SIZE, corpus
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 _SECTION = "## For vLLM users"
 _HEAD = ["python", "-m", "vllm.entrypoints.openai.api_server"]
 

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from hylinker.harness.sglang_cache import SGLangCache, install_cpu_shims
+from hylinker.tools.harness.sglang_cache import SGLangCache, install_cpu_shims
 
 install_cpu_shims()
 
-pytest_plugins = ["hylinker.harness.engine_fixtures"]
+pytest_plugins = ["hylinker.tests.support.engine_fixtures"]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hylinker.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
+from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 PAGE = 4

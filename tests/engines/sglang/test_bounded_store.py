@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hylinker.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 from hylinker.stores.resilient import ResiliencePolicy
 from hylinker.testing.fakes import GatedStore
+from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 #: a store that never answers: every call waits an hour first

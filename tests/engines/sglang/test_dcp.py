@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from hylinker.components.layout import PoolKind
-from hylinker.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
-from hylinker.harness.sglang_ranks import DCP_A as A
-from hylinker.harness.sglang_ranks import DCP_GROUPS as GROUPS
+from hylinker.tests.support.sglang_ranks import DCP_A as A
+from hylinker.tests.support.sglang_ranks import DCP_GROUPS as GROUPS
+from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 C = list(range(3000, 3010))

@@ -1,6 +1,6 @@
 """DCP ranks as SGLang runs them: each DCP rank its own process, SGLang's own MIN over ranks.
 
-Each process runs ``hylinker.harness.sglang_ranks --dcp N``: TP rank r is DCP rank r (tp = dcp),
+Each process runs ``hylinker.tests.support.sglang_ranks --dcp N``: TP rank r is DCP rank r (tp = dcp),
 ``get_parallel()`` publishes that rank's DCP size and rank, SGLang's paged allocator hands out
 widened pages, and SGLang's ``UnifiedRadixCache`` reduces lookups (a MIN all-reduce of a 0/1
 mask) and load results over a gloo TP group; every rank's plugin uses one Mooncake master. Each
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from hylinker.harness.sglang_ranks import (
+from hylinker.tests.support.sglang_ranks import (
     DCP_A,
     DCP_B,
     DCP_C,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hylinker.harness.sglang_cache import CacheSpec, SGLangCache
+from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 A = list(range(5000, 5032))
@@ -65,8 +65,8 @@ def test_a_damaged_object_moves_the_verification_and_second_read_counters(caches
     """A stored object with a flipped payload byte: the load reads it twice, fails, SGLang
     aborts the request, and the counters say so (one verify failure, one second read that
     failed, none recovered)."""
-    from hylinker.harness.sglang_cache import page_keys
     from hylinker.stores import framing
+    from hylinker.tools.harness.sglang_cache import page_keys
 
     cache = build(caches, enable_metrics=True, model="dense", kv="mha", page_size=4, num_layers=2)
     fail0 = sample("verify_failures_total", pool="kv")

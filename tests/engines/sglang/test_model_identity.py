@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hylinker.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
+from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 
 A = list(range(1000, 1024))
 C = list(range(3000, 3008))

@@ -6,7 +6,7 @@ SGLang keys its tree and its storage pages by the namespace (``RadixKey.extra_ke
 ``storage_namespace_seed(extra_key, cache_salt)``; ``Req`` appends ``lora_id`` to ``extra_key``;
 an image's placeholder tokens are replaced by pad values derived from the image's hash). The
 plugin names its objects ``{SGLang page key}{suffix}``, so two namespaces never share an object.
-The synthetic forward's bytes depend on the namespace (harness/sglang_cache.py), so a restore
+The synthetic forward's bytes depend on the namespace (tools/harness/sglang_cache.py), so a restore
 from another namespace's objects would also show as a byte mismatch. Each negative has its
 positive control: the same namespace after a flush restores byte for byte.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hylinker.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
+from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang",
           "linker_extra_config": {}}

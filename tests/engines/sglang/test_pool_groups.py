@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from hylinker.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
+from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 CORES = ["python", "rust"]

@@ -12,8 +12,12 @@ from __future__ import annotations
 import pytest
 from test_sglang_linker import CORES, assert_clean, plugin
 
-from hylinker.harness.sglang_cache import SGLangCache
-from hylinker.harness.shapes import QWEN3_NEXT_80B, kimi_linear_sglang_cache_spec, sglang_cache_spec
+from hylinker.tools.harness.sglang_cache import SGLangCache
+from hylinker.tools.harness.shapes import (
+    QWEN3_NEXT_80B,
+    kimi_linear_sglang_cache_spec,
+    sglang_cache_spec,
+)
 
 
 @pytest.mark.parametrize(("core", "page"), [(core, 64) for core in CORES] + [("rust", 1)])

@@ -1,7 +1,7 @@
 """HylinkerLinker inside SGLang 0.5.23's real UnifiedRadixCache (FULL + MAMBA) on CPU.
 
 Every test builds SGLang's own pools and cache, loads the plugin through SGLang's dynamic linker
-factory, and drives requests through the scheduler's steps (hylinker.harness.sglang_cache). A
+factory, and drives requests through the scheduler's steps (hylinker.tools.harness.sglang_cache). A
 restore is checked byte for byte against what a recompute writes.
 """
 
@@ -14,11 +14,11 @@ import anyio
 import pytest
 import torch
 
-from hylinker.harness.sglang_cache import CacheSpec, Served, SGLangCache, page_keys
 from hylinker.stores import framing
 from hylinker.stores.base import Store, supports_checksums, supports_scatter
 from hylinker.stores.faulty import FaultPlan, FaultyStore
 from hylinker.testing.fakes import GatedStore
+from hylinker.tools.harness.sglang_cache import CacheSpec, Served, SGLangCache, page_keys
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
 CORES = ["python", "rust"]

@@ -1,6 +1,6 @@
 """Two real TP ranks (two processes, gloo on loopback) agree through SGLang's own MIN.
 
-Each process runs ``hylinker.harness.sglang_ranks``: SGLang's ``UnifiedRadixCache`` with a gloo
+Each process runs ``hylinker.tests.support.sglang_ranks``: SGLang's ``UnifiedRadixCache`` with a gloo
 TP group and the plugin on one shared Mooncake master. SGLang's scheduler path intersects the
 ranks' restorable sets (``_sync_restorable_prefix``, a MIN all-reduce over the group) and
 reduces load and offload results; the ranks lose different state objects (or one rank alone
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from hylinker.harness.sglang_ranks import run_rank_processes
+from hylinker.tests.support.sglang_ranks import run_rank_processes
 
 
 def _run_ranks(tmp_path: Path, master: str, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Both ranks of ``hylinker.harness.sglang_ranks`` (``args`` added), each its own process."""
+    """Both ranks of ``hylinker.tests.support.sglang_ranks`` (``args`` added), each its own process."""
     r0, r1 = run_rank_processes(tmp_path, master, 2, *args, timeout_s=240)
     return r0, r1
 

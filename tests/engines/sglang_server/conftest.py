@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hylinker.harness.sglang_server import build_tiny_gpt2
+from hylinker.tests.support.sglang_server import build_tiny_gpt2
 
-pytest_plugins = ["hylinker.harness.engine_fixtures"]
+pytest_plugins = ["hylinker.tests.support.engine_fixtures"]
 
 
 @pytest.fixture(scope="session")

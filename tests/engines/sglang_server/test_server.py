@@ -1,7 +1,7 @@
 """HylinkerLinker inside SGLang 0.5.23's real server, launched with the README's own flags.
 
 Each test starts ``python -m sglang.launch_server`` (the README's SGLang block, read from the
-README by :func:`hylinker.harness.sglang_server.readme_launch_args`) on a tiny random GPT-2,
+README by :func:`hylinker.tests.support.sglang_server.readme_launch_args`) on a tiny random GPT-2,
 sends greedy ``/generate`` requests with logprobs, flushes SGLang's device cache
 (``/flush_cache``) and sends the same request again, so the cached tokens can only come from
 the store.
@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from hylinker.harness import metrics_scrape
-from hylinker.harness.sglang_server import (
+from hylinker.stores.mooncake_master import free_port
+from hylinker.tests.support.sglang_server import (
     SGLangServer,
     get,
     launch_command,
@@ -36,7 +36,7 @@ from hylinker.harness.sglang_server import (
     prompt,
     readme_launch_args,
 )
-from hylinker.stores.mooncake_master import free_port
+from hylinker.tools.harness import metrics_scrape
 
 PROMPT = prompt(60, seed=1)  # ~580 tokens: 36 pages of 16
 Output = tuple[list[int], list[float]]
@@ -295,7 +295,7 @@ def test_hybrid_model_restores_on_a_gpu(tmp_path: Path, flags: list[str]) -> Non
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("SGLang's hybrid models need a GPU (Triton kernels)")
-    from hylinker.harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from hylinker.tools.harness.tiny_qwen3_next import build_tiny_qwen3_next
 
     model = build_tiny_qwen3_next(tmp_path / "model")
     hybrid = [*flags, "--mem-fraction-static", "0.3"]

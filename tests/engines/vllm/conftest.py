@@ -1,7 +1,7 @@
 """Fixtures for the vLLM connector's suite: the tiny model, engines in their own processes, and
 the reference outputs of an engine without any cache.
 
-Every engine runs in a child process (``hylinker.harness.vllm_runner``) so that tests can kill a
+Every engine runs in a child process (``hylinker.tools.harness.vllm_runner``) so that tests can kill a
 store between steps and engines never share vLLM's global state.
 """
 
@@ -38,7 +38,7 @@ def run_engine(model: Path, extra: dict[str, Any] | None, steps: list[dict[str, 
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    cmd = [sys.executable, "-m", "hylinker.harness.vllm_runner", "--model", str(model), "--tp", str(tp),
+    cmd = [sys.executable, "-m", "hylinker.tools.harness.vllm_runner", "--model", str(model), "--tp", str(tp),
            "--extra", "none" if extra is None else json.dumps(extra), "--steps", json.dumps(steps)]
     if in_process:
         cmd.append("--in-process")
@@ -69,7 +69,7 @@ def worker_statistics(log: Path) -> dict[int, dict[str, int]]:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hylinker.harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from hylinker.tools.harness.tiny_qwen3_next import build_tiny_qwen3_next
 
     return build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
 

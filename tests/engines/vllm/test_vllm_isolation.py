@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from conftest import run_engine
 
-from hylinker.harness.vllm_server import free_port, post, start_server, stop_server
 from hylinker.stores.mooncake_master import MooncakeMaster
+from hylinker.tools.harness.vllm_server import free_port, post, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 RESTORED = 1152  # tokens restored for the 1,306-token prompt (3 blocks of 384 and the states there)

@@ -29,11 +29,11 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from hylinker.components.pool_view import PoolViewError
-from hylinker.harness.shapes import QWEN3_NEXT_80B, gdn_state_shapes, poll_loads
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig
 from hylinker.integrations.vllm.pages import PageTransfers, RawPages
 from hylinker.integrations.vllm.plan import TransferPlan
+from hylinker.tools.harness.shapes import QWEN3_NEXT_80B, gdn_state_shapes, poll_loads
 
 BF16 = torch.bfloat16
 

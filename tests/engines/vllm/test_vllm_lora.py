@@ -19,7 +19,12 @@ from typing import Any
 import pytest
 from conftest import run_engine, worker_statistics
 
-from hylinker.harness.tiny_qwen3 import BLOCK_SIZE, LORA_RANK, build_tiny_qwen3, write_random_lora
+from hylinker.tests.support.tiny_qwen3 import (
+    BLOCK_SIZE,
+    LORA_RANK,
+    build_tiny_qwen3,
+    write_random_lora,
+)
 
 pytestmark = pytest.mark.slow
 PROMPT_TOKENS = 600

@@ -13,8 +13,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
-from hylinker.harness import metrics_scrape
-from hylinker.harness.vllm_server import (
+from hylinker.integrations.vllm.metrics import (
+    VLLM_KEYS,
+    HylinkerPromMetrics,
+    HylinkerStats,
+    StatsReporter,
+)
+from hylinker.stores.mooncake_master import MooncakeMaster
+from hylinker.tools.harness import metrics_scrape
+from hylinker.tools.harness.vllm_server import (
     cached_tokens,
     chat,
     conversation,
@@ -23,13 +30,6 @@ from hylinker.harness.vllm_server import (
     start_server,
     stop_server,
 )
-from hylinker.integrations.vllm.metrics import (
-    VLLM_KEYS,
-    HylinkerPromMetrics,
-    HylinkerStats,
-    StatsReporter,
-)
-from hylinker.stores.mooncake_master import MooncakeMaster
 
 
 def stats(counter: dict[str, int] | None = None, gauge: dict[str, float] | None = None,

@@ -57,8 +57,8 @@ def test_every_restore_of_vllms_connector_follows_a_reset_that_took(tmp_path: Pa
     import argparse
     import random
 
-    from hylinker.harness.tiny_qwen3_next import build_tiny_qwen3_next
     from hylinker.tools.bench.vllm_peers import _engine
+    from hylinker.tools.harness.tiny_qwen3_next import build_tiny_qwen3_next
 
     model = build_tiny_qwen3_next(tmp_path / "model")
     rng = random.Random(7)

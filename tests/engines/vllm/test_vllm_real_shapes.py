@@ -1,6 +1,6 @@
 """The README's vLLM settings serve a Qwen3-Next at Qwen3-Next-80B-A3B's real cache geometry.
 
-The model is built here with random weights (``hylinker.harness.shapes``): 48 layers, full
+The model is built here with random weights (``hylinker.tools.harness.shapes``): 48 layers, full
 attention every 4th (12 layers), 2 KV heads of 256, linear attention 16 key and 32 value heads of
 128, conv kernel 4; hidden size, experts and vocabulary shrunk, query heads = KV heads. vLLM
 groups its layers 12 per KV cache group (3 Gated DeltaNet groups and one attention group) in its
@@ -26,8 +26,8 @@ import pytest
 from conftest import run_engine, worker_statistics
 from test_vllm_connector import RESET, RESTORED, gen, same_output
 
-from hylinker.harness.shapes import QWEN3_NEXT_80B, build_qwen3_next_at
-from hylinker.harness.tiny_qwen3_next import build_tiny_qwen3_next
+from hylinker.tools.harness.shapes import QWEN3_NEXT_80B, build_qwen3_next_at
+from hylinker.tools.harness.tiny_qwen3_next import build_tiny_qwen3_next
 
 pytestmark = pytest.mark.slow
 

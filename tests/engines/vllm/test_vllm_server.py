@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hylinker.harness.vllm_server import (
+from hylinker.stores.mooncake_master import MooncakeMaster
+from hylinker.tools.harness.vllm_server import (
     cached_tokens,
     chat,
     conversation,
@@ -21,7 +22,6 @@ from hylinker.harness.vllm_server import (
     stop_server,
     top_logprobs,
 )
-from hylinker.stores.mooncake_master import MooncakeMaster
 
 pytestmark = pytest.mark.slow
 

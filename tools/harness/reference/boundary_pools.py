@@ -1,7 +1,7 @@
 """Hylinker-shaped pools for the reference engine's boundary states: :func:`allocate_pools` makes
 them from a :class:`~hylinker.components.layout.ModelLayout` (``kv[full_layer][row]``,
 ``conv[i][slot]``, ``temporal[i][slot]``, ``draft[d][row]``), :func:`write_boundary` /
-:func:`read_boundary` move a :class:`~hylinker.harness.reference.engine.BoundaryState` in and out
+:func:`read_boundary` move a :class:`~hylinker.tools.harness.reference.engine.BoundaryState` in and out
 of them, and :func:`max_abs_diff` / :func:`kl_divergence` compare two runs' logprobs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 import attrs
 import torch
 
-from ...components.layout import ModelLayout
+from ....components.layout import ModelLayout
 from .engine import BoundaryState, check_tensor
 
 

@@ -12,7 +12,7 @@ It runs a transformers hybrid model (and optionally a draft model) one sequence 
   conv state and the recurrent ("temporal") state, and the draft model's K/V rows.
 * :meth:`ReferenceEngine.restore` builds fresh caches from such a state (``Cache.update``,
   ``update_conv_state(..., conv_kernel_size=K)``, ``update_recurrent_state``).
-* :func:`~hylinker.harness.reference.boundary_pools.write_boundary` / ``read_boundary`` move a state in and out of hylinker-shaped
+* :func:`~hylinker.tools.harness.reference.boundary_pools.write_boundary` / ``read_boundary`` move a state in and out of hylinker-shaped
   pools (``kv[full_layer][row]``, ``conv[i][slot]``, ``temporal[i][slot]``, ``draft[d][row]``),
   and :func:`layout_for` describes that geometry as a :class:`ModelLayout`.
 
@@ -30,7 +30,7 @@ from typing import Any, Literal
 import attrs
 import torch
 
-from ...components.layout import MambaLayerSpec, ModelLayout
+from ....components.layout import MambaLayerSpec, ModelLayout
 from .models import UnsupportedModelError
 
 __all__ = [

@@ -14,7 +14,7 @@ Every model type transformers ships with a recurrent-state cache layer is listed
 :func:`recurrent_model_types` and gets a tiny config here (per-family sizes where a config's
 validators constrain them). Tested in the fast suite: ``kimi_linear`` (MLA + KDA) and
 ``qwen3_next`` (GQA + Gated DeltaNet); every listed type runs through ``hylinker demo`` in
-``tests/test_hybrid_families.py``. A type hylinker cannot carry is refused with
+``tests/tools/test_hybrid_families.py``. A type hylinker cannot carry is refused with
 :class:`UnsupportedModelError` and the reason (:func:`check_config`, and the engine's
 ``cache_geometry``).
 """
@@ -324,7 +324,7 @@ def check_config(config: Any) -> None:
     Checked on the config, before any weights exist: the model type has a causal-LM class.
     What only a forward shows (what each cache layer holds, where states live, whether a
     model honours them) is checked by
-    :func:`~hylinker.harness.reference.engine.cache_geometry`.
+    :func:`~hylinker.tools.harness.reference.engine.cache_geometry`.
     """
     _check_causal_lm(str(config.model_type))
 

@@ -34,10 +34,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ...components.keys import MultimodalSpan
-from ...components.mamba import restorable_ceiling
-from ...components.pools import HybridPools
-from ...runtime.linker.facade import Linker, Request
+from ....components.keys import MultimodalSpan
+from ....components.mamba import restorable_ceiling
+from ....components.pools import HybridPools
+from ....runtime.linker.facade import Linker, Request
 from .boundary_pools import read_boundary, write_boundary
 from .engine import (
     BoundaryState,
