@@ -1,23 +1,48 @@
-"""The test kit's pytest plugin (``-p hylinker.testing.plugin`` in the suite's addopts) drives a real
+"""The test kit's pytest plugin (registered through its ``pytest11`` entry point) drives a real
 Linker end to end."""
 
 from __future__ import annotations
 
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import hylinker
 from hylinker.components.layout import ModelLayout
 from hylinker.components.pools import HybridPools
 from hylinker.runtime.linker.config import LinkerConfig
 from hylinker.runtime.linker.facade import Linker
 from hylinker.stores.embedded import EmbeddedStore
+from hylinker.testing import plugin as plugin_module
 from hylinker.testing.content import SyntheticContent
 from hylinker.testing.fakes import FakeClock, GatedStore, attach_clock, synthetic_prefill
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - CI runs 3.11
+    tomllib = pytest.importorskip("tomli")
 
-def test_the_plugin_is_loaded_by_its_module_name(pytestconfig: pytest.Config) -> None:
-    plugin = pytestconfig.pluginmanager.get_plugin("hylinker.testing.plugin")
-    assert plugin is not None and plugin.__name__ == "hylinker.testing.plugin"
+ROOT = Path(os.path.realpath(os.path.dirname(hylinker.__file__)))
+
+
+def test_the_plugin_is_registered_once(pytestconfig: pytest.Config) -> None:
+    kits = [p for p in pytestconfig.pluginmanager.get_plugins()
+            if getattr(p, "__name__", None) == "hylinker.testing.plugin"]
+    assert len(kits) == 1
+
+
+def test_the_plugin_is_a_pytest11_entry_point() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["entry-points"]["pytest11"] == {"hylinker": "hylinker.testing.plugin"}
+    # where the installed metadata already carries it (pip install -e . after the change), it
+    # loads this checkout's module
+    for entry in metadata.entry_points(group="pytest11"):
+        if entry.name == "hylinker":
+            assert entry.load() is plugin_module
 
 
 async def test_a_prefix_offloaded_through_the_gated_store_restores_byte_exact(
