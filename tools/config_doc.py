@@ -1,4 +1,4 @@
-"""``hylinker config-doc``: write ``docs/configuration.md`` from the config classes themselves.
+"""``hylinker config-doc``: write ``docs/guide/configuration.md`` from the config classes themselves.
 
 Every setting a user can give lives in an attrs class (the plugins' ``extra_config`` keys, the
 ``Linker``'s and the data plane's configs, the store's retry policy). The page lists each field
@@ -21,9 +21,9 @@ from typing import Any
 
 import attrs
 
-HELP = "write docs/configuration.md from the config classes (--check: fail if it is stale)"
+HELP = "write docs/guide/configuration.md from the config classes (--check: fail if it is stale)"
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "guide" / "configuration.md"
 
 #: (heading, where a user gives it, dotted class path)
 SECTIONS: tuple[tuple[str, str, str], ...] = (

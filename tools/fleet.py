@@ -35,8 +35,8 @@ from typing import Any
 
 import attrs
 
-from ..harness.fleet import Fleet, FleetConfig
-from ..harness.netns import NetnsUnavailableError
+from .harness.fleet import Fleet, FleetConfig
+from .harness.netns import NetnsUnavailableError
 from .report import format_table, percentiles
 
 HELP = "faults on a fleet of network namespaces (partition, host death, master restart, kill -9)"

@@ -118,7 +118,7 @@ async def _runtime(cfg: MooncakeConfig, docs: int) -> dict[str, Any]:
     restored at once and checked byte for byte."""
     from ..components.keys import page_keys
     from ..components.pools import HybridPools
-    from ..harness.fleet_engine import document
+    from .harness.fleet_engine import document
     from ..runtime.linker.config import LinkerConfig
     from ..runtime.linker.facade import Linker
     from ..testing.content import SyntheticContent, preset_layout
@@ -232,8 +232,8 @@ def _segment(command: list[str], master: str, hostname: str, mib: int) -> subpro
 
 def measure(setup: str, object_kib: int, count: int, repeats: int) -> dict[str, Any]:
     """One setup (``veth`` or ``loopback``): master, storage host, client; the client's figures."""
-    from ..harness.fleet import netns_port_accepts
-    from ..harness.netns import Network
+    from .harness.fleet import netns_port_accepts
+    from .harness.netns import Network
 
     roles = ["master", "store", "client"] if setup == "veth" else ["client"]
     with Network(roles) as net:

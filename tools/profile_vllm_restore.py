@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from .harness.tiny_qwen3_next import build_tiny_qwen3_next
 
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(0)

@@ -81,7 +81,7 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--store", choices=("embedded", "mooncake", "umbp"), default="embedded",
                    help="the in-process store, a Mooncake client, or AMD mori's UMBP client with a "
                         "DRAM tier of --store-capacity-mb (needs amd-mori; on a CPU machine run it in "
-                        ".venv-umbp, docs/umbp.md)")
+                        ".venv-umbp, docs/guide/umbp.md)")
     s.add_argument("--store-capacity-mb", type=positive_int, default=2048,
                    help="the store's capacity (Mooncake: the segment this client contributes), MiB")
     s.add_argument("--mooncake-master", type=master_address, default=None, metavar="HOST:PORT",

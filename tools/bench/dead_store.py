@@ -38,7 +38,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def measure(seconds: float, lookups_per_round: int, forward_ms: float, lookup_timeout_s: float) -> dict[str, Any]:
-    from ...harness.sglang_cache import CacheSpec, SGLangCache, install_cpu_shims, page_keys
+    from ..harness.sglang_cache import CacheSpec, SGLangCache, install_cpu_shims, page_keys
 
     install_cpu_shims()
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer

@@ -27,7 +27,7 @@ populated (``madvise(MADV_POPULATE_WRITE)``) before anything is timed. Otherwise
 over the segment pays a page fault per 4 KiB, and on a virtual machine that returns free memory
 to its host that costs ~10 µs a page (0.4 GB/s): measured here, 1 MiB offloads took 40–47 ms
 (hylinker) and 31–33 ms (SGLang's linker) on fresh segments against ~26 and ~16 ms on populated
-ones (docs/figures.md). ``--cold-segment`` skips it.
+ones (docs/figures/sglang.md). ``--cold-segment`` skips it.
 
 hylinker runs once per ``--integrity`` level (both by default: ``"checksum"`` and ``"header"``,
 the plugin's ``integrity`` key), side by side with SGLang's linker. At ``"header"`` the corrupt
@@ -57,7 +57,7 @@ LINKERS = ("hylinker", "sglang-mooncake")
 
 
 def _spec(object_kib: int, tokens: int, tree_core: str) -> Any:
-    from ...harness.sglang_cache import CacheSpec
+    from ..harness.sglang_cache import CacheSpec
 
     # two MLA layers: a page object is 2 rows of (kv_lora_rank + rope) bf16 values
     row = object_kib * 1024 // 2 // 2
@@ -238,7 +238,7 @@ class _ThreadProfiles:
 def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str,
              phases: bool = False, cold_segment: bool = False, profile_dir: Path | None = None,
              integrity: str = "checksum") -> dict[str, Any]:
-    from ...harness.sglang_cache import SGLangCache
+    from ..harness.sglang_cache import SGLangCache
     from ...stores.mooncake_master import MooncakeMaster
     from .mooncake import anonymous_mappings, populate_new_segments
 
@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
                         help="the plugin's integrity levels, each run side by side with the others")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    from ...harness.sglang_cache import install_cpu_shims
+    from ..harness.sglang_cache import install_cpu_shims
     from .host import describe, finish, host_record
 
     install_cpu_shims()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ...harness.shapes import QWEN3_NEXT_80B, poll_loads
+from ..harness.shapes import QWEN3_NEXT_80B, poll_loads
 from ...integrations import store_host
 from ...integrations.config import PluginConfig
 from ...integrations.vllm.pages import PageTransfers, RawPages

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...harness.tiny_qwen3_next import build_tiny_qwen3_next
+from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
 from .output import write_json
 
 if TYPE_CHECKING:

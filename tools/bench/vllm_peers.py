@@ -162,8 +162,8 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from ...harness.shapes import QWEN3_NEXT_80B, build_qwen3_next_at
-    from ...harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from ..harness.shapes import QWEN3_NEXT_80B, build_qwen3_next_at
+    from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
     from .host import describe, finish, host_record
 
     host = host_record()
