@@ -41,7 +41,7 @@ test-sglang-server *ARGS:
 
 # the store conformance suite and the UMBP store's tests against the real mori UMBP client
 # (amd-mori 1.2.4, cp310) in .venv-umbp: Python 3.10, Debian 11's gRPC libraries, ROCm stub
-# libraries built from .ci/umbp-stubs (.ci/umbp-setup.sh builds it; docs/umbp.md)
+# libraries built from .ci/umbp-stubs (.ci/umbp-setup.sh builds it; docs/guide/umbp.md)
 test-umbp *ARGS:
     bash .ci/umbp-setup.sh
     HYLINKER_UMBP_REAL=1 .venv-umbp/bin/umbp-python -m pytest -q -ra -p no:cacheprovider -k umbp \

@@ -7,7 +7,7 @@ keeps a DRAM tier of 64 KiB pages).
 
 Every rule below is pinned by a test in ``tests/stores/test_umbp_client.py``, which runs unchanged
 against this double (the main suite) and against the real client (``just test-umbp``, in
-``.venv-umbp``; see ``docs/umbp.md``), so the two cannot drift. The test pinning each rule is
+``.venv-umbp``; see ``docs/guide/umbp.md``), so the two cannot drift. The test pinning each rule is
 named in brackets.
 
 * **Capacity is counted in pages** of :data:`PAGE_BYTES` (64 KiB): an object takes

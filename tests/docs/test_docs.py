@@ -1,6 +1,6 @@
 """The README and the topic pages are true to the code: their Python runs, the configuration page
 is what the config classes say, their links resolve, nothing points outside the repository, and every
-figure they quote is in the docs/figures.md section it links to."""
+figure they quote is in the docs/figures/ section it links to."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_python_snippet_runs(name: str, code: str, tmp_path: Path) -> None:
 
 def test_configuration_page_is_current(tmp_path: Path) -> None:
     args = argparse.Namespace(check=True, out=config_doc.DOC)
-    assert config_doc.run(args) == 0, "docs/configuration.md is stale: run `python -m hylinker config-doc`"
+    assert config_doc.run(args) == 0, "docs/guide/configuration.md is stale: run `python -m hylinker config-doc`"
     stale = tmp_path / "configuration.md"
     stale.write_text(config_doc.render().replace("| `store` |", "| `stor` |", 1))
     assert config_doc.run(argparse.Namespace(check=True, out=stale)) == 1
@@ -87,17 +87,23 @@ def test_readme_stays_short() -> None:
 
 
 # ---- figures from one source ------------------------------------------------------------------
-# A page quotes a measured figure as the text of a link to the docs/figures.md section that
-# measured it: [0.997 of the bound](docs/figures.md#main-job-...). Every number in such a link's
-# text must be in that section's current text (its block quotes, which hold earlier runs kept
-# for context, left out), and a page names docs/figures.md only through such links, so a rerun
-# that changes a section fails here until every quote of it is updated.
+# A page quotes a measured figure as the text of a link to the section of a docs/figures/ page that
+# measured it: [0.997 of the bound](docs/figures/stress.md#main-job-...). Every number in such a
+# link's text must be in that section's current text (its block quotes, which hold earlier runs
+# kept for context, left out), and a page names a figures page only through such links, so a
+# rerun that changes a section fails here until every quote of it is updated. docs/figures.md is
+# the index: its summaries are checked against the sections they link to.
 
 FIGURES = ROOT / "docs" / "figures.md"
-QUOTING_PAGES = [page for page in PAGES if page != FIGURES and page.name != "configuration.md"]  # generated
+FIGURE_PAGES = {page.stem: page for page in sorted((ROOT / "docs" / "figures").glob("*.md"))}
+QUOTING_PAGES = [page for page in PAGES if page != FIGURES and page not in FIGURE_PAGES.values()
+                 and page.name != "configuration.md"]  # generated
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?![\d])")
 _ISSUE = re.compile(r"\bissue \d+")  # a reference, not a figure
-_FIGURES_LINK = re.compile(r"\[([^\]]*)\]\(((?:\.\./|docs/)?figures\.md)(?:#([^)\s]+))?\)")
+#: a link to the figures index or to a figures page: label, path, page (None: the index), anchor
+_FIGURES_LINK = re.compile(
+    r"\[([^\]]*)\]\(((?:\.\./)*(?:docs/)?figures(?:/([\w-]+))?\.md)(?:#([^)\s]+))?\)")
+_FIGURES_NAMED = re.compile(r"figures(?:/[\w-]+)?\.md")
 
 
 def numbers(text: str) -> list[float]:
@@ -119,43 +125,69 @@ def figure_sections(text: str) -> dict[str, str]:
     return out
 
 
+def all_sections() -> dict[str, str]:
+    """``page#anchor`` -> that section's current text, over every docs/figures/ page."""
+    return {f"{name}#{anchor}": text for name, page in FIGURE_PAGES.items()
+            for anchor, text in figure_sections(page.read_text()).items()}
+
+
 def stale_quotes(page_text: str, sections: dict[str, str]) -> list[str]:
-    """Each quote whose numbers are not all in the section it links to, and each mention of
-    figures.md that is not a link to a section."""
+    """Each quote whose numbers are not all in the section it links to (``sections``: keyed
+    ``page#anchor``), and each mention of a figures page that is not a link."""
     bad = []
-    for label, _, anchor in _FIGURES_LINK.findall(page_text):
-        if numbers(label) and not anchor:
+    for label, _, name, anchor in _FIGURES_LINK.findall(page_text):
+        if numbers(label) and not (name and anchor):
             bad.append(f"[{label}] quotes figures but links to no section")
-        elif anchor:
-            missing = [n for n in numbers(label) if n not in set(numbers(sections.get(anchor, "")))]
+        elif numbers(label):
+            section = sections.get(f"{name}#{anchor}", "")
+            missing = [n for n in numbers(label) if n not in set(numbers(section))]
             if missing:
-                bad.append(f"[{label}](#{anchor}): {missing} not in that section")
+                bad.append(f"[{label}]({name}.md#{anchor}): {missing} not in that section")
     bare = re.sub(r"`git [^`]*`", "", _FIGURES_LINK.sub("", page_text))  # history: `git show REV:docs/figures.md`
-    bad += [f"names figures.md outside a link: ...{bare[max(0, m.start() - 60):m.end() + 10]!r}"
-            for m in re.finditer(r"figures\.md", bare)]
+    bad += [f"names a figures page outside a link: ...{bare[max(0, m.start() - 60):m.end() + 10]!r}"
+            for m in _FIGURES_NAMED.finditer(bare)]
     return bad
 
 
 def test_every_quoted_figure_is_in_the_current_section_it_links_to() -> None:
-    sections = figure_sections(FIGURES.read_text())
+    sections = all_sections()
     quotes, stale = 0, []
     for page in QUOTING_PAGES:
         text = page.read_text()
-        quotes += sum(1 for label, _, anchor in _FIGURES_LINK.findall(text) if anchor and numbers(label))
+        quotes += sum(1 for label, _, name, anchor in _FIGURES_LINK.findall(text)
+                      if name and anchor and numbers(label))
         stale += [f"{page.relative_to(ROOT)}: {bad}" for bad in stale_quotes(text, sections)]
     assert not stale, "\n".join(stale)
     assert quotes >= 10
 
 
 def test_the_figures_index_quotes_its_sections() -> None:
-    """figures.md's own Index summarises each section: its numbers must be in that section too."""
-    text = FIGURES.read_text()
-    sections = figure_sections(text)
-    index = re.findall(r"^- \[[^\]]*\]\(#([^)]+)\): (.*)$", text.split("## Index", 1)[1].split("\n## ", 1)[0], re.M)
+    """figures.md's Index summarises each section: its numbers must be in that section too."""
+    sections = all_sections()
+    index = re.findall(r"^- \[[^\]]*\]\(figures/([\w-]+)\.md#([^)]+)\): (.*)$",
+                       FIGURES.read_text().split("## Index", 1)[1].split("\n## ", 1)[0], re.M)
     assert len(index) >= 20
-    stale = [(anchor, missing) for anchor, summary in index
-             if (missing := [n for n in numbers(summary) if n not in set(numbers(sections.get(anchor, "")))])]
+    stale = [(f"{name}#{anchor}", missing) for name, anchor, summary in index
+             if (missing := [n for n in numbers(summary)
+                             if n not in set(numbers(sections.get(f"{name}#{anchor}", "")))])]
     assert not stale, stale
+
+
+def test_figure_pages_are_short_with_stable_headings() -> None:
+    """Each figures page stays readable (at most 300 lines) and its headings name what was
+    measured, never an issue or a date (history is in git), so links to them stay valid."""
+    assert len(FIGURE_PAGES) >= 8
+    for name, page in FIGURE_PAGES.items():
+        text = page.read_text()
+        assert len(text.splitlines()) <= 300, f"docs/figures/{name}.md has over 300 lines"
+        dated = [h for h in re.findall(r"^#+ (.+)$", text, re.M)
+                 if re.search(r"\bissue \d+|\d{4}-\d\d-\d\d", h)]
+        assert not dated, f"docs/figures/{name}.md: headings with an issue or a date: {dated}"
+
+
+def test_no_docs_page_is_over_400_lines() -> None:
+    long = [str(p.relative_to(ROOT)) for p in PAGES if len(p.read_text().splitlines()) > 400]
+    assert not long, long
 
 
 def test_the_readme_quotes_each_measured_figure_through_its_link() -> None:
@@ -169,10 +201,13 @@ def test_the_readme_quotes_each_measured_figure_through_its_link() -> None:
 
 
 def test_the_figures_check_fails_on_a_stale_or_unlinked_quote() -> None:
-    sections = figure_sections("## SGLang\nloads ahead (1.04-1.83)\n\n> before: 1.7-2.5x\n## next\n1.9")
-    assert stale_quotes("loads [1.04-1.83x](figures.md#sglang)", sections) == []
-    assert stale_quotes("loads [1.7-2.5x](figures.md#sglang)", sections)  # only in a block quote: an earlier run
-    assert stale_quotes("loads [1.04-1.9x](figures.md#sglang)", sections)
-    assert stale_quotes("loads 1.04-1.83x (`docs/figures.md`, SGLang)", sections)
-    assert stale_quotes("loads [1.04x](figures.md)", sections)
-    assert stale_quotes("loads [1.7x](../figures.md#sglang)", sections)  # a page in a docs/ subfolder
+    sections = {f"sglang#{a}": s for a, s in figure_sections(
+        "## SGLang\nloads ahead (1.04-1.83)\n\n> before: 1.7-2.5x\n## next\n1.9").items()}
+    assert stale_quotes("loads [1.04-1.83x](figures/sglang.md#sglang)", sections) == []
+    assert stale_quotes("loads [1.7-2.5x](figures/sglang.md#sglang)", sections)  # only in a block quote: an earlier run
+    assert stale_quotes("loads [1.04-1.9x](figures/sglang.md#sglang)", sections)
+    assert stale_quotes("loads [1.04-1.83x](figures/vllm.md#sglang)", sections)  # another page's section
+    assert stale_quotes("loads 1.04-1.83x (`docs/figures/sglang.md`, SGLang)", sections)
+    assert stale_quotes("loads [1.04x](figures.md)", sections)  # the index: no section
+    assert stale_quotes("loads [1.7x](../figures/sglang.md#next)", sections)  # a page in a docs/ subfolder
+    assert stale_quotes("see [the figures](../figures.md)", sections) == []

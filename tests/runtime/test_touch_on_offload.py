@@ -1,7 +1,7 @@
 """TOUCH of an offload's path (``LinkerConfig.touch_on_offload``): after an offload below a
 stored prefix settles, the prefix is at least as recent in the store's own LRU as the tail the
 offload wrote, so the store evicts the tail first and never strands a tail below an evicted
-prefix (issue 44; the conversation trace at half the store, docs/figures.md)."""
+prefix (issue 44; the conversation trace at half the store, docs/figures/stress.md)."""
 
 from __future__ import annotations
 

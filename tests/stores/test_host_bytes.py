@@ -2,7 +2,7 @@
 
 A torch op on a thread other than the engine's starts an OpenMP team for that thread; beside the
 engine's own team, GNU OpenMP then throttles every team's wait and the engine's forward slows
-(docs/figures.md, "Where the miss's time went"). A team is native threads that Python does not
+(docs/figures/vllm-peers.md). A team is native threads that Python does not
 know: each check runs its call on a fresh thread, held alive while the process's threads are
 counted, and counts the threads that appeared besides it."""
 
