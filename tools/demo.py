@@ -118,8 +118,8 @@ class DemoSetupError(RuntimeError):
 
 async def _run_with_store(arch: str, store_kind: str, shape: ConversationShape, seed: int,
                           large: bool, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    from .harness.reference.models import UnsupportedModelError
     from ..stores.base import Store
+    from .harness.reference.models import UnsupportedModelError
 
     store: Store
     master: Any = None
@@ -196,6 +196,8 @@ async def run_demo(
 
     from ..components.mamba import restorable_ceiling
     from ..components.pools import HybridPools
+    from ..runtime.linker.facade import Linker
+    from .demo_controls import CONTROLS, MARGIN, ControlResult, measure, other_prefix
     from .harness.reference import (
         ReferenceEngine,
         build_draft_model,
@@ -204,8 +206,6 @@ async def run_demo(
         max_abs_diff,
     )
     from .harness.reference.runtime_engine import LinkedEngine
-    from ..runtime.linker.facade import Linker
-    from .demo_controls import CONTROLS, MARGIN, ControlResult, measure, other_prefix
     from .report import format_table
 
     t_build = time.perf_counter()

@@ -118,10 +118,10 @@ async def _runtime(cfg: MooncakeConfig, docs: int) -> dict[str, Any]:
     restored at once and checked byte for byte."""
     from ..components.keys import page_keys
     from ..components.pools import HybridPools
-    from .harness.fleet_engine import document
     from ..runtime.linker.config import LinkerConfig
     from ..runtime.linker.facade import Linker
     from ..testing.content import SyntheticContent, preset_layout
+    from .harness.fleet_engine import document
 
     layout = preset_layout("kimi", 64, 64)
     P = layout.page_size

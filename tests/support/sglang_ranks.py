@@ -105,7 +105,7 @@ def run(rank: int, world: int, port: int, master: str, core: str, damage: str = 
     """The TP scenario (see the module docstring)."""
     import torch.distributed as dist
 
-    from .sglang_cache import CacheSpec, SGLangCache, page_keys
+    from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
@@ -151,7 +151,7 @@ def run_dcp(rank: int, world: int, port: int, master: str, core: str, group: str
     of ``world``."""
     import torch.distributed as dist
 
-    from .sglang_cache import CacheSpec, SGLangCache, page_keys
+    from hylinker.tools.harness.sglang_cache import CacheSpec, SGLangCache, page_keys
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     out: dict[str, Any] = {"rank": rank}
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.dcp not in (1, args.world):
         ap.error(f"--dcp must be 1 or the world size {args.world}")
-    from .sglang_cache import install_cpu_shims
+    from hylinker.tools.harness.sglang_cache import install_cpu_shims
 
     install_cpu_shims()
     if args.dcp > 1:

@@ -238,8 +238,8 @@ class _ThreadProfiles:
 def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str,
              phases: bool = False, cold_segment: bool = False, profile_dir: Path | None = None,
              integrity: str = "checksum") -> dict[str, Any]:
-    from ..harness.sglang_cache import SGLangCache
     from ...stores.mooncake_master import MooncakeMaster
+    from ..harness.sglang_cache import SGLangCache
     from .mooncake import anonymous_mappings, populate_new_segments
 
     out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens,

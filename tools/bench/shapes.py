@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from ..harness.shapes import QWEN3_NEXT_80B, poll_loads
 from ...integrations import store_host
 from ...integrations.config import PluginConfig
 from ...integrations.vllm.pages import PageTransfers, RawPages
 from ...integrations.vllm.plan import TransferPlan
+from ..harness.shapes import QWEN3_NEXT_80B, poll_loads
 from .host import describe, finish, host_record
 from .output import write_json
 

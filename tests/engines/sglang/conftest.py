@@ -3,6 +3,7 @@ suite's environment (the main suite collects only `tests/`)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -21,3 +22,12 @@ def caches() -> Iterator[list[SGLangCache]]:
     yield made
     for cache in made:
         cache.close()
+
+
+@pytest.fixture(autouse=True)
+def collect_cycles() -> Iterator[None]:
+    """SGLang's cache objects hold their pools' tensors in reference cycles, which Python's cyclic
+    collector frees by allocation count, not by bytes: without a collection after each test the
+    suite's process kept every test's pools (~0.4-2.6 GB each) and peaked at 14 GB."""
+    yield
+    gc.collect()
