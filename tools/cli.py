@@ -35,7 +35,6 @@ COMMANDS: dict[str, str] = {
 # and the tools that are not benchmarks
 PASSED_ON: dict[str, tuple[str, str]] = {
     **{name: (bench.path, bench.help) for name, bench in BENCHMARKS.items()},
-    "profile-vllm-restore": ("profile_vllm_restore", "vLLM CPU build: where one restore's time goes (.venv-vllm)"),
     "serve-demo": ("serve_demo", "vLLM's OpenAI server on a tiny hybrid model with and without hylinker (.venv-vllm)"),
 }
 

@@ -270,7 +270,7 @@ async def test_a_checksumming_store_restores_exactly_or_reports_the_fault(fault:
 
 
 async def test_the_checksum_cost_bench_moves_and_verifies_every_way() -> None:
-    from hylinker.tools.bench.checksum import WAYS, measure
+    from hylinker.tools.lab.checksum import WAYS, measure
 
     row = await measure(64 << 10, 1 << 20, rounds=1)
     assert row["objects"] == 16

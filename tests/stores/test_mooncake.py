@@ -509,10 +509,10 @@ def test_benches_record_the_mooncake_copy_path(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_hash_overlap_bench_partitions_and_puts_every_object(mooncake_master: MooncakeMaster) -> None:
-    """The checksum-cost bench (tools/bench/hash_overlap.py) puts every object in each of its
+    """The checksum-cost bench (tools/lab/hash_overlap.py) puts every object in each of its
     three cases (a failed put raises) and its sub-batches cover the objects once, in order.
     (``mooncake_master``, the session's master, only gates the test: the bench starts its own.)"""
-    from hylinker.tools.bench import hash_overlap as bench
+    from hylinker.tools.lab import hash_overlap as bench
 
     for n in (1, 2, 5, 48):
         batches = bench._sub_batches(n)

@@ -1,4 +1,4 @@
-"""``hylinker bench-layer-ranges`` reads what it claims: each ranged get of a layer group lands that
+"""``python -m hylinker.tools.lab.layer_ranges`` reads what it claims: each ranged get of a layer group lands that
 group's bytes of every object, and a range read from the wrong place fails the run. Behaviour
 only, never its timings (real Mooncake client on the session's loopback master)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hylinker.tools.bench.layer_ranges import _groups, measure
+from hylinker.tools.lab.layer_ranges import _groups, measure
 
 OBJECT_BYTES = 64 << 10
 

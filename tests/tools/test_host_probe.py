@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hylinker.tools.bench import checksum as bench_checksum
 from hylinker.tools.bench import paths as bench
 from hylinker.tools.bench.host import describe, finish, host_record, memcpy_gbps
+from hylinker.tools.lab import checksum as bench_checksum
 
 
 def test_host_record_has_cores_a_measured_memcpy_and_the_load() -> None:

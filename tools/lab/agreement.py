@@ -1,6 +1,6 @@
 """The cost of agreeing a lookup across ranks, against the single-rank lookup, in one run.
 
-``python -m hylinker bench-agreement --ranks 2 --json PATH`` starts N rank processes
+``python -m hylinker.tools.lab.agreement --ranks 2 --json PATH`` starts N rank processes
 (gloo on loopback, a shared loopback Mooncake master). Each rank builds two linkers over the same
 layout and store: one with a :class:`~hylinker.runtime.linker.agreement.GlooAgreement`, one without
 (:class:`~hylinker.runtime.linker.agreement.SingleRank`). The agreed linker stores a set of prompts
@@ -27,8 +27,8 @@ from ...runtime.linker.agreement import Agreement, GlooAgreement
 from ...runtime.linker.config import LinkerConfig
 from ...runtime.linker.facade import Linker
 from ...testing.content import SyntheticContent, preset_layout
+from ..bench.output import write_json
 from ..report import percentiles
-from .output import write_json
 
 PAGE = 64
 
@@ -114,7 +114,7 @@ def _raw_rounds(agreement: Agreement, n: int) -> tuple[list[float], list[float]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hylinker bench-agreement", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hylinker.tools.lab.agreement", description=__doc__)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=10)

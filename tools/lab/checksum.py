@@ -1,6 +1,6 @@
 """What the integrity checksum costs on the data path, on the embedded store, side by side.
 
-``python -m hylinker bench-checksum [--object-bytes N] [--total-mib M] [--rounds R] [--json PATH]``
+``python -m hylinker.tools.lab.checksum [--object-bytes N] [--total-mib M] [--rounds R] [--json PATH]``
 
 Per round, in rotating order, the same ``total`` bytes of ``object_bytes`` objects move three
 ways between host "pool rows" and the store, put then get (GB/s of object bytes):
@@ -29,9 +29,9 @@ import torch
 
 from ...stores import framing
 from ...stores.embedded import EmbeddedStore
-from .host import describe, finish, host_record
-from .output import write_json
-from .store import FAULTED_IN, fault_in
+from ..bench.host import describe, finish, host_record
+from ..bench.output import write_json
+from ..bench.store import FAULTED_IN, fault_in
 
 _LAYOUT = b"bench-checksum-layout-fingerprint"
 WAYS = ("raw", "fused", "two_pass")
@@ -98,7 +98,7 @@ async def measure(object_bytes: int, total_bytes: int, rounds: int) -> dict[str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hylinker bench-checksum", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(prog="python -m hylinker.tools.lab.checksum", description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--object-bytes", type=int, action="append", default=None,
                     help="object size with its 64-byte header (repeatable; default 64 KiB and 1 MiB)")
     ap.add_argument("--total-mib", type=int, default=128)

@@ -2,7 +2,7 @@
 
 Runs in the SGLang environment (``.ci/sglang-setup.sh``)::
 
-    .venv-sglang/bin/python -m hylinker bench-dead-store --seconds 60 --json bench-results/dead-store.json
+    .venv-sglang/bin/python -m hylinker.tools.lab.dead_store --seconds 60 --json bench-results/dead-store.json
 
 One SGLang cache (``hylinker.tools.harness.sglang_cache``, CPU) with the plugin over a store that never
 answers (the fault plan ``latency_ms=3600000``: every call waits an hour). For ``--seconds`` the
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .output import write_json
+from ..bench.output import write_json
 
 HELP = "the SGLang scheduler's time blocked in lookups while the store does not answer (.venv-sglang)"
 DEAD = "latency_ms=3600000"
@@ -83,7 +83,7 @@ def measure(seconds: float, lookups_per_round: int, forward_ms: float, lookup_ti
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hylinker bench-dead-store", description=HELP)
+    parser = argparse.ArgumentParser(prog="python -m hylinker.tools.lab.dead_store", description=HELP)
     parser.add_argument("--seconds", type=float, default=60.0, help="how long the store is dead (default 60)")
     parser.add_argument("--lookups", type=int, default=4, help="new requests looked up per round (default 4)")
     parser.add_argument("--forward-ms", type=float, default=20.0, help="a round's forward (default 20 ms)")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default="", help="a name for this run in the JSON (before / after)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
-    from . import host as host_probe
+    from ..bench import host as host_probe
 
     record = measure(args.seconds, args.lookups, args.forward_ms, args.lookup_timeout_s)
     record = host_probe.finish({"label": args.label, "host": host_probe.host_record(), **record})

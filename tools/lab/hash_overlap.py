@@ -1,6 +1,6 @@
 """The floor of a checksummed offload over Mooncake on this host, with no runtime around it.
 
-``python -m hylinker bench-hash-overlap --json bench-results/hash_overlap.json``
+``python -m hylinker.tools.lab.hash_overlap --json bench-results/hash_overlap.json``
 
 One Mooncake client with a 1 GiB in-process segment (populated first, steady state) on a fresh
 loopback master. ``--objects`` objects of ``--object-kib`` each, every object a 64-byte header
@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .host import describe, finish, host_record
-from .mooncake import copy_path_setting
-from .output import write_json
+from ..bench.host import describe, finish, host_record
+from ..bench.mooncake import copy_path_setting
+from ..bench.output import write_json
 
 MIB = 1 << 20
 FINGERPRINT = b"overlap-bench-layout"
@@ -60,7 +60,7 @@ def run(object_kib: int, objects: int, rounds: int, segment_mib: int = 1024) -> 
     from ...stores import framing
     from ...stores.mooncake_client import MooncakeConfig, import_mooncake_store, setup_client
     from ...stores.mooncake_master import MooncakeMaster
-    from .mooncake import anonymous_mappings, populate_new_segments
+    from ..bench.mooncake import anonymous_mappings, populate_new_segments
 
     size = object_kib * 1024
     half = (size - framing.HEADER_BYTES) // 2
@@ -153,7 +153,7 @@ def run(object_kib: int, objects: int, rounds: int, segment_mib: int = 1024) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hylinker bench-hash-overlap", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hylinker.tools.lab.hash_overlap", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--object-kib", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--objects", type=int, default=48)

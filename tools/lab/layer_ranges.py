@@ -1,6 +1,6 @@
 """What layer-wise release could gain on Mooncake: ranged gets per layer group against one whole get.
 
-``python -m hylinker bench-layer-ranges --json bench-results/layer_ranges.json``
+``python -m hylinker.tools.lab.layer_ranges --json bench-results/layer_ranges.json``
 
 SGLang's own linker hands the forward layer ``i`` as soon as its bytes landed, so the first
 layers' compute overlaps the later layers' loads. hylinker stores a page as one object holding
@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .host import describe, finish, host_record
-from .mooncake import copy_path_setting, segment_process
-from .output import write_json
+from ..bench.host import describe, finish, host_record
+from ..bench.mooncake import copy_path_setting, segment_process
+from ..bench.output import write_json
 
 MIB = 1 << 20
 
@@ -167,7 +167,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hylinker bench-layer-ranges", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hylinker.tools.lab.layer_ranges", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--object-kib", type=int, nargs="+", default=[64, 1024], help="object sizes (KiB)")
     parser.add_argument("--objects", type=int, default=48, help="objects per load")

@@ -20,7 +20,7 @@ not add up to 1. The restore whose total is the median is printed as a table and
 saved as JSON with the host record (``tools/bench/host.py``). On a loaded machine read the shares,
 not the seconds.
 
-    OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker profile-vllm-restore --sizes 4096,16384 \\
+    OMP_NUM_THREADS=2 .venv-vllm/bin/python -m hylinker.tools.lab.profile_vllm_restore --sizes 4096,16384 \\
         --json bench-results/vllm-restore-profile.json
 
 ``--save-copy`` instead times, side by side in one run, the two ways of copying a save's pages
@@ -139,13 +139,13 @@ def _install(timings: Timings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hylinker profile-vllm-restore", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hylinker.tools.lab.profile_vllm_restore", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="4096,16384")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--save-copy", action="store_true", help="time the save's staging copy, both ways")
     args = ap.parse_args(argv)
-    from .bench.host import describe, finish, host_record
+    from ..bench.host import describe, finish, host_record
 
     host = host_record()
     if args.save_copy:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from .harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
 
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(0)
@@ -207,7 +207,7 @@ def _save_copy(args: argparse.Namespace, host: dict[str, Any], objects: int = 45
     """Best and median of ``rounds`` alternating runs of each way of copying ``objects`` pages."""
     import torch
 
-    from .bench.host import describe, finish
+    from ..bench.host import describe, finish
 
     raw = torch.randint(0, 255, (blocks, page), dtype=torch.uint8)
     staging = torch.zeros((objects * 2, page), dtype=torch.uint8)

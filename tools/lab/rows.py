@@ -1,6 +1,6 @@
 """The row-described copy routine against plain per-object copies of the same bytes (µs per object).
 
-``python -m hylinker bench-rows``: :func:`hylinker.stores.rows.gather` (rows of every
+``python -m hylinker.tools.lab.rows``: :func:`hylinker.stores.rows.gather` (rows of every
 segment into a slot, then XXH3 of the payload, one Python loop per object) next to one
 ``numpy.copyto`` per object of the same bytes from a contiguous source, with and without XXH3;
 at 64 KiB in 4 segments, 1 MiB in 4 and 768 KiB in 24. Best of the repetitions, printed with
@@ -54,7 +54,7 @@ def measure(segments: int, row_bytes: int, n: int, reps: int = 7) -> dict[str, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="hylinker bench-rows", description=__doc__.splitlines()[0]).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m hylinker.tools.lab.rows", description=__doc__.splitlines()[0]).parse_args(argv)
     print("load average", os.getloadavg())
     for label, segments, row_bytes, n in (("64 KiB, 4 segments", 4, 256, 256), ("1 MiB, 4 segments", 4, 4096, 64),
                                           ("768 KiB, 24 segments", 24, 512, 64)):

@@ -8,7 +8,7 @@ and loads them into other blocks, timing each direction end to end (staging copy
 checksum, store), and copies the same bytes row by row with ``torch`` as the baseline. Prints
 and optionally writes JSON; asserts only that the loaded bytes are the saved ones.
 
-    python -m hylinker bench-shapes --objects 16 --tp 1 --json out.json
+    python -m hylinker.tools.lab.shapes --objects 16 --tp 1 --json out.json
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from ...integrations import store_host
 from ...integrations.config import PluginConfig
 from ...integrations.vllm.pages import PageTransfers, RawPages
 from ...integrations.vllm.plan import TransferPlan
+from ..bench.host import describe, finish, host_record
+from ..bench.output import write_json
 from ..harness.shapes import QWEN3_NEXT_80B, poll_loads
-from .host import describe, finish, host_record
-from .output import write_json
 
 
 def real_pages(tp: int, num_blocks: int) -> RawPages:
@@ -77,7 +77,7 @@ def measure(tp: int, objects: int, repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hylinker bench-shapes", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hylinker.tools.lab.shapes", description=__doc__.split("\n")[0])
     ap.add_argument("--objects", type=int, default=16, help="objects per save and per load")
     ap.add_argument("--tp", default="1,2", help="tensor parallel sizes (the object shape of one rank)")
     ap.add_argument("--repeats", type=int, default=3, help="the best of this many is reported")

@@ -1,6 +1,6 @@
 """Benchmark: what keying a vLLM request by vLLM's extra keys costs the scheduler.
 
-``python -m hylinker bench-vllm-keys [--tokens 16384,131072] [--blocks 16,384] [--repeats 5] [--json PATH]``
+``python -m hylinker.tools.lab.vllm_keys [--tokens 16384,131072] [--blocks 16,384] [--repeats 5] [--json PATH]``
 
 Per prompt length and block size, milliseconds (best of ``repeats``) to compute every block key
 of one request, once per request in the connector (keys are kept and extended as it grows):
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .host import describe, finish, host_record
-from .output import write_json
+from ..bench.host import describe, finish, host_record
+from ..bench.output import write_json
 
 
 def _best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -67,7 +67,7 @@ def measure(tokens: list[int], blocks: list[int], repeats: int) -> dict[str, dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hylinker bench-vllm-keys", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hylinker.tools.lab.vllm_keys", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="16384,131072")
     ap.add_argument("--blocks", default="16,384")
     ap.add_argument("--repeats", type=int, default=5)

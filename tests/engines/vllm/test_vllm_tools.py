@@ -1,6 +1,6 @@
 """The vLLM tools run as written: ``profile_vllm_restore`` times every part it names during a
 real restore (a renamed hook in the connector or in vLLM would leave its part empty);
-``hylinker bench-vllm-keys`` times every keying variant."""
+``python -m hylinker.tools.lab.vllm_keys`` times every keying variant."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 
 def test_restore_profile_times_every_part_of_a_real_restore(tmp_path: Path) -> None:
-    from hylinker.tools.profile_vllm_restore import PARTS
+    from hylinker.tools.lab.profile_vllm_restore import PARTS
 
     out = tmp_path / "profile.json"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    run = subprocess.run([sys.executable, "-m", "hylinker.tools.profile_vllm_restore", "--sizes", "1152",
+    run = subprocess.run([sys.executable, "-m", "hylinker.tools.lab.profile_vllm_restore", "--sizes", "1152",
                           "--repeats", "1", "--json", str(out)], env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -36,7 +36,7 @@ def test_restore_profile_times_every_part_of_a_real_restore(tmp_path: Path) -> N
 
 
 def test_the_keys_benchmark_runs_and_times_every_variant(tmp_path: Path) -> None:
-    from hylinker.tools.bench.vllm_keys import main
+    from hylinker.tools.lab.vllm_keys import main
 
     out = tmp_path / "keys.json"
     assert main(["--tokens", "4096", "--blocks", "16", "--repeats", "1", "--json", str(out)]) == 0
