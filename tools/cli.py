@@ -21,7 +21,7 @@ from .bench import BENCHMARKS
 
 # subcommand -> module under hylinker.tools
 COMMANDS: dict[str, str] = {
-    "stress": "stress_cli",
+    "stress": "stress.cli",
     "demo": "demo",
     "bench": "bench.paths",
     "study": "studies",

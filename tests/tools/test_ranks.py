@@ -35,7 +35,7 @@ from hylinker.runtime.linker.facade import Linker, Request
 from hylinker.stores.mooncake import MooncakeConfig, MooncakeStore
 from hylinker.testing.content import SyntheticContent, preset_layout
 from hylinker.tools.ranks import launch
-from hylinker.tools.stress_ranks import rank_disagreements
+from hylinker.tools.stress.ranks import rank_disagreements
 
 pytestmark = pytest.mark.mooncake
 
@@ -308,7 +308,7 @@ def test_a_round_whose_peer_never_comes_fails_within_the_round_timeout() -> None
 # ---- independent faults per rank, through stress --ranks --------------------------------------
 
 def _stress_args(ranks: int, requests: int, address: str) -> argparse.Namespace:
-    from hylinker.tools.stress_cli import configure
+    from hylinker.tools.stress.cli import configure
 
     parser = argparse.ArgumentParser()
     configure(parser)
@@ -337,7 +337,7 @@ def _check_faulty_ranks(s: dict[str, Any], ranks: int) -> None:
 
 
 def test_independent_faults_give_identical_decisions_on_two_ranks(mooncake_master: Any) -> None:
-    from hylinker.tools.stress_ranks import run_ranks
+    from hylinker.tools.stress.ranks import run_ranks
     from hylinker.tools.workloads import synthetic_agentic
 
     args = _stress_args(2, 60, mooncake_master.address)
@@ -346,7 +346,7 @@ def test_independent_faults_give_identical_decisions_on_two_ranks(mooncake_maste
 
 @pytest.mark.slow
 def test_independent_faults_give_identical_decisions_on_four_ranks(mooncake_master: Any) -> None:
-    from hylinker.tools.stress_ranks import run_ranks
+    from hylinker.tools.stress.ranks import run_ranks
     from hylinker.tools.workloads import synthetic_agentic
 
     args = _stress_args(4, 80, mooncake_master.address)

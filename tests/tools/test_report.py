@@ -14,7 +14,7 @@ import pytest
 
 from hylinker.tools.plots import plot_stress, plot_study
 from hylinker.tools.report import ProgressBar, format_table, percentiles, progress_bar
-from hylinker.tools.stress import HitSample
+from hylinker.tools.stress.run import HitSample
 
 
 class _TTY(io.StringIO):

@@ -159,7 +159,7 @@ def test_the_hits_over_time_end_at_the_summary_and_the_bound_evolves() -> None:
     import anyio
 
     from hylinker.stores.embedded import EmbeddedStore
-    from hylinker.tools.stress import MIB, StressConfig, StressResult, StressRun
+    from hylinker.tools.stress.run import MIB, StressConfig, StressResult, StressRun
     from hylinker.tools.workloads import synthetic_agentic
 
     requests = synthetic_agentic(60, seed=1, scale=0.05)

@@ -1,5 +1,5 @@
 """``hylinker stress``: the command line of the stress tool (the run itself is
-:mod:`hylinker.tools.stress`; its chaos and rank modes are :mod:`.chaos` and :mod:`.stress_ranks`)."""
+:mod:`.run`; its chaos and rank modes are :mod:`hylinker.tools.chaos` and :mod:`.ranks`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import anyio
 
-from ..components.eviction import EVICTION_POLICIES
-from ..runtime.linker.config import LinkerConfig
-from ..testing.content import PRESETS
-from .arguments import (
+from ...components.eviction import EVICTION_POLICIES
+from ...runtime.linker.config import LinkerConfig
+from ...testing.content import PRESETS
+from ..arguments import (
     fault_plan,
     master_address,
     non_negative_float,
@@ -23,12 +23,12 @@ from .arguments import (
     share,
     trace_file,
 )
-from .chaos import add_chaos_arguments, run_chaos
-from .report import format_stress_summary
-from .stress import MIB, POLICIES, load_workload, run_stress, stress_config
-from .stress_ranks import configure as add_rank_arguments
-from .stress_ranks import format_ranks_table, run_ranks
-from .workloads import Request as WorkloadRequest
+from ..chaos import add_chaos_arguments, run_chaos
+from ..report import format_stress_summary
+from ..workloads import Request as WorkloadRequest
+from .ranks import configure as add_rank_arguments
+from .ranks import format_ranks_table, run_ranks
+from .run import MIB, POLICIES, load_workload, run_stress, stress_config
 
 HELP = "replay a trace (or a synthetic agentic workload) through the runtime; verify every restore"
 
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(s, indent=2))
         print(f"wrote {args.json}")
     if args.plot is not None:
-        from .plots import plot_stress
+        from ..plots import plot_stress
 
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot_stress(str(args.plot), result.hits_over_time, result.latency_s,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..stores.base import Store, StoreUnavailableError
-from .arguments import UsageError
-from .eviction_returns import TraceClock
-from .workloads import Request as WorkloadRequest
-from .workloads import read_mooncake_trace, synthetic_agentic
+from ...stores.base import Store, StoreUnavailableError
+from ..arguments import UsageError
+from ..eviction_returns import TraceClock
+from ..workloads import Request as WorkloadRequest
+from ..workloads import read_mooncake_trace, synthetic_agentic
 
 MIB = 1 << 20
 
@@ -22,7 +22,7 @@ def load_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
             raise SystemExit(f"stress: trace file not found: {args.trace}")
         reqs = read_mooncake_trace(args.trace, first_n=args.requests, time_scale=1.0)
     elif getattr(args, "workload", "agentic") == "production":
-        from .production_workload import production_agentic, production_shape
+        from ..production_workload import production_agentic, production_shape
 
         shape = production_shape(getattr(args, "workload_param", []), scale=args.synthetic_scale)
         reqs = production_agentic(args.requests or 2000, seed=args.seed, shape=shape)
@@ -38,19 +38,19 @@ async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) 
     inner: Store
     extra: Any = None
     if args.store == "embedded":
-        from ..stores.embedded import EmbeddedStore
+        from ...stores.embedded import EmbeddedStore
 
         inner = EmbeddedStore(capacity) if clock is None else EmbeddedStore(capacity, clock=clock)
     elif args.store == "umbp":
-        from ..stores.umbp import UmbpStore
+        from ...stores.umbp import UmbpStore
 
         inner = UmbpStore(capacity_bytes=capacity)
     else:
-        from ..stores.mooncake import MooncakeConfig, MooncakeStore
+        from ...stores.mooncake import MooncakeConfig, MooncakeStore
 
         address = args.mooncake_master
         if address is None:
-            from ..stores.mooncake_master import MooncakeMaster
+            from ...stores.mooncake_master import MooncakeMaster
 
             extra = MooncakeMaster().start()
             address = extra.address
@@ -61,7 +61,7 @@ async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) 
                 extra.stop()
             raise UsageError(f"--store mooncake ({address}): {exc}") from exc
     if args.faults or args.fault_rate > 0:
-        from ..stores.faulty import FaultPlan, FaultyStore
+        from ...stores.faulty import FaultPlan, FaultyStore
 
         plan = FaultPlan.parse(args.faults) if args.faults else FaultPlan.uniform(args.fault_rate)
         return FaultyStore(inner, plan, seed=args.seed), (extra, inner)

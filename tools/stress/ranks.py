@@ -16,12 +16,12 @@ from typing import Any
 
 import attrs
 
-from ..runtime.linker.agreement import Agreement
-from ..stores.base import Store
-from .arguments import positive_float, positive_int
-from .report import percentiles
-from .stress import StressRun, stress_config
-from .workloads import Request as WorkloadRequest
+from ...runtime.linker.agreement import Agreement
+from ...stores.base import Store
+from ..arguments import positive_float, positive_int
+from ..report import percentiles
+from ..workloads import Request as WorkloadRequest
+from .run import StressRun, stress_config
 
 MIB = 1 << 20
 #: per preset, the pools every rank holds the same copy of: MLA's KV (and the draft's), not
@@ -31,12 +31,12 @@ REPLICATED = {"kimi": ("kv", "draft"), "attention": ()}
 
 async def open_rank_store(args: argparse.Namespace, address: str, rank: int) -> tuple[Store, Store]:
     """This rank's store client (the shared master) and, wrapped around it, this rank's faults."""
-    from ..stores.mooncake import MooncakeConfig, MooncakeStore
+    from ...stores.mooncake import MooncakeConfig, MooncakeStore
 
     inner = await MooncakeStore.open(MooncakeConfig(master_address=address,
                                                     segment_bytes=args.store_capacity_mb * MIB))
     if args.faults or args.fault_rate > 0:
-        from ..stores.faulty import FaultPlan, FaultyStore
+        from ...stores.faulty import FaultPlan, FaultyStore
 
         plan = FaultPlan.parse(args.faults) if args.faults else FaultPlan.uniform(args.fault_rate)
         return FaultyStore(inner, plan, seed=args.seed + 1000 * (rank + 1)), inner
@@ -141,14 +141,14 @@ def format_ranks_table(s: dict[str, Any]) -> str:
 
 def run_ranks(args: argparse.Namespace, requests: list[WorkloadRequest]) -> dict[str, Any]:
     """Start the shared master (unless given), run every rank, and summarize."""
-    from .ranks import launch
+    from ..ranks import launch
 
     if args.replicated is None:
         args.replicated = list(REPLICATED[args.preset])
     master = None
     address = args.mooncake_master
     if address is None:
-        from ..stores.mooncake_master import MooncakeMaster
+        from ...stores.mooncake_master import MooncakeMaster
 
         master = MooncakeMaster().start()
         address = master.address

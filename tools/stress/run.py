@@ -21,29 +21,29 @@ import anyio
 import attrs
 import numpy as np
 
-from ..components.admission import CHECKPOINT_POLICIES, checkpoint_policy
-from ..components.eviction import eviction_policy
-from ..components.keys import page_keys
-from ..components.layout import PoolKind
-from ..components.pools import HybridPools, PoolError
-from ..runtime.linker.agreement import Agreement, SingleRank
-from ..runtime.linker.config import LinkerConfig
-from ..runtime.linker.facade import Linker, Request
-from ..runtime.linker.tree_writer import PoolExhaustedError
-from ..stores.base import Store
-from ..stores.resilient import ResiliencePolicy, ResilienceStatistics
-from ..testing.content import SyntheticContent, preset_layout
-from .arguments import UsageError
-from .eviction_returns import TraceClock, eviction_returns
-from .replay import Demand, QueueFullError, WaitingQueue, pages_for
-from .report import percentiles, progress_bar
-from .stress_inputs import load_workload, open_store
-from .workloads import (
+from ...components.admission import CHECKPOINT_POLICIES, checkpoint_policy
+from ...components.eviction import eviction_policy
+from ...components.keys import page_keys
+from ...components.layout import PoolKind
+from ...components.pools import HybridPools, PoolError
+from ...runtime.linker.agreement import Agreement, SingleRank
+from ...runtime.linker.config import LinkerConfig
+from ...runtime.linker.facade import Linker, Request
+from ...runtime.linker.tree_writer import PoolExhaustedError
+from ...stores.base import Store
+from ...stores.resilient import ResiliencePolicy, ResilienceStatistics
+from ...testing.content import SyntheticContent, preset_layout
+from ..arguments import UsageError
+from ..eviction_returns import TraceClock, eviction_returns
+from ..replay import Demand, QueueFullError, WaitingQueue, pages_for
+from ..report import percentiles, progress_bar
+from ..workloads import (
     MOONCAKE_BLOCK_TOKENS,
     bound_hits_per_request,
     causal_parents,
 )
-from .workloads import Request as WorkloadRequest
+from ..workloads import Request as WorkloadRequest
+from .inputs import load_workload, open_store
 
 MIB = 1 << 20
 POLICIES = CHECKPOINT_POLICIES
