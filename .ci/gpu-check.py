@@ -62,8 +62,8 @@ WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2
 DEVICE_PYTHON = "3.12"
 CARRY_LIMIT = 64 << 20
 STAGES = {"tests": 240, "demo": 150, "bench": 60}  # seconds each, 450 s in all (< 8 minutes)
-DEVICE_TEST_FILES = ("tests/test_vllm_device_pages.py", "tests/test_device_suites.py", "tests/test_device_copies.py",
-                     "tests/test_device_integrity.py", "tests/test_device_checksum.py", "tests/test_events.py")
+DEVICE_TEST_FILES = ("tests/integrations/test_vllm_device_pages.py", "tests/runtime/test_device_suites.py", "tests/runtime/test_device_copies.py",
+                     "tests/runtime/test_device_integrity.py", "tests/stores/test_device_checksum.py", "tests/runtime/test_events.py")
 
 
 def _norm(name: str) -> str:
@@ -199,13 +199,13 @@ def stage_tests(device: str, out: dict[str, Any]) -> bool:
 def stage_demo(device: str, out: dict[str, Any]) -> bool:
     import anyio
 
-    from hylinker.harness.reference import (
+    from hylinker.tools.harness.reference import (
         ReferenceEngine,
         build_draft_model,
         build_model,
         cache_geometry,
     )
-    from hylinker.harness.shapes import transformers_overrides
+    from hylinker.tools.harness.shapes import transformers_overrides
     from hylinker.stores.embedded import EmbeddedStore
     from hylinker.tools.demo import CHUNK_TOKENS, DEFAULT_SHAPE, ConversationShape, run_demo
 

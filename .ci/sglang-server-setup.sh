@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A virtualenv for SGLang's real server (`.venv-sglang-server/`, ignored by git): the SGLang
-# plugin's server suite (tests_sglang_server/) launches `python -m sglang.launch_server` from it.
+# plugin's server suite (tests/engines/sglang_server/) launches `python -m sglang.launch_server` from it.
 # SGLang's server imports torchvision at import time, and the registry's torchvision wheels load
 # only beside their own torch, so this venv holds torch==2.14.1 + torchvision==0.29.1 (CUDA
 # builds; they run on the CPU, and on a GPU machine they are the ones SGLang 0.5.23 pins), then

@@ -28,7 +28,7 @@ wheel=$(ls "$work"/dist/hylinker-*.whl)
 "$PY" -m venv "$work/venv"
 torch_pin="torch==$("$PY" -c 'import torch; print(torch.__version__)')"
 version=$(basename "$wheel" | cut -d- -f2)
-# docs/install.md's library line, torch pinned to this machine's build (no .pyc: one run)
+# docs/guide/install.md's library line, torch pinned to this machine's build (no .pyc: one run)
 "$work/venv/bin/python" -m pip install -q --no-compile --find-links "$work/dist" "hylinker==$version" "$torch_pin" \
     >"$work/pip.log" 2>&1 \
     || { cat "$work/pip.log"; exit 1; }

@@ -33,17 +33,17 @@ import anyio
 import torch
 
 from hylinker.components.pools import HybridPools
-from hylinker.harness.reference import (
+from hylinker.runtime.linker.facade import Linker
+from hylinker.stores.base import Store
+from hylinker.stores.embedded import EmbeddedStore
+from hylinker.tools.harness.reference import (
     ReferenceEngine,
     build_draft_model,
     build_model,
     read_boundary,
     write_boundary,
 )
-from hylinker.harness.reference.runtime_engine import pool_views
-from hylinker.runtime.linker.facade import Linker
-from hylinker.stores.base import Store
-from hylinker.stores.embedded import EmbeddedStore
+from hylinker.tools.harness.reference.runtime_engine import pool_views
 
 PAGE_SIZE = 16
 CHUNK_TOKENS = 64  # the linear-attention chunk; every checkpoint is a chunk end

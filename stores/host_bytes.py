@@ -7,8 +7,7 @@ is a second team beside the one its forward runs on, and GNU OpenMP (libgomp, to
 runtime) then manages more threads than the host has cores and switches every team to its
 throttled wait: a worker spins 100 rounds instead of ~300,000 before it sleeps, so every
 parallel region of the engine's forward pays a futex wake. On a 2-core host with vLLM's CPU
-build that made a decode step 1.7x as long and a 4 K-token prefill ~1.4x (docs/figures.md,
-"Where the miss's time went"). So a buffer created or cleared on the store's loop, a copy
+build that made a decode step 1.7x as long and a 4 K-token prefill ~1.4x (docs/figures/vllm-peers.md). So a buffer created or cleared on the store's loop, a copy
 worker or an anyio worker thread is filled here, through NumPy, which runs in the calling
 thread alone.
 

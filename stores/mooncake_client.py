@@ -87,7 +87,7 @@ def import_mooncake_store() -> Any:
         raise StoreUnavailableError(
             f"cannot import mooncake.store ({exc}); install the Mooncake build for your torch "
             "(`pip install 'hylinker[mooncake]'` without CUDA, `hylinker[mooncake-cuda12]` or "
-            "`hylinker[mooncake-cuda13]`: docs/install.md) and Debian's `libibverbs1`"
+            "`hylinker[mooncake-cuda13]`: docs/guide/install.md) and Debian's `libibverbs1`"
         ) from exc
     return mooncake_store
 

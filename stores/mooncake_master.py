@@ -35,7 +35,7 @@ from types import TracebackType
 BINARY_NAME = "mooncake_master"
 INSTALL_HINT = (
     "install the Mooncake build for your torch (`pip install 'hylinker[mooncake]'` without CUDA, "
-    "`hylinker[mooncake-cuda12]` or `hylinker[mooncake-cuda13]`: docs/install.md; Debian also needs "
+    "`hylinker[mooncake-cuda12]` or `hylinker[mooncake-cuda13]`: docs/guide/install.md; Debian also needs "
     "`apt-get install libibverbs1`), or run .ci/mooncake-setup.sh as root"
 )
 

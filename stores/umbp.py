@@ -1,9 +1,9 @@
 """Adapter over AMD mori UMBP (``mori.umbp.UMBPClient``; package ``amd-mori``, tested with
-1.2.4 — see ``docs/umbp.md`` for how it runs here without ROCm).
+1.2.4 — see ``docs/guide/umbp.md`` for how it runs here without ROCm).
 
 UMBP's Python client is pointer based: batch put/get/exists over ``(key, address, size)``
 lists, answering one boolean per key. What the real 1.2.4 client does (pinned by
-``tests/test_umbp_client.py``, which runs against it and against
+``tests/stores/test_umbp_client.py``, which runs against it and against
 :mod:`hylinker.testing.umbp_double`) and what the adapter makes of it:
 
 * **Object layout: a 16-byte header, then the payload, in one UMBP object.** A get needs the
@@ -37,7 +37,7 @@ lists, answering one boolean per key. What the real 1.2.4 client does (pinned by
   the named keys (16 bytes each, one call), so ``capabilities.touch`` is True. The runtime's
   TOUCH names every object on a hot path (its KV pages and its boundary state): reading the
   boundary object alone keeps only that object, and a prefix whose first pages were evicted is
-  not restorable (the measurement is in ``docs/umbp.md``).
+  not restorable (the measurement is in ``docs/guide/umbp.md``).
 * **No close**: :meth:`UmbpStore.close` waits for calls in flight, deregisters the regions it
   registered and drops its reference to the client. Later calls raise :class:`StoreClosedError`.
 * **Registration per mode**: the default client (the embedded pool client) takes host memory as
@@ -122,7 +122,7 @@ def load_umbp_module() -> Any:
     except (ImportError, OSError) as exc:
         raise StoreUnavailableError(
             f"the UMBP store needs AMD mori's UMBP client: install the `{MORI_PACKAGE}` package "
-            f"(tested: {MORI_TESTED_VERSION}; on a machine without ROCm see docs/umbp.md), or "
+            f"(tested: {MORI_TESTED_VERSION}; on a machine without ROCm see docs/guide/umbp.md), or "
             f"pass client= (e.g. hylinker.testing.umbp_double.UMBPClientDouble); importing "
             f"mori.umbp failed: {exc}"
         ) from exc

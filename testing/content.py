@@ -91,7 +91,7 @@ class SyntheticContent:
     def __init__(self, pools: HybridPools, seed: int = 0) -> None:
         if pools.layout.dcp_size > 1:
             raise ValueError("SyntheticContent writes whole pages on one rank; under DCP a page's tokens are "
-                             "interleaved over ranks (harness/dcp.py's DcpContent writes each rank's share)")
+                             "interleaved over ranks (tests/support/dcp.py's DcpContent writes each rank's share)")
         self.pools = pools
         self.layout = pools.layout
         self.page = self.layout.page_size

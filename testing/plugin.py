@@ -1,8 +1,8 @@
 """hylinker's pytest plugin: the test kit as fixtures, for the tests of an engine that embeds hylinker.
 
-Load it with ``-p hylinker.testing.plugin`` (in ``addopts``, as hylinker's own suite does) or with
-``pytest_plugins = ["hylinker.testing.plugin"]`` in a top-level ``conftest.py``; it is not loaded
-on its own wherever hylinker is installed. Every fixture is named ``hylinker_*``.
+It registers through a ``pytest11`` entry point (``hylinker``): every pytest run where hylinker
+is installed has its fixtures, with no ``-p`` flag (``-p no:hylinker`` turns it off). Every
+fixture is named ``hylinker_*``.
 
 * ``hylinker_layout`` — :func:`~hylinker.testing.fakes.small_hybrid_layout`: two full-attention
   layers, two linear-attention layers, one draft layer, page 4, chunk 8.

@@ -5,9 +5,9 @@ It reads and writes raw host memory through ``ctypes`` at the addresses and size
 as the real client's pointer API does, and keeps each object in a ``bytearray`` (the real client
 keeps a DRAM tier of 64 KiB pages).
 
-Every rule below is pinned by a test in ``tests/test_umbp_client.py``, which runs unchanged
+Every rule below is pinned by a test in ``tests/stores/test_umbp_client.py``, which runs unchanged
 against this double (the main suite) and against the real client (``just test-umbp``, in
-``.venv-umbp``; see ``docs/umbp.md``), so the two cannot drift. The test pinning each rule is
+``.venv-umbp``; see ``docs/guide/umbp.md``), so the two cannot drift. The test pinning each rule is
 named in brackets.
 
 * **Capacity is counted in pages** of :data:`PAGE_BYTES` (64 KiB): an object takes

@@ -53,6 +53,17 @@ def require_mooncake() -> None:
     pytest.skip(reason)
 
 
+KIT = "hylinker.testing.plugin"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The test kit registers through its ``pytest11`` entry point once this checkout is installed
+    (``pip install -e .``); an install from before the entry point, or a run with plugin autoload
+    off, gets it here, once (pytest refuses a module registered twice)."""
+    if not any(getattr(p, "__name__", None) == KIT for p in config.pluginmanager.get_plugins()):
+        config.pluginmanager.import_plugin(KIT)
+
+
 @pytest.fixture(scope="session")
 def mooncake_master() -> Iterator[object]:
     """A loopback ``mooncake_master`` shared by the session (a ``MooncakeMaster``)."""

@@ -21,10 +21,10 @@ from typing import Any, NoReturn
 
 #: the exit status of a command the user asked for wrongly (argparse's own)
 USAGE_EXIT = 2
-#: how to install what ``--store mooncake`` and the Mooncake tools need (docs/install.md)
+#: how to install what ``--store mooncake`` and the Mooncake tools need (docs/guide/install.md)
 MOONCAKE_INSTALL = ("install one Mooncake build: pip install 'hylinker[mooncake]' (no CUDA), "
                     "'hylinker[mooncake-cuda12]' or 'hylinker[mooncake-cuda13]', and Debian's libibverbs1 "
-                    "(docs/install.md)")
+                    "(docs/guide/install.md)")
 
 
 class UsageError(ValueError):

@@ -40,7 +40,7 @@ from ..stores.faulty import FaultPlan, FaultyStore
 from ..stores.resilient import ResiliencePolicy
 from .arguments import fault_plan, non_negative_float, positive_float, share
 from .report import format_table
-from .stress import MIB, StressConfig, StressRun
+from .stress.run import MIB, StressConfig, StressRun
 from .workloads import Request as WorkloadRequest
 
 DEFAULT_PLANS = "uniform=0.05;fail=0.2"

@@ -28,7 +28,7 @@ from .bench import BENCHMARKS
 
 # subcommand -> module under hylinker.tools
 COMMANDS: dict[str, str] = {
-    "stress": "stress_cli",
+    "stress": "stress.cli",
     "demo": "demo",
     "bench": "bench.paths",
     "study": "studies",
@@ -44,7 +44,6 @@ COMMANDS: dict[str, str] = {
 # and the tools that are not benchmarks
 PASSED_ON: dict[str, tuple[str, str]] = {
     **{name: (bench.path, bench.help) for name, bench in BENCHMARKS.items()},
-    "profile-vllm-restore": ("profile_vllm_restore", "vLLM CPU build: where one restore's time goes (.venv-vllm)"),
     "serve-demo": ("serve_demo", "vLLM's OpenAI server on a tiny hybrid model with and without hylinker (.venv-vllm)"),
 }
 
@@ -93,14 +92,14 @@ def _passed_on(name: str, argv: list[str]) -> int:
         if name in NEEDS and not {"-h", "--help"} & set(argv):
             venv = PASSED_ON[name][1].rpartition("(")[2].rstrip(")")  # the help ends "(.venv-vllm)"
             require_package(NEEDS[name], "this subcommand", f"run it with the python of {venv} "
-                                                            "(docs/install.md)", find_only=True)
+                                                            "(docs/guide/install.md)", find_only=True)
         module = importlib.import_module(f"hylinker.tools.{PASSED_ON[name][0]}")
         return int(module.main(argv) or 0)
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] == "hylinker":
             raise
         return _usage_error(name, f"needs the Python package {exc.name!r}, which this environment lacks "
-                                  "(docs/install.md)")
+                                  "(docs/guide/install.md)")
     except UsageError as exc:
         return _usage_error(name, str(exc))
 

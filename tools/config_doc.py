@@ -1,4 +1,4 @@
-"""``hylinker config-doc``: write ``docs/configuration.md`` from the config classes themselves.
+"""``hylinker config-doc``: write ``docs/guide/configuration.md`` from the config classes themselves.
 
 Every setting a user can give lives in an attrs class (the plugins' ``extra_config`` keys, the
 ``Linker``'s and the data plane's configs, the store's retry policy). The page lists each field
@@ -23,10 +23,10 @@ import attrs
 
 from .arguments import UsageError
 
-HELP = "write docs/configuration.md from the config classes (--check: fail if it is stale)"
+HELP = "write docs/guide/configuration.md from the config classes (--check: fail if it is stale)"
 
 #: the page in a checkout (the repository root is the package); an installed wheel has no docs/
-DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "guide" / "configuration.md"
 
 #: (heading, where a user gives it, dotted class path)
 SECTIONS: tuple[tuple[str, str, str], ...] = (
@@ -130,7 +130,7 @@ def render() -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 if the file differs")
     parser.add_argument("--out", type=Path, default=None,
-                        help="the page to write or check (default: docs/configuration.md of the checkout "
+                        help="the page to write or check (default: docs/guide/configuration.md of the checkout "
                              "hylinker runs from; an installed hylinker has none, so give a path)")
 
 

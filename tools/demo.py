@@ -52,11 +52,11 @@ LARGE_SHAPE = ConversationShape(system_tokens=2048, message_tokens=(96, 192), re
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from ..harness.reference.models import DEFAULT_ARCH, SUPPORTED_ARCHS
+    from .harness.reference.models import DEFAULT_ARCH, SUPPORTED_ARCHS
 
     parser.add_argument("--arch", default=DEFAULT_ARCH,
                         help=f"transformers model type with recurrent layers (default {DEFAULT_ARCH}; "
-                             f"{', '.join(SUPPORTED_ARCHS)} are in the fast tests, docs/figures.md "
+                             f"{', '.join(SUPPORTED_ARCHS)} are in the fast tests, docs/figures/exactness.md "
                              "lists every hybrid type transformers ships and what it does)")
     parser.add_argument("--turns", type=positive_int, default=None,
                         help=f"conversation turns (default {DEFAULT_SHAPE.turns}, "
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         overrides = None
         if args.real_shape:
-            from ..harness.shapes import transformers_overrides
+            from .harness.shapes import transformers_overrides
 
             overrides = transformers_overrides(args.arch)
         report = anyio.run(_run_with_store, args.arch, args.store, shape, args.seed, args.large, overrides)
@@ -111,8 +111,8 @@ class DemoSetupError(RuntimeError):
 
 async def _run_with_store(arch: str, store_kind: str, shape: ConversationShape, seed: int,
                           large: bool, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    from ..harness.reference.models import UnsupportedModelError
     from ..stores.base import Store
+    from .harness.reference.models import UnsupportedModelError
 
     store: Store
     master: Any = None
@@ -189,21 +189,21 @@ async def run_demo(
 
     from ..components.mamba import restorable_ceiling
     from ..components.pools import HybridPools
-    from ..harness.reference import (
+    from ..runtime.linker.facade import Linker
+    from .demo_controls import CONTROLS, MARGIN, ControlResult, measure, other_prefix
+    from .harness.reference import (
         ReferenceEngine,
         build_draft_model,
         build_model,
         kl_divergence,
         max_abs_diff,
     )
-    from ..harness.reference.runtime_engine import LinkedEngine
-    from ..runtime.linker.facade import Linker
-    from .demo_controls import CONTROLS, MARGIN, ControlResult, measure, other_prefix
+    from .harness.reference.runtime_engine import LinkedEngine
     from .report import format_table
 
     t_build = time.perf_counter()
     if engine is None:
-        from ..harness.reference import cache_geometry
+        from .harness.reference import cache_geometry
 
         model = build_model(arch, seed=seed, **(model_overrides or {}))
         # the draft model's KV rides on the target's attention rows: none for a purely
@@ -212,7 +212,7 @@ async def run_demo(
         engine = ReferenceEngine(model, draft, chunk_tokens=CHUNK_TOKENS)
     build_s = time.perf_counter() - t_build
     if not engine.geometry.linear:
-        from ..harness.reference import UnsupportedModelError
+        from .harness.reference import UnsupportedModelError
 
         raise UnsupportedModelError(
             f"{engine.geometry.model_type}: no layer holds a recurrent state; the demo restores "

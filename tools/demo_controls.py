@@ -20,8 +20,8 @@ from typing import Any
 import attrs
 import torch
 
-from ..harness.reference.boundary_pools import kl_divergence, max_abs_diff
-from ..harness.reference.engine import (
+from .harness.reference.boundary_pools import kl_divergence, max_abs_diff
+from .harness.reference.engine import (
     BoundaryState,
     CacheGeometry,
     ReferenceEngine,

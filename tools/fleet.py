@@ -1,6 +1,6 @@
 """``hylinker fleet``: real network faults on a fleet of namespaces, every restore verified.
 
-One :class:`~hylinker.harness.fleet.Fleet` (a master and ``--hosts`` engine hosts, each in a
+One :class:`~hylinker.tools.harness.fleet.Fleet` (a master and ``--hosts`` engine hosts, each in a
 network namespace on one bridge) serves traffic from every host while the tool applies, in
 turn, each fault of ``--faults``:
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import attrs
 
-from ..harness.fleet import Fleet, FleetConfig
-from ..harness.netns import NetnsUnavailableError
+from .harness.fleet import Fleet, FleetConfig
+from .harness.netns import NetnsUnavailableError
 from .arguments import (
     MOONCAKE_INSTALL,
     UsageError,

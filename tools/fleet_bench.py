@@ -1,7 +1,7 @@
 """``hylinker fleet --throughput``: put/get GB/s to another host's Mooncake segment, across a veth
 and a bridge, beside the same transfers over loopback.
 
-Both setups run in network namespaces this tool creates (:mod:`hylinker.harness.netns`): a
+Both setups run in network namespaces this tool creates (:mod:`hylinker.tools.harness.netns`): a
 storage host (``hylinker mooncake segment``) and a client that contributes no segment, so every
 byte crosses the transfer engine's TCP transport; ``veth``: master, storage and client each in
 a namespace of their own (10.77.0.0/24); ``loopback``: all three in one namespace on
@@ -118,10 +118,10 @@ async def _runtime(cfg: MooncakeConfig, docs: int) -> dict[str, Any]:
     restored at once and checked byte for byte."""
     from ..components.keys import page_keys
     from ..components.pools import HybridPools
-    from ..harness.fleet_engine import document
     from ..runtime.linker.config import LinkerConfig
     from ..runtime.linker.facade import Linker
     from ..testing.content import SyntheticContent, preset_layout
+    from .harness.fleet_engine import document
 
     layout = preset_layout("kimi", 64, 64)
     P = layout.page_size
@@ -232,8 +232,8 @@ def _segment(command: list[str], master: str, hostname: str, mib: int) -> subpro
 
 def measure(setup: str, object_kib: int, count: int, repeats: int) -> dict[str, Any]:
     """One setup (``veth`` or ``loopback``): master, storage host, client; the client's figures."""
-    from ..harness.fleet import netns_port_accepts
-    from ..harness.netns import Network
+    from .harness.fleet import netns_port_accepts
+    from .harness.netns import Network
 
     roles = ["master", "store", "client"] if setup == "veth" else ["client"]
     with Network(roles) as net:

@@ -73,7 +73,7 @@ class Geometry:
 
 
 def _qwen3_next() -> Geometry:
-    from ..harness.shapes import QWEN3_NEXT_80B as g
+    from .harness.shapes import QWEN3_NEXT_80B as g
 
     full = len(g.full_attention_layers)
     linear = g.layers - full
@@ -91,7 +91,7 @@ def _stress_kimi() -> Geometry:
                     state_bytes=lay.payload_bytes(PoolKind.MAMBA), page_size=lay.page_size, grid=lay.grid)
 
 
-#: the geometries ``--model`` names. kimi-k3: docs/operations.md's per-rank figures (fp8 MLA
+#: the geometries ``--model`` names. kimi-k3: docs/guide/operations.md's per-rank figures (fp8 MLA
 #: 12.9 KB per token, replicated; a 52.7 MB state per rank at TP 8); kimi-linear-48b: MLA
 #: (512 + 64) bf16 at 7 layers, replicated; 20 KDA layers of 32 heads x 128 x 128 fp32
 GEOMETRIES = {

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .stress import HitSample
+    from .stress.run import HitSample
 
 DEVICE_COLOR = "tab:blue"
 STORE_COLOR = "tab:orange"
@@ -72,7 +72,7 @@ def plot_stress(
     stacked areas, the infinite-cache bound of the same requests as a line), and the latency
     CDF of each phase.
 
-    ``hits_over_time`` holds a :class:`~hylinker.tools.stress.HitSample` per finished request;
+    ``hits_over_time`` holds a :class:`~hylinker.tools.stress.run.HitSample` per finished request;
     ``latency_samples`` maps a phase name (``"lookup"``, ``"load"``, ...) to latencies in seconds
     (phases without samples are left out). Returns the figure. Raises ``ImportError`` naming
     the ``plot`` extra when matplotlib is missing.

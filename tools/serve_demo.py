@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..harness.tiny_qwen3_next import build_tiny_qwen3_next, corpus
-from ..harness.vllm_server import free_port, post, start_server, stop_server, time_to_first_token
 from ..stores.mooncake_master import MooncakeMaster
+from .harness.tiny_qwen3_next import build_tiny_qwen3_next, corpus
+from .harness.vllm_server import free_port, post, start_server, stop_server, time_to_first_token
 
 
 def turns(n: int, words: int) -> list[list[dict[str, str]]]:

@@ -8,7 +8,7 @@ streaming statistics only (counters; nothing kept per request).
   Workers run multi-turn conversations (a turn extends the previous prompt; a conversation
   restarts fresh past ``MAX_TOKENS``) with synthetic content, and every restored prefix is
   checked byte for byte.
-* ``dataplane``: the held-out soak of issue 53, docs/library.md's example as a loop:
+* ``dataplane``: the held-out soak of issue 53, docs/guide/library.md's example as a loop:
   ``SyncDataPlane`` over ``EmbeddedStore(16 MiB)``, a new 8-page prefix plus one state
   offloaded (``.result()``) and loaded each iteration; uses only the public API of the
   version before issue 53, so the same loop measures both.

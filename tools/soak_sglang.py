@@ -1,5 +1,5 @@
 """``hylinker soak --front sglang``: the SGLang plugin inside SGLang's own cache, in SGLang's
-environment (``.venv-sglang``; :mod:`hylinker.harness.sglang_cache` builds SGLang 0.5.23's
+environment (``.venv-sglang``; :mod:`hylinker.tools.harness.sglang_cache` builds SGLang 0.5.23's
 pools and ``UnifiedRadixCache`` on CPU and drives requests through the scheduler's steps).
 
 Requests are served one at a time, as the harness does: multi-turn conversations (a turn extends
@@ -29,7 +29,7 @@ CONVERSATIONS = 16
 
 
 def sglang_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dict[str, Any]:
-    from ..harness.sglang_cache import CacheSpec, SGLangCache, install_cpu_shims
+    from .harness.sglang_cache import CacheSpec, SGLangCache, install_cpu_shims
 
     install_cpu_shims()
     spec = CacheSpec(kv_pages=4096, max_context=MAX_TOKENS + MAX_TURN)

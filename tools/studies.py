@@ -28,13 +28,13 @@ import anyio
 from ..components.eviction import EVICTION_POLICIES
 from .arguments import UsageError, int_at_least, nearest
 from .report import LOSS_COLUMNS, format_table, stress_row
-from .stress import POLICIES, load_workload, run_stress
-from .stress_cli import (
+from .stress.cli import (
     add_geometry_arguments,
     add_restore_cost_arguments,
     add_store_arguments,
     add_workload_arguments,
 )
+from .stress.run import POLICIES, load_workload, run_stress
 from .traces import mooncake_trace
 
 HELP = "studies on the stress tool: store-capacity sweep (touch on/off), checkpoint admission, eviction"

@@ -249,7 +249,7 @@ class PageTransfers:
                     continue
                 slots = [self._free.pop() for _ in range(n)]
             # one row copy per page (a memcpy each): an index_select + index_copy_ of the same
-            # pages took ~20x as long here (tools/profile_vllm_restore.py --save-copy), in the step
+            # pages took ~20x as long here (tools/lab/profile_vllm_restore.py --save-copy), in the step
             pairs = [(st[slot], raw[block]) for raw, st in zip(self.pages.raws, self.staging)
                      for slot, block in zip(slots, plan.blocks)]
             fence = self._copy_out(pairs, slots)

@@ -18,7 +18,7 @@ families, and a component built later on the same registry (a ``Linker`` rebuilt
 takes them over, so its counters go on from the first one's totals (no reset, no duplicate
 series). No label's values grow with traffic: every label is a pool, a direction, an outcome, a
 reason, an event, a phase, a source, the engine's identity or ``hylinker_info``'s constants; no
-request id or key is ever a label (``tests/test_metrics.py`` checks the series of two runs of
+request id or key is ever a label (``tests/runtime/test_metrics.py`` checks the series of two runs of
 different lengths are the same).
 
 Bad input never fails a request: two components open at once on one registry (the second

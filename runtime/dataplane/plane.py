@@ -131,7 +131,7 @@ class DataPlaneConfig:
     in_place: bool = True
     #: ...but only objects of at least this many payload bytes; smaller ones go staged, where
     #: per-object work (buffer checks, piece views, one streaming hash each) would dominate
-    #: (docs/figures.md, "Data plane: in place vs staged"); 0 moves every size in place
+    #: (docs/figures/data-path.md, "Data plane: in place vs staged"); 0 moves every size in place
     in_place_min_bytes: int = 256 << 10
     #: staging per pool for verify-all loads (a whole load is held there until it verified),
     #: allocated and registered with the store at start; 0: ``staging_bytes_per_pool``,

@@ -30,8 +30,6 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bench-sglang": Benchmark("sglang", "hylinker's SGLang plugin vs SGLang's "
                                         "MooncakeDirectLinker inside SGLang's cache "
                                         "(.venv-sglang)", "sglang"),
-    "bench-dead-store": Benchmark("dead_store", "the SGLang scheduler's time blocked in lookups "
-                                                "while the store does not answer (.venv-sglang)", "sglang"),
     "bench-vllm": Benchmark("vllm", "vLLM CPU build: time to first token restore vs recompute, "
                                     "decode steps (.venv-vllm)", "vllm"),
     "bench-vllm-peers": Benchmark("vllm_peers", "vLLM CPU build: hylinker's connector against "
@@ -40,24 +38,6 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bench-vllm-serving": Benchmark("vllm_serving", "vLLM CPU build: the OpenAI server replaying a "
                                                     "multi-turn trace with each connector, under load "
                                                     "(.venv-vllm)", "vllm"),
-    "bench-vllm-keys": Benchmark("vllm_keys", "what keying a vLLM request by vLLM's extra keys "
-                                              "costs the scheduler"),
-    "bench-shapes": Benchmark("shapes", "the vLLM connector's save and load at Qwen3-Next-80B's "
-                                        "object shape"),
-    "bench-agreement": Benchmark("agreement", "the cost of agreeing a lookup across ranks, beside "
-                                              "a single-rank lookup"),
-    "bench-checksum": Benchmark("checksum", "what the integrity checksum costs on the embedded "
-                                            "store"),
-    "bench-hash-overlap": Benchmark("hash_overlap", "a checksummed Mooncake offload's floor, with "
-                                                    "no runtime around it"),
-    "bench-keys": Benchmark("keys", "the cost of hashing a prompt into chained page keys"),
-    "bench-rows": Benchmark("rows", "the row-described copy routine against plain per-object "
-                                    "copies"),
-    "bench-layer-ranges": Benchmark("layer_ranges", "Mooncake ranged gets per layer group against one "
-                                                    "whole get: what layer-wise release could gain"),
-    "bench-calls": Benchmark("calls", "Python calls per object through the synchronous data "
-                                      "plane, on the embedded store or Mooncake (--store mooncake "
-                                      "[--no-rows])"),
 }
 
 __all__ = ["BENCHMARKS", "Benchmark"]

@@ -1,5 +1,5 @@
 """The host a figure was measured on, in the figure's own JSON: every data-path benchmark
-(``hylinker bench``, ``hylinker bench-sglang``, ``hylinker bench-checksum``, ``hylinker bench-hash-overlap``) writes a
+(``hylinker bench``, ``hylinker bench-sglang``, ``python -m hylinker.tools.lab.checksum``, ``python -m hylinker.tools.lab.hash_overlap``) writes a
 ``"host"`` object made here, so a ratio can be read against the machine that produced it.
 
 ``memcpy_gbps`` is measured in the run (``numpy.copyto`` of 64 MiB between two preallocated,

@@ -1,6 +1,6 @@
 """Benchmark: cost of hashing a prompt into chained page keys (the LOOKUP hot path).
 
-``python -m hylinker bench-keys [--tokens N] [--pages 16,64,256] [--repeats R]``
+``python -m hylinker.tools.bench.keys [--tokens N] [--pages 16,64,256] [--repeats R]``
 
 For each page size it reports milliseconds per prompt (p50 and min over ``repeats`` runs) for
 
@@ -67,7 +67,7 @@ def measure_key_hashing(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hylinker bench-keys", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m hylinker.tools.bench.keys", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--pages", default="16,64,256", help="comma-separated page sizes")
     parser.add_argument("--repeats", type=int, default=5)

@@ -7,7 +7,7 @@ Runs in the SGLang environment (``.ci/sglang-setup.sh``)::
 For each page-object size (64 KiB and 1 MiB of KV per page by default) and each linker, on a
 fresh loopback ``mooncake_master`` and an in-process segment, the same SGLang
 ``UnifiedRadixCache`` geometry (MLA full attention + Mamba2 states, page size 1, CPU) serves
-the same requests (``hylinker.harness.sglang_cache``):
+the same requests (``hylinker.tools.harness.sglang_cache``):
 
 * **offload**: a prompt of ``--tokens`` pages is inserted; time from SGLang's insert to the
   last offload result (``check_hicache_events``); GB/s over the page and state bytes; and the
@@ -27,7 +27,7 @@ populated (``madvise(MADV_POPULATE_WRITE)``) before anything is timed. Otherwise
 over the segment pays a page fault per 4 KiB, and on a virtual machine that returns free memory
 to its host that costs ~10 µs a page (0.4 GB/s): measured here, 1 MiB offloads took 40–47 ms
 (hylinker) and 31–33 ms (SGLang's linker) on fresh segments against ~26 and ~16 ms on populated
-ones (docs/figures.md). ``--cold-segment`` skips it.
+ones (docs/figures/sglang.md). ``--cold-segment`` skips it.
 
 hylinker runs once per ``--integrity`` level (both by default: ``"checksum"`` and ``"header"``,
 the plugin's ``integrity`` key), side by side with SGLang's linker. At ``"header"`` the corrupt
@@ -57,7 +57,7 @@ LINKERS = ("hylinker", "sglang-mooncake")
 
 
 def _spec(object_kib: int, tokens: int, tree_core: str) -> Any:
-    from ...harness.sglang_cache import CacheSpec
+    from ..harness.sglang_cache import CacheSpec
 
     # two MLA layers: a page object is 2 rows of (kv_lora_rank + rope) bf16 values
     row = object_kib * 1024 // 2 // 2
@@ -238,8 +238,8 @@ class _ThreadProfiles:
 def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str,
              phases: bool = False, cold_segment: bool = False, profile_dir: Path | None = None,
              integrity: str = "checksum") -> dict[str, Any]:
-    from ...harness.sglang_cache import SGLangCache
     from ...stores.mooncake_master import MooncakeMaster
+    from ..harness.sglang_cache import SGLangCache
     from .mooncake import anonymous_mappings, populate_new_segments
 
     out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens,
@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
                         help="the plugin's integrity levels, each run side by side with the others")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    from ...harness.sglang_cache import install_cpu_shims
+    from ..harness.sglang_cache import install_cpu_shims
     from .host import describe, finish, host_record
 
     install_cpu_shims()

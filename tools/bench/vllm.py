@@ -7,7 +7,7 @@ Run in the vLLM environment::
     ... --sizes 4096,16384 --tp 1,2 --default-mode   # vLLM's default process model, TP 1 and 2
 
 Per tensor parallel size (``--tp``), three engines run one after the other on the same tiny
-qwen3_next (block 384), each in its own process (``hylinker.harness.vllm_runner``; the engine core
+qwen3_next (block 384), each in its own process (``hylinker.tools.harness.vllm_runner``; the engine core
 in that process, or with ``--default-mode`` and always at TP > 1 in vLLM's default process model,
 no environment variable): one with the connector (embedded store), one without the connector and without vLLM's prefix cache (the recompute), one
 with vLLM's prefix cache only (what the connector's overhead is measured against: prefix caching
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...harness.tiny_qwen3_next import build_tiny_qwen3_next
+from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
 from .output import write_json
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def _run(model: Path, extra: str, steps: list[dict[str, Any]], max_len: int, log
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     steps_file = log.with_suffix(".steps.json")
     steps_file.write_text(json.dumps(steps))
-    cmd = [sys.executable, "-m", "hylinker.harness.vllm_runner", "--model", str(model), "--extra", extra,
+    cmd = [sys.executable, "-m", "hylinker.tools.harness.vllm_runner", "--model", str(model), "--extra", extra,
            "--steps", f"@{steps_file}", "--max-model-len", str(max_len), "--tp", str(tp)]
     if in_process:
         cmd.append("--in-process")

@@ -2,7 +2,7 @@
 one run, on vLLM's CPU build.
 
 Three configurations run the same model and the same prompts, each engine in a process of its own
-(``hylinker.harness.vllm_runner``, engine core and worker in that process so both connectors' counters
+(``hylinker.tools.harness.vllm_runner``, engine core and worker in that process so both connectors' counters
 can be read):
 
 * ``vllm_mooncake``: vLLM's ``MooncakeStoreConnector`` (``standalone-store`` mode, the engine
@@ -20,7 +20,7 @@ connector, saved; its time to first token is what saving costs the step), a paus
 ``--repeats`` times vLLM's prefix cache reset and the first prompt again (a **restore**; in the
 baseline a recompute). vLLM refuses a reset while a connector still holds blocks (its own
 connector holds a restored request's blocks until a later step): the runner then runs a short
-request and resets again (``harness/vllm_runner.py``); ``resets_flushed`` counts those, and a
+request and resets again (``tools/harness/vllm_runner.py``); ``resets_flushed`` counts those, and a
 restore whose reset was still refused (``restores_not_reset``: a hit in vLLM's own prefix cache)
 is left out of the figures. Each engine first runs a miss and a restore of each length, not measured
 (first calls compile and allocate). Then a decode (``--decode-tokens`` per fresh ``--decode-prompt``-token
@@ -44,7 +44,7 @@ environment, draw it later with ``python3 -m hylinker.tools.bench.vllm_peers --p
 ``DIR`` (a folder holding another checkout as ``hylinker``, e.g. a ``git worktree`` of main), so a
 change is measured before and after in one run.
 
-``--geometry qwen3-next-80b`` runs Qwen3-Next-80B's geometry (``harness/shapes.py``: 48 layers, its
+``--geometry qwen3-next-80b`` runs Qwen3-Next-80B's geometry (``tools/harness/shapes.py``: 48 layers, its
 KV heads, head and state dims, block 1,056) with a narrow residual stream; ``--tp 2`` runs vLLM's
 default process model (two worker processes; the connectors' counters then stay in the workers and
 only short restores are counted). Serving under load (the OpenAI server replaying the conversation
@@ -91,7 +91,7 @@ def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, a
     log = work / f"{config}.log"
     steps_file = work / f"{config}.steps.json"
     steps_file.write_text(json.dumps(steps))
-    cmd = [sys.executable, "-m", "hylinker.harness.vllm_runner", "--model", str(model), "--steps", f"@{steps_file}",
+    cmd = [sys.executable, "-m", "hylinker.tools.harness.vllm_runner", "--model", str(model), "--steps", f"@{steps_file}",
            "--max-model-len", str(max(args.size_list) + 1024), "--tp", str(args.tp), "--block-size", str(block)]
     if args.tp == 1:
         cmd.append("--in-process")
@@ -162,8 +162,8 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from ...harness.shapes import QWEN3_NEXT_80B, build_qwen3_next_at
-    from ...harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from ..harness.shapes import QWEN3_NEXT_80B, build_qwen3_next_at
+    from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
     from .host import describe, finish, host_record
 
     host = host_record()

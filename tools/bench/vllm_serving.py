@@ -98,7 +98,7 @@ def replay(port: int, requests: list[dict[str, Any]], concurrency: int, *,
     """Send ``requests`` closed-loop, ``concurrency`` at a time; each one's result (an ``error``
     instead where it failed) and the replay's wall seconds. ``reset_each``: empty vLLM's prefix
     cache before each request (one at a time only): every request is then a recompute."""
-    from ...harness.vllm_server import post, stream_completion
+    from ..harness.vllm_server import post, stream_completion
 
     if reset_each and concurrency != 1:
         raise ValueError("reset_each needs concurrency 1")
@@ -119,7 +119,7 @@ def replay(port: int, requests: list[dict[str, Any]], concurrency: int, *,
 
 def _scrape(url: str, prefixes: tuple[str, ...]) -> dict[str, float]:
     """The samples (``name{labels}`` -> value) whose names start with one of ``prefixes``."""
-    from ...harness.metrics_scrape import scrape
+    from ..harness.metrics_scrape import scrape
 
     out: dict[str, float] = {}
     for prefix in prefixes:
@@ -135,7 +135,7 @@ def _total(samples: dict[str, float], name: str, label: str = "") -> int:
 @contextlib.contextmanager
 def _server(config: str, model: Path, work: Path, args: argparse.Namespace) -> Iterator[tuple[int, Any]]:
     """One server in ``config``; yields its port and the master (``None`` without a connector)."""
-    from ...harness.vllm_server import free_port, start_server, stop_server
+    from ..harness.vllm_server import free_port, start_server, stop_server
     from .vllm import fresh_store, vllm_mooncake_env
 
     port = free_port()
@@ -168,7 +168,7 @@ def _server(config: str, model: Path, work: Path, args: argparse.Namespace) -> I
 
 def _warm(port: int, rng: random.Random) -> None:
     """First calls compile and allocate: one fresh prompt twice, not measured."""
-    from ...harness.vllm_server import stream_completion
+    from ..harness.vllm_server import stream_completion
 
     prompt = [rng.randrange(10, 300) for _ in range(2 * BLOCK + 50)]
     for _ in range(2):
@@ -267,7 +267,7 @@ def summarize(config: str, run: dict[str, Any], reference: dict[int, dict[str, A
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from ...harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
     from .host import describe, finish, host_record
 
     host = host_record()
