@@ -199,6 +199,8 @@ def stage_tests(device: str, out: dict[str, Any]) -> bool:
 def stage_demo(device: str, out: dict[str, Any]) -> bool:
     import anyio
 
+    from hylinker.stores.embedded import EmbeddedStore
+    from hylinker.tools.demo import CHUNK_TOKENS, DEFAULT_SHAPE, ConversationShape, run_demo
     from hylinker.tools.harness.reference import (
         ReferenceEngine,
         build_draft_model,
@@ -206,8 +208,6 @@ def stage_demo(device: str, out: dict[str, Any]) -> bool:
         cache_geometry,
     )
     from hylinker.tools.harness.shapes import transformers_overrides
-    from hylinker.stores.embedded import EmbeddedStore
-    from hylinker.tools.demo import CHUNK_TOKENS, DEFAULT_SHAPE, ConversationShape, run_demo
 
     arch = "qwen3_next"
     real = device == "cuda"  # the real geometry where a GPU runs it; the tiny one on CPU (dry run)

@@ -34,8 +34,6 @@ from typing import Any
 
 import attrs
 
-from .harness.fleet import Fleet, FleetConfig
-from .harness.netns import NetnsUnavailableError
 from .arguments import (
     MOONCAKE_INSTALL,
     UsageError,
@@ -45,6 +43,8 @@ from .arguments import (
     positive_float,
     require_package,
 )
+from .harness.fleet import Fleet, FleetConfig
+from .harness.netns import NetnsUnavailableError
 from .report import format_table, percentiles
 
 HELP = "faults on a fleet of network namespaces (partition, host death, master restart, kill -9)"

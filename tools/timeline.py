@@ -265,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         rids = tl.window(first, last)
         if not rids:
             raise UsageError(f"--window {first}:{last}: the trace has {len(tl.requests)} requests")
-        plot_window(str(args.png), tl, rids, title=f"{args.file.name}: requests {first}..{first + len(rids) - 1}")
+        plot_window(str(args.png), tl, rids, title=f"{args.file.name}: requests {first}..{first + len(rids) - 1}",
+                    phases=PHASES)
         print(f"wrote {args.png}")
     return 0
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from .plots import _import_matplotlib
-from .timeline import PHASES, Slice, Timeline
+
+if TYPE_CHECKING:  # the timeline module imports this one when it draws
+    from .timeline import Slice, Timeline
 
 PHASE_COLORS = {"lookup": "tab:purple", "load": "tab:orange", "engine": "tab:blue", "offload": "tab:green"}
 JOB_COLOR = {"load": "tab:orange", "offload": "tab:green"}
 STORE_COLOR = "tab:red"
 
 
-def plot_window(path: str, tl: Timeline, rids: list[str], *, title: str) -> Any:
+def plot_window(path: str, tl: Timeline, rids: list[str], *, title: str, phases: Sequence[str]) -> Any:
     """One row per request of ``rids`` (its phases as bars, instants as ticks) and, below, one
     row per pool track with the jobs and store calls inside the requests' time span."""
     figure_cls, canvas_cls = _import_matplotlib()
@@ -36,7 +39,7 @@ def plot_window(path: str, tl: Timeline, rids: list[str], *, title: str) -> Any:
         slices = tl.requests[rid]
         whole = [s for s in slices if s.name == "request"]
         bars(y, whole, "0.88", 0.8)
-        for phase in PHASES:
+        for phase in phases:
             bars(y, [s for s in slices if s.name == phase], PHASE_COLORS[phase])
         ticks = [(s.start - lo) * ms for s in slices if s.end == s.start]
         ax.plot(ticks, [y] * len(ticks), "|", color="black", markersize=8)

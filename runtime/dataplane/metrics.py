@@ -160,15 +160,24 @@ def store_figures(res: ResilienceStatistics | None) -> Figures:
     return out
 
 
+def installed_version() -> str:
+    """hylinker's version as installed (the package's metadata, from ``__version__`` in the root
+    ``__init__.py``, the one source); read here, not imported: the runtime imports no root module."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hylinker")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def store_identity_figures(store: Store, integrity: str) -> Figures:
     """``info`` (version, integrity level, the backend's name) and the store's occupancy."""
-    from ... import __version__
-
     name = store.capabilities.name
     while name.endswith(")") and "(" in name:  # the backend under its wrappers: resilient(faulty(embedded))
         name = name[name.index("(") + 1:-1]
     st = store.statistics()
-    out: Figures = {("info", __version__, integrity, name): 1, ("store_capacity_bytes",): st.capacity_bytes}
+    out: Figures = {("info", installed_version(), integrity, name): 1, ("store_capacity_bytes",): st.capacity_bytes}
     if name != "mooncake":  # a Mooncake client keeps no occupancy; its master reports the cluster's
         out["store_bytes",] = st.used_bytes
         out["store_objects",] = st.objects

@@ -20,7 +20,6 @@ import torch
 from test_real_shapes import layer_outer
 
 from hylinker.components.layout import PoolKind
-from hylinker.tools.harness.shapes import poll_loads
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfig
 from hylinker.integrations.vllm.device_pages import DevicePages, device_pages_for
@@ -30,6 +29,7 @@ from hylinker.integrations.vllm.plan import TransferPlan
 from hylinker.runtime.dataplane.device import CudaCopies
 from hylinker.runtime.dataplane.events import DeviceEvent
 from hylinker.testing.fakes import FakeDeviceCopies, FakeDeviceEvent
+from hylinker.tools.harness.shapes import poll_loads
 
 NB, BLOCK = 8, 16
 SAVE = TransferPlan("a", ("k1", "k2"), (1, 2), ("s2",), (3,))

@@ -27,7 +27,7 @@ from typing import Any
 PROMETHEUS = shutil.which("prometheus")
 MISSING = ("Debian's prometheus binary is not installed (apt-get install prometheus; .ci/setup.sh "
            "installs it)")
-DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "hylinker.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "hylinker.json"
 
 
 def free_port() -> int:

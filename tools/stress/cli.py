@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--metrics-port: only a single-process run without --chaos exports metrics")
     if args.trace_file is None:
         return _run(args)
-    from ..runtime.dataplane.tracing import disable_trace_logging, enable_trace_logging
+    from ...runtime.dataplane.tracing import disable_trace_logging, enable_trace_logging
 
     try:
         enable_trace_logging(path=args.trace_file)

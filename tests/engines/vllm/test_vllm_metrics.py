@@ -23,6 +23,7 @@ from hylinker.integrations.vllm.metrics import (
     HylinkerStats,
     StatsReporter,
 )
+from hylinker.runtime.dataplane.metrics import PLANE_KEYS
 from hylinker.stores.mooncake_master import MooncakeMaster
 from hylinker.tools.harness import metrics_scrape
 from hylinker.tools.harness.prometheus import MISSING, PROMETHEUS, dashboard_queries, prometheus
@@ -35,7 +36,6 @@ from hylinker.tools.harness.vllm_server import (
     start_server,
     stop_server,
 )
-from hylinker.runtime.dataplane.metrics import PLANE_KEYS
 from hylinker.tools.timeline import build, read_events
 
 #: dashboard families the connector does not export over a Mooncake client: the Linker's stored
