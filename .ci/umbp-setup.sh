@@ -95,16 +95,34 @@ if [ ! -e "$LIBS/.debs-done" ]; then
     mirror=${UMBP_DEBIAN_MIRROR:-${mirror:-http://deb.debian.org/debian}}
     keyring=/usr/share/keyrings/debian-archive-keyring.gpg
     [ -r "$keyring" ] || die "$keyring is missing (package debian-archive-keyring)"
-    echo "deb [signed-by=$keyring] ${mirror%/} bullseye main" > "$apt_dir/sources.list"
-    apt_=(apt-get -q -o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-"
-          -o "Dir::State::lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache"
-          -o "Debug::NoLocking=1")
-    echo "umbp-setup: Debian 11 libraries from ${mirror%/} (private apt lists in $apt_dir)"
-    "${apt_[@]}" update >"$apt_dir/update.log" 2>&1 \
-        || die "apt-get update against ${mirror%/} bullseye failed (see $apt_dir/update.log)"
-    # shellcheck disable=SC2086
-    (cd "$apt_dir/debs" && "${apt_[@]}" download $DEBS >"$apt_dir/download.log" 2>&1) \
-        || die "apt-get download $DEBS failed (see $apt_dir/download.log)"
+    # Debian 11 left the main mirrors' LTS window in 2026: try the machine's mirror, then
+    # deb.debian.org, then archive.debian.org, three attempts each (a mirror mid-sync answers
+    # "Hash Sum mismatch" for a minute); the failing log's tail is printed, not only named.
+    fetched=""
+    for base in "${mirror%/}" http://deb.debian.org/debian http://archive.debian.org/debian; do
+        for attempt in 1 2 3; do
+            echo "deb [signed-by=$keyring] $base bullseye main" > "$apt_dir/sources.list"
+            apt_=(apt-get -q -o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-"
+                  -o "Dir::State::lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache"
+                  -o "Debug::NoLocking=1" -o "APT::Sandbox::User=root"
+                  -o "Acquire::Retries=3" -o "Acquire::http::Timeout=30")
+            echo "umbp-setup: Debian 11 libraries from $base, attempt $attempt (private apt lists in $apt_dir)"
+            rm -f "$apt_dir"/debs/*.deb
+            if ! "${apt_[@]}" update >"$apt_dir/update.log" 2>&1; then
+                echo "umbp-setup: apt-get update against $base bullseye failed:" >&2
+                tail -n 5 "$apt_dir/update.log" | sed 's/^/    /' >&2
+                sleep $((attempt * 5)); continue
+            fi
+            # shellcheck disable=SC2086
+            if (cd "$apt_dir/debs" && "${apt_[@]}" download $DEBS >"$apt_dir/download.log" 2>&1); then
+                fetched=$base; break 2
+            fi
+            echo "umbp-setup: apt-get download $DEBS from $base failed:" >&2
+            tail -n 8 "$apt_dir/download.log" | sed 's/^/    /' >&2
+            sleep $((attempt * 5))
+        done
+    done
+    [ -n "$fetched" ] || die "no mirror gave the Debian 11 libraries $DEBS (logs in $apt_dir)"
     for deb in "$apt_dir"/debs/*.deb; do
         dpkg -x "$deb" "$apt_dir/root"
     done
