@@ -14,11 +14,13 @@ run *ARGS: setup
 
 # the whole test suite, slow suites and the real Mooncake master included, then the fleet suite,
 # the SGLang plugin's suites (SGLang's cache, SGLang's real server) and the vLLM connector's,
-# then the wheel installed into a fresh virtualenv (.ci/wheel-check.sh, ~2 minutes)
+# then the wheel installed into a fresh virtualenv (.ci/wheel-check.sh, ~2 minutes); the engine
+# virtualenvs build in the background while the main suite runs (.ci/engine-venvs.sh)
 test *ARGS: setup
+    bash .ci/engine-venvs.sh start
     {{py}} -m pytest -q -ra {{ARGS}}
     just test-fleet
-    bash .ci/sglang-setup.sh
+    bash .ci/engine-venvs.sh wait
     .venv-sglang/bin/python -m pytest -c tests/engines/sglang/pytest.ini -q -ra tests/engines/sglang
     just test-sglang-server
     just test-vllm

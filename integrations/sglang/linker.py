@@ -537,14 +537,16 @@ class HylinkerLinker(UnifiedCacheLinker):
         return self._offloads.pop()
 
     # ---- life cycle -------------------------------------------------------------------
-    def reset(self) -> None:
-        """Quiesce: drop queued loads, wait for started transfers, forget their results."""
+    def reset(self, timeout_s: float | None = None) -> None:
+        """Quiesce: drop queued loads, wait for started transfers (at most ``timeout_s``, by
+        default twice the store timeout), forget their results."""
         for held, _ in self._pending.values():
             self.data.cancel(held)
         self._pending.clear()
         if not self._closed:
             self.data.reset()
-        concurrent.futures.wait(list(self._offloads.results), timeout=self.config.store_timeout_s * 2)
+        wait_s = self.config.store_timeout_s * 2 if timeout_s is None else timeout_s
+        concurrent.futures.wait(list(self._offloads.results), timeout=wait_s)
         self._offloads.clear()
         self.layer_done_counter.reset()
         with self._lock:
@@ -558,21 +560,24 @@ class HylinkerLinker(UnifiedCacheLinker):
             concurrent.futures.wait(pending, timeout=self.config.drain_timeout_s)
         with contextlib.suppress(Exception):  # the last figures; a dead store must not stop close
             self._publish_metrics(force=True)
+        # everything after the drain shares one deadline: SGLang's scheduler waits for close()
+        # and is killed if it takes too long, and a dead master makes each store step slow
+        # (Mooncake's segment unmount RPC); what is left finishes in the background
+        budget_s = self.config.store_timeout_s + 5
+        deadline = time.monotonic() + budget_s
         try:
-            self.data.call_store(self.store.shutdown).result(timeout=self.store.policy.close_grace_s + 5)
+            self.data.call_store(self.store.shutdown).result(
+                timeout=min(self.store.policy.close_grace_s + 5, _left(deadline)))
         except Exception as exc:
             log.warning("HylinkerLinker: store shutdown: %r", exc)
-        self.reset()
+        self.reset(timeout_s=_left(deadline))
         self._closed = True
-        # the store client's own close may wait on a dead master (Mooncake's segment unmount
-        # RPC): the scheduler thread waits at most store_timeout_s + 5, the rest finishes in
-        # the background
         closer = threading.Thread(target=self.data.close, name="hylinker-close", daemon=True)
         closer.start()
-        closer.join(timeout=self.config.store_timeout_s + 5)
+        closer.join(timeout=_left(deadline))
         if closer.is_alive():
             log.warning("HylinkerLinker: the store is still closing after %.1f s; not waiting",
-                        self.config.store_timeout_s + 5)
+                        budget_s)
         log.info("HylinkerLinker closed: %s", dict(self._c))
 
     def statistics(self) -> SGLangLinkerStatistics:
@@ -587,6 +592,11 @@ class HylinkerLinker(UnifiedCacheLinker):
         res = self.store.resilience()
         out.update({f"store_{name}": int(getattr(res, name)) for name in STORE_COUNTS})
         return SGLangLinkerStatistics(**out)
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``), never negative."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _ok(future: concurrent.futures.Future[TransferOutcome]) -> bool:
