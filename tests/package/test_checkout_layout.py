@@ -65,3 +65,27 @@ def test_another_checkout_is_named_with_the_fix(tmp_path: Path) -> None:
     (other / "pyproject.toml").write_text('[project]\nname = "other"\n', encoding="utf-8")
     assert checkout_root(other) == tmp_path
     assert foreign_import(Path("/")) is None
+
+
+#: the tracked top-level entries, each with its reason in docs/structure.md ("The tree, and why")
+TOP_LEVEL = {
+    "runtime", "components", "stores", "tests", "tools", "pyproject.toml", "Justfile",  # the brief's
+    "__init__.py", "__main__.py", "py.typed",  # the root is the package
+    "integrations", "testing",  # the engine plugins and the public test kit
+    "README.md", "LICENSE", "NOTICE", "CHANGELOG.md",  # the release files
+    "docs", ".ci", ".gitignore",
+}
+
+
+def test_the_top_level_is_the_documented_list() -> None:
+    import subprocess
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    tracked = {line.split("/", 1)[0] for line in out.splitlines() if line}
+    assert tracked == TOP_LEVEL, (sorted(tracked - TOP_LEVEL), sorted(TOP_LEVEL - tracked))
+    documented = (ROOT / "docs" / "structure.md").read_text(encoding="utf-8")
+    assert f"holds {len(TOP_LEVEL)} tracked entries" in documented
+    for name in TOP_LEVEL:
+        assert f"`{name}" in documented, name
