@@ -7,7 +7,7 @@ recompute). Each point is one ``hylinker stress`` run at ``--kv-pages N`` of one
 seed; the table and the plot show the share of the infinite-cache bound each point reached,
 beside the losses that explain it: offloads skipped by KV backpressure, loads with no pages,
 loads that waited for pages, and offloads skipped because host staging was full (``n/a`` until
-the two-stage offload exists, docs/design/runtime.md, "Two-stage offload").
+the two-stage offload exists, docs/design/host-staging.md).
 
 Why a study and not ``hylinker plan``: the plan is a model of two LRU caches with no concurrency
 and no offload in flight, and these losses exist only because offloads and requests overlap in
@@ -95,10 +95,9 @@ def plot_pool_sweep(path: str, rows: Sequence[Mapping[str, Any]], *, title: str 
             err = [[p["of_bound"] - p["of_bound_min"] for p in mine], [p["of_bound_max"] - p["of_bound"] for p in mine]]
             left.errorbar(x, y, yerr=err, fmt="o" + styles[si % len(styles)], color=colors[wi % len(colors)],
                           capsize=4, label=label)
-            for key, (color, what) in drawn.items():
+            for key, (color, _) in drawn.items():
                 values = [p[key] if isinstance(p[key], (int, float)) else np.nan for p in mine]
-                right.plot(x, values, styles[si % len(styles)], marker="os^v"[wi % 4], color=color,
-                           label=f"{what} ({label})")
+                right.plot(x, values, styles[si % len(styles)], marker="os^v"[wi % 4], color=color)
     kv_ticks = sorted({p["kv_pages"] for p in pts})
     for ax in (left, right):
         ax.set_xscale("log", base=2)
@@ -112,8 +111,16 @@ def plot_pool_sweep(path: str, rows: Sequence[Mapping[str, Any]], *, title: str 
     left.set_title("share of the bound against the device pool")
     right.set_ylabel("count per run (mean over seeds)")
     right.set_title("losses per point (staging full: n/a until host staging)")
-    legend_below(left, columns=3)
-    legend_below(right, columns=2, fontsize=8)
+    legend_below(left, columns=2)
+    # the right panel's key: a colour per loss, a marker per workload, a line style per series
+    from matplotlib.lines import Line2D
+
+    key = [Line2D([], [], color=color, label=what) for color, what in drawn.values()]
+    key += [Line2D([], [], color="black", marker="os^v"[wi % 4], linestyle="none", label=w)
+            for wi, w in enumerate(workloads)]
+    key += [Line2D([], [], color="black", linestyle=styles[si % len(styles)], label=name)
+            for si, name in enumerate(series) if name]
+    right.legend(handles=key, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False, fontsize=8)
     fig.savefig(path, format="png", dpi=100)
     return fig
 

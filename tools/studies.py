@@ -96,7 +96,12 @@ def _positive_list(unit: str) -> Any:
 
 
 _capacities = _positive_list("MiB")
-_counts = _positive_list("page counts")
+def _pool_sizes(text: str) -> list[int | None]:
+    """device-pool: page counts, or ``derived`` (None: the stress tool's pools for the workload)."""
+    sizes: list[int | None] = []
+    for part in text.split(","):
+        sizes.extend([None] if part.strip() == "derived" else _positive_list("page counts or derived")(part))
+    return sizes
 
 
 def _seeds(text: str) -> list[int]:
@@ -115,9 +120,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                     help=f"admission: policies to compare (default: {','.join(POLICIES)})")
     st.add_argument("--evictions", type=_names(EVICTION_POLICIES), default=list(EVICTION_POLICIES),
                     metavar="NAME,...", help=f"eviction: orders to compare (default: {','.join(EVICTION_POLICIES)})")
-    st.add_argument("--kv-pages-list", type=_counts, default=list(DEFAULT_KV_PAGES), metavar="N,...",
-                    help="device-pool: device KV pool sizes in pages (default: "
-                         f"{','.join(map(str, DEFAULT_KV_PAGES))})")
+    st.add_argument("--kv-pages-list", type=_pool_sizes, default=list(DEFAULT_KV_PAGES), metavar="N,...",
+                    help="device-pool: device KV pool sizes in pages, or derived (the stress tool's "
+                         f"pools for the workload) (default: {','.join(map(str, DEFAULT_KV_PAGES))})")
     st.add_argument("--seeds", type=_seeds, default=[0], metavar="N,...",
                     help="device-pool: a run per seed at each point (default: 0)")
     st.add_argument("--workloads", type=_names(WORKLOADS), default=list(WORKLOADS), metavar="NAME,...",
@@ -205,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         s = anyio.run(run_stress, args, workloads[key]).summary
         label = {("capacity_mb" if k == "store_capacity_mb" else k): v for k, v in variant.items()}
+        if "kv_pages" in label:  # derived: the size the run chose
+            label["kv_pages"] = s["kv_pages"]
         row = stress_row(s, **label)
         rows.append(pool_row(s, row) if args.study == "device-pool" else row)
         bounds.setdefault(f"{len(workloads[key]):,} requests of {key[0]}", row["bound_hit_rate"])

@@ -87,6 +87,7 @@ def test_the_device_pool_points_average_the_seeds_of_each_series() -> None:
 
 
 def test_a_bad_page_list_is_one_line() -> None:
+    assert _study_parser().parse_args(["device-pool", "--kv-pages-list", "derived,512"]).kv_pages_list == [None, 512]
     with pytest.raises(SystemExit) as exc:
         cli.main(["study", "device-pool", "--kv-pages-list", "512,0"])
     assert exc.value.code == 2
