@@ -303,7 +303,7 @@ class Linker:
         """PREPARE (allocate rows/slot, evicting if short) and queue the reads.
 
         Returns ``None`` — a plain miss, the request recomputes — when the store has
-        nothing for this request or allocation fails.
+        nothing for this request or allocation fails (after waiting ``load_wait_s`` for pages).
         """
         return await self.restores.load(req)
 

@@ -89,7 +89,7 @@ class RestoreRoom(LinkerRoom):
         """PREPARE (allocate rows/slot, evicting if short) and queue the reads.
 
         Returns ``None`` — a plain miss, the request recomputes — when the store has
-        nothing for this request or allocation fails.
+        nothing for this request or allocation fails (after waiting ``load_wait_s`` for pages).
         """
         self.ctx.check_open(req)
         if not req.looked_up:
