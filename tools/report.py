@@ -251,6 +251,7 @@ LOSS_COLUMNS: tuple[tuple[str, str], ...] = (
     ("never_fit", "never fit"),
     ("rejected", "rejected"),
     ("load_misses", "load miss"),
+    ("load_waits", "load wait"),  # loads that waited for pages (not a loss unless also a miss)
     ("dropped_loads", "load drop"),
     ("partial_pages_lost", "pages lost"),  # by partial loads
     ("offloads_skipped_mamba", "skip mamba"),  # offloads skipped: state backpressure
@@ -346,6 +347,8 @@ def format_stress_summary(s: Mapping[str, Any]) -> str:
          "value": f"{s['alloc_retries']} / {s['alloc_failures']} / {s['never_fit']} / {s['rejected']}"},
         {"metric": "loads: allocation misses / dropped -> recomputed",
          "value": f"{s['load_misses']} / {s['dropped_loads']}"},
+        {"metric": "loads that waited for pages (of them recomputed)",
+         "value": f"{s.get('load_waits', 0)} ({s.get('load_waits_recomputed', 0)})"},
         {"metric": "states waiting for their offload, most at once / state slots",
          "value": f"{s.get('states_pending_offload_peak', 0)} / {s['mamba_slots']}"},
         {"metric": "offloads (skipped / dropped / failed)",

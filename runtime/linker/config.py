@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from ...stores.config_rules import positive, share
+from ...stores.config_rules import non_negative, positive, share
 from ...stores.framing import Integrity
 from ...stores.resilient import ResiliencePolicy
 
@@ -70,6 +70,11 @@ class LinkerConfig:
     #: ``close()`` waits this long for queued offloads before it stops the store's retries and
     #: cancels calls still in flight (after ``resilience.close_grace_s``)
     close_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    #: a load that finds no free pages (rows, a state slot) waits up to this long for them while
+    #: offloads in flight or other requests hold pages that will come back, instead of recomputing
+    #: a prefix whose prefill would need the same pages; past it the load is a plain miss
+    #: (``load_waits_recomputed``). 0: never wait (docs/design/phases.md, "LOAD")
+    load_wait_s: float = attrs.field(default=1.0, validator=non_negative())
     #: a hybrid load also reads up to this many states at shallower boundaries the probe found,
     #: so a failed object above one of them still leaves that prefix restorable
     fallback_states: int = attrs.field(default=2, validator=attrs.validators.ge(0))

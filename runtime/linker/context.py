@@ -47,6 +47,7 @@ class LinkerContext:
     prefill_tokens_per_s: Callable[[], float | None]  # the engine's prefill rate (given or observed)
     running: Callable[[], bool]  # the linker's task group is open
     spawn: Callable[..., Any]  # start fn(*args) in the linker's task group (only while running)
+    holders: Callable[[], int]  # open requests + offloads in flight (what may still give pages back)
 
     @property
     def page(self) -> int:

@@ -150,7 +150,7 @@ class Linker:
             "bad_objects_removed", "bad_objects_rewritten", "failed_objects_kept", "close_timeouts", "partial_loads", "partial_pages_lost",
             "offloads_skipped_breaker", "rank_shortened_lookups", "rank_shortened_loads",
             "rank_unsettled_offloads", "lookup_hits", "declined_lookups", "declined_hit_tokens",
-            "decline_probes", "stored_tokens")}
+            "decline_probes", "stored_tokens", "load_waits", "load_waits_recomputed")}
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         # the rooms: each phase's rules live in one of them; the linker checks and delegates
         #: what the rooms share (runtime/linker/context.py): they reach the linker only through it
@@ -159,7 +159,8 @@ class Linker:
             data=self.data, store=self.store, agreement=self.agreement, counters=self._c,
             check_open=self._check_open,
             move_lock=self._move_lock, ceiling_tokens=self.ceiling_tokens,
-            prefill_tokens_per_s=self.prefill_tokens_per_s, running=self._running, spawn=self._spawn)
+            prefill_tokens_per_s=self.prefill_tokens_per_s, running=self._running, spawn=self._spawn,
+            holders=self._holders)
         self.lookups = LookupRoom(self.context, self.toucher)  # LOOKUP + TOUCH (runtime/linker/lookup_room.py)
         self.restores = RestoreRoom(self.context)  # LOAD, COMMIT, ABORT, partial restores (runtime/linker/restore_room.py)
         #: offload planning, backpressure and settlement (runtime/linker/offload_room.py)
@@ -239,6 +240,10 @@ class Linker:
     def _running(self) -> bool:
         return self._tg is not None
 
+    def _holders(self) -> int:
+        """Open requests and offloads in flight: what may still give pages back."""
+        return len(self._requests) + self.offloads.in_flight
+
     def _check_running(self) -> None:
         if self._tg is None:
             raise PhaseError("the linker is not running: use `async with Linker(...)`")
@@ -298,7 +303,7 @@ class Linker:
         """PREPARE (allocate rows/slot, evicting if short) and queue the reads.
 
         Returns ``None`` — a plain miss, the request recomputes — when the store has
-        nothing for this request or allocation fails.
+        nothing for this request or allocation fails (after waiting ``load_wait_s`` for pages).
         """
         return await self.restores.load(req)
 

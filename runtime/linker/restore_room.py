@@ -20,6 +20,7 @@ from ..dataplane.plane import Transfer
 from ..dataplane.tickets import LoadTicket, TransferOutcome
 from ..dataplane.tracing import trace
 from .agreement import Boundaries
+from .context import LinkerContext
 from .request import LinkerRoom, PhaseError, Request
 
 _FRAME_FAULTS = frozenset(f.value for f in FrameFault)
@@ -79,12 +80,16 @@ class RestoreRoom(LinkerRoom):
     """LOAD, COMMIT and ABORT for the :class:`~hylinker.runtime.linker.facade.Linker` (its counters,
     tree, rules, data plane and store; a commit moves the request's lock through the linker)."""
 
+    def __init__(self, ctx: LinkerContext) -> None:
+        super().__init__(ctx)
+        self.waiting = 0  # loads waiting for pages now (LinkerConfig.load_wait_s)
+
 
     async def load(self, req: Request) -> LoadHandle | None:
         """PREPARE (allocate rows/slot, evicting if short) and queue the reads.
 
         Returns ``None`` — a plain miss, the request recomputes — when the store has
-        nothing for this request or allocation fails.
+        nothing for this request or allocation fails (after waiting ``load_wait_s`` for pages).
         """
         self.ctx.check_open(req)
         if not req.looked_up:
@@ -105,17 +110,14 @@ class RestoreRoom(LinkerRoom):
         n = req.store_pages
         t0 = time.perf_counter()
         self._c["loads"] += 1
-        rows = self.tree.try_alloc_rows(n)
-        slot: int | None = None
-        if rows is not None and self.layout.is_hybrid:
-            slot = self.tree.try_alloc_slot()
-            if slot is None:
-                self.tree.free_rows(rows)
-                rows = None
-        if rows is None:
+        got = self._allocate(n)
+        if got is None and self._may_wait(req, n):
+            got = await self._wait_for_pages(req, n)
+        if got is None:
             self._c["load_misses"] += 1
             trace("load.miss", request_id=req.id, reason="allocation", pages=n)
             return None
+        rows, slot = got
         handle = LoadHandle(self.page, req, n, rows, slot)
         if slot is not None:
             # fallback states at shallower boundaries the probe found: if an object above one
@@ -150,6 +152,68 @@ class RestoreRoom(LinkerRoom):
         trace("load.queued", request_id=req.id, pages=n, first_page=first, slot=slot,
               us=round((time.perf_counter() - t0) * 1e6))
         return handle
+
+    def _allocate(self, n: int) -> tuple[torch.Tensor, int | None] | None:
+        """Rows for ``n`` pages and (hybrid) a state slot, evicting if short; None: not now."""
+        rows = self.tree.try_alloc_rows(n)
+        if rows is None:
+            return None
+        if not self.layout.is_hybrid:
+            return rows, None
+        slot = self.tree.try_alloc_slot()
+        if slot is None:
+            self.tree.free_rows(rows)
+            return None
+        return rows, slot
+
+    def _may_wait(self, req: Request, n: int) -> bool:
+        """Whether a load that found no pages should wait for them: waiting is on, this rank
+        loads alone (several ranks take every allocation in the same order, never waiting), the
+        pool could ever hold the load beside the request's own prefix, and someone that is not
+        itself waiting (an open request, an offload in flight) may still give pages back. The
+        recompute would need at least the same pages, so waiting for them costs nothing the
+        recompute would not."""
+        if self.config.load_wait_s <= 0 or self.agreement.collective:
+            return False
+        if req.prefix_pages + n > self.ctx.pools.kv.pages.capacity:
+            return False
+        return self._givers() - 1 > 0  # besides this request
+
+    def _givers(self) -> int:
+        """Open requests not waiting for pages, and offloads in flight."""
+        return self.ctx.holders() - self.waiting
+
+    async def _wait_for_pages(self, req: Request, n: int) -> tuple[torch.Tensor, int | None] | None:
+        """Wait (at most ``load_wait_s``) for ``n`` pages and a slot to come back; None: a miss.
+        The waiter holds nothing but its prefix's lock while it waits; it tries again at every
+        unlock or free, and gives up as soon as only waiters are left (no one else can give
+        anything back), at the limit, or when the request or the linker closes."""
+        self._c["load_waits"] += 1
+        self.waiting += 1
+        t0 = time.perf_counter()
+        trace("load.wait", request_id=req.id, pages=n)
+        got: tuple[torch.Tensor, int | None] | None = None
+        ended = "limit"
+        try:
+            with anyio.move_on_after(self.config.load_wait_s):
+                while got is None:
+                    await self.tree.released()
+                    try:
+                        self.ctx.check_open(req)
+                    except PhaseError:  # released, or the linker is closing
+                        ended = "closing"
+                        break
+                    got = self._allocate(n)
+                    if got is None and self._givers() == 0:  # this request waits too
+                        ended = "no_holders"
+                        break
+        finally:
+            self.waiting -= 1
+        if got is None:
+            self._c["load_waits_recomputed"] += 1
+        trace("load.waited", request_id=req.id, pages=n, served=got is not None,
+              ended=None if got is not None else ended, us=round((time.perf_counter() - t0) * 1e6))
+        return got
 
     async def _agree(self, req: Request, handle: LoadHandle | None) -> LoadHandle | None:
         """LOAD across ranks: wait for this rank's reads, offer every prefix they (and the

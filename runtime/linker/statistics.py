@@ -48,6 +48,8 @@ class LinkerStatistics:
     declined_hit_tokens: int = 0  # store hit tokens those lookups gave up
     decline_probes: int = 0  # hits taken though declined, after decline_probe_every declines in a row
     stored_tokens: int = 0  # prompt tokens whose KV pages an offload settled as stored
+    load_waits: int = 0  # loads that found no free pages and waited for them (LinkerConfig.load_wait_s)
+    load_waits_recomputed: int = 0  # of those, the wait ended without pages (limit, nothing left to free): a miss
 
 
 def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
@@ -59,6 +61,10 @@ def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
         ("hit_tokens", "store"): s.store_hit_tokens,
         ("declined_hit_tokens",): s.declined_hit_tokens,
         ("stored_tokens",): s.stored_tokens,
+        # exported once the family exists in runtime/dataplane/metrics.py (figures of unknown
+        # families are left out by the exporter)
+        ("load_waits", "served"): s.load_waits - s.load_waits_recomputed,
+        ("load_waits", "recomputed"): s.load_waits_recomputed,
         ("objects_skipped", "mamba_backpressure"): s.offloads_skipped_mamba,
         ("objects_skipped", "kv_backpressure"): s.offloads_skipped_kv,
         ("objects_skipped", "store_latency"): s.offloads_dropped,

@@ -10,6 +10,7 @@ inspect it).
 
 from __future__ import annotations
 
+import anyio
 import torch
 
 from ...components.eviction import EvictionPolicy
@@ -28,6 +29,9 @@ class TreeWriter:
         self.layout = layout
         self.pools = pools
         self.tree = RadixTree(layout, pools, seed_key, eviction)
+        #: set (and dropped) when a lock is let go or rows or a slot are freed: what a load that
+        #: found no pages waits for (made lazily: a writer may be built outside an event loop)
+        self._released: anyio.Event | None = None
 
     # ---- tree ----------------------------------------------------------------------
     def match(self, keys: list[bytes]) -> MatchResult:
@@ -41,6 +45,19 @@ class TreeWriter:
 
     def unlock(self, node: Node) -> None:
         self.tree.unlock(node)
+        self._note_released()
+
+    # ---- waiting for pages (a load that found none) -------------------------------------
+    def _note_released(self) -> None:
+        if self._released is not None:
+            released, self._released = self._released, None
+            released.set()
+
+    async def released(self) -> None:
+        """Return at the next unlock or free (pages or a slot may have become available)."""
+        if self._released is None:
+            self._released = anyio.Event()
+        await self._released.wait()
 
     # ---- reads and whole-tree operations (the linker never reaches past this class) ------
     @property
@@ -89,6 +106,7 @@ class TreeWriter:
     def free_rows(self, rows: torch.Tensor) -> None:
         if rows.numel():
             self.pools.kv.free_rows(rows)
+            self._note_released()
 
     def try_alloc_slot(self) -> int | None:
         if self.pools.mamba is None:
@@ -107,3 +125,4 @@ class TreeWriter:
     def free_slot(self, slot: int) -> None:
         assert self.pools.mamba is not None
         self.pools.mamba.slots.free([slot])
+        self._note_released()

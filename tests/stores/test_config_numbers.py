@@ -37,7 +37,8 @@ ENGINES = [VllmConnectorConfig, SGLangLinkerConfig]
 #: float fields where 0 means something (no wait, no backoff, no jitter, no fault)
 ZERO_ALLOWED = {"drain_timeout_s", "retry_backoff_ms", "backoff_s", "backoff_max_s", "jitter",
                 "close_grace_s", "fail", "unavailable", "timeout", "torn", "corrupt", "vanish",
-                "corrupt_first_read", "latency_ms", "jitter_ms", "deadline_ms"}
+                "corrupt_first_read", "latency_ms", "jitter_ms", "deadline_ms",
+                "load_wait_s"}  # LinkerConfig: 0, a load never waits for pages
 #: what JSON reads, written as JSON text
 NON_FINITE = ["NaN", "Infinity", "-Infinity"]
 

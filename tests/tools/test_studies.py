@@ -48,3 +48,46 @@ def test_a_bad_capacity_list_is_one_line() -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["study", "sweep", "--capacities-mb", "64,0"])
     assert exc.value.code == 2
+
+
+def test_the_device_pool_sweep_runs_each_workload_pool_and_seed(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "pools.json", tmp_path / "pools.png"
+    assert cli.main(["study", "device-pool", "--requests", "20", "--synthetic-scale", "0.05",
+                     "--kv-pages-list", "4096,512", "--seeds", "0", "--json", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [(r["workload"], r["kv_pages"], r["seed"]) for r in data["rows"]] == [
+        ("agentic", 4096, 0), ("agentic", 512, 0), ("mooncake", 4096, 0), ("mooncake", 512, 0)]
+    for row in data["rows"]:
+        assert {"of_bound", "offloads_skipped_kv", "load_misses", "load_waits", "load_waits_recomputed"} <= set(row)
+        assert row["host_staging_full"] == "n/a"  # no host staging yet
+        assert row["mismatches"] == 0 and row["leaks"] == 0
+    assert [(p["workload"], p["kv_pages"], p["runs"]) for p in data["points"]] == [
+        ("agentic", 4096, 1), ("agentic", 512, 1), ("mooncake", 4096, 1), ("mooncake", 512, 1)]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert max(len(line) for line in printed.splitlines() if not line.startswith("wrote ")) <= 100, printed
+    assert "per point" in printed and "stg full" in printed
+
+
+def test_the_device_pool_points_average_the_seeds_of_each_series() -> None:
+    from hylinker.tools.pool_sweep import points
+
+    def row(kv: int, ratio: float, skipped: int, series: str = "") -> dict[str, object]:
+        return {"series": series, "workload": "agentic", "kv_pages": kv, "of_bound": ratio,
+                "offloads_skipped_kv": skipped, "load_misses": 0, "load_waits": 2, "load_waits_recomputed": 0,
+                "host_staging_full": "n/a"}
+
+    got = points([row(256, 0.6, 10), row(256, 0.8, 20), row(4096, 1.0, 0), row(256, 0.5, 30, series="before")])
+    assert [(p["series"], p["kv_pages"]) for p in got] == [("", 4096), ("", 256), ("before", 256)]
+    p = got[1]
+    assert (p["runs"], p["of_bound"], p["of_bound_min"], p["of_bound_max"]) == (2, 0.7, 0.6, 0.8)
+    assert (p["offloads_skipped_kv"], p["host_staging_full"]) == (15.0, "n/a")
+
+
+def test_a_bad_page_list_is_one_line() -> None:
+    assert _study_parser().parse_args(["device-pool", "--kv-pages-list", "derived,512"]).kv_pages_list == [None, 512]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["study", "device-pool", "--kv-pages-list", "512,0"])
+    assert exc.value.code == 2

@@ -432,6 +432,10 @@ class StressRun:
             "never_fit": self.c["never_fit"],
             "rejected": self.c["rejected"],
             "load_misses": stats.load_misses,
+            # loads that found no pages and waited for them (LinkerConfig.load_wait_s); those that
+            # still found none are in load_misses too
+            "load_waits": stats.load_waits,
+            "load_waits_recomputed": stats.load_waits_recomputed,
             "checkpoints_donated": self.c["checkpoints_donated"],
             "states_stored": pool_stats[PoolKind.MAMBA.value].objects_offloaded if PoolKind.MAMBA.value in pool_stats else 0,
             "leaked_rows": leaks["leaked_rows"],
