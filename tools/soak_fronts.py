@@ -233,6 +233,30 @@ async def linker_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> 
             "eviction_memory_dropped": getattr(inner.evictions_memory, "dropped", None)}
 
 
+class RestartSchedule:
+    """The store restarts of a front that serves from its own loop (sglang, vllm): call
+    :meth:`step` between requests; every ``restart_every_s`` an outage of ``outage_s`` in which
+    every call is refused, then the store comes back empty (``empty`` removes its keys)."""
+
+    def __init__(self, store: FaultyStore, empty: Callable[[], object], opts: SoakOptions, stop_at: float) -> None:
+        self.store, self.empty, self.opts, self.stop_at = store, empty, opts, stop_at
+        self.plan = store.plan
+        self.next_at = time.monotonic() + opts.restart_every_s if opts.restart_every_s else float("inf")
+        self.back_at = float("inf")
+        self.restarts = 0
+
+    def step(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_at and now + self.opts.outage_s < self.stop_at:
+            self.store.replan(FaultPlan(unavailable=1.0))  # down: every call refused
+            self.back_at, self.next_at = now + self.opts.outage_s, now + self.opts.restart_every_s
+        elif now >= self.back_at:
+            self.empty()  # back, empty
+            self.store.replan(self.plan)
+            self.back_at = float("inf")
+            self.restarts += 1
+
+
 # ---- the data plane (issue 53's held-out soak) --------------------------------------------------
 
 def dataplane_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dict[str, Any]:
@@ -284,4 +308,4 @@ def dataplane_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dic
     return {"iterations": i, "failed_transfers": failed, "evictions": evictions, "rss_mib_at": rss_at}
 
 
-__all__ = ["MAX_TOKENS", "InFlight", "SoakOptions", "dataplane_front", "in_flight", "linker_front"]
+__all__ = ["MAX_TOKENS", "InFlight", "RestartSchedule", "SoakOptions", "dataplane_front", "in_flight", "linker_front"]

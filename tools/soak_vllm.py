@@ -25,9 +25,8 @@ import attrs
 import numpy as np
 
 from ..stores.embedded import EmbeddedStore
-from ..stores.fault_plan import FaultPlan
 from ..stores.faulty import FaultyStore
-from .soak_fronts import SoakOptions
+from .soak_fronts import RestartSchedule, SoakOptions
 from .soak_measure import Sampler
 
 #: vLLM's block (tokens); the hybrid model's state is checkpointed at block boundaries
@@ -89,7 +88,6 @@ def _serve(llm: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float) -> di
     assert isinstance(faulty, FaultyStore), "the fault plan wraps the worker's store"
     inner = faulty.inner
     assert isinstance(inner, EmbeddedStore)
-    plan = faulty.plan
     one = SamplingParams(max_tokens=1, temperature=0.0)
     rng = np.random.default_rng(opts.seed)
     systems = [[int(t) for t in np.random.default_rng([opts.seed, 1000 + i]).integers(10, 300, size=400)]
@@ -111,20 +109,12 @@ def _serve(llm: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float) -> di
                 "diag_kib": inner.evictions_memory.bytes / 1024}
 
     stop_at = time.monotonic() + opts.seconds
-    next_restart = time.monotonic() + opts.restart_every_s if opts.restart_every_s else float("inf")
-    back_at = float("inf")
+    restarts = RestartSchedule(faulty, lambda: host.portal.call(inner.remove, inner.lru_keys()), opts, stop_at)
     warm = False
     turn = 0
     while time.monotonic() < stop_at:
-        now = time.monotonic()
-        if now >= next_restart and now + opts.outage_s < stop_at:
-            faulty.replan(FaultPlan(unavailable=1.0))  # down: every call refused
-            back_at, next_restart = now + opts.outage_s, now + opts.restart_every_s
-        elif now >= back_at:
-            host.portal.call(inner.remove, inner.lru_keys())  # back, empty
-            faulty.replan(plan)
-            back_at = float("inf")
-            counts["restarts"] += 1
+        restarts.step()
+        counts["restarts"] = restarts.restarts
         i = turn % CONVERSATIONS
         turn += 1
         new = [int(t) for t in rng.integers(10, 300, size=int(rng.integers(100, MAX_TURN)))]
