@@ -5,9 +5,11 @@ Every few seconds (:class:`Sampler`) the process's resident memory, its Python h
 threads and open descriptors, and what the front reports (asyncio tasks, pool occupancy, store
 objects, the eviction memory's bytes) are sampled against time. After the warm-up, a metric
 *grew* when the median of the last fifth of the samples exceeds the median of the first fifth by
-more than its tolerance (:data:`TOLERANCES`; a front adds those bounded by what it keeps in
-flight: asyncio tasks, pool pages held, the eviction memory's budget). The samples are the only history: a long soak halves them (every
-other one dropped) when they reach :data:`MAX_SAMPLES`, so a soak of weeks stays flat itself.
+more than its tolerance (:data:`TOLERANCES`; a front adds its own: asyncio tasks beyond what it
+has in flight, pages and locks that its work in flight does not account for, the eviction
+memory's budget); a metric without a tolerance is plotted, not checked. The samples are the
+only history: a long soak halves them (every other one dropped) when they reach
+:data:`MAX_SAMPLES`, so a soak of weeks stays flat itself.
 """
 
 from __future__ import annotations

@@ -104,12 +104,25 @@ def _serve(llm: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float) -> di
                 "tasks_beyond_in_flight": float(tasks - in_flight),
                 # the scheduler's per-request state: the live requests only (one at a time here)
                 "requests_tracked": float(len(scheduler._requests) + len(scheduler._pending)),
-                "index_held": float(scheduler.lookup.held(0)),
+                # the scheduler's index of the worker's store: what the store holds, plus the
+                # names of saves and evictions not reported yet (the last request's)
+                "index_beyond_store": float(scheduler.lookup.held(0) - inner.statistics().objects),
                 "store_objects": float(inner.statistics().objects),
                 "diag_kib": inner.evictions_memory.bytes / 1024}
 
     stop_at = time.monotonic() + opts.seconds
-    restarts = RestartSchedule(faulty, lambda: host.portal.call(inner.remove, inner.lru_keys()), opts, stop_at)
+    def empty() -> None:
+        # a restarted worker's embedded store comes back empty under a new incarnation, and the
+        # scheduler's index forgets it; here the process stays, so the worker reports the keys
+        # removed as it reports evictions
+        async def gone() -> None:  # on the store's loop, as its eviction listener runs
+            keys = inner.lru_keys()
+            await inner.remove(keys)
+            worker._transfers.note_evicted(keys)
+
+        host.portal.call(gone)
+
+    restarts = RestartSchedule(faulty, empty, opts, stop_at)
     warm = False
     turn = 0
     while time.monotonic() < stop_at:

@@ -25,6 +25,7 @@ def test_vllm_soak_keeps_nothing_per_request(tmp_path: Path, capsys: pytest.Capt
     assert s["connector"].get("loads", 0) > 0 and s["cached"] > 0, json.dumps(s)  # the store served restores
     samples = result["samples"]
     assert all(x["requests_tracked"] <= 1 for x in samples), text  # one request at a time, then forgotten
+    assert all(x["index_beyond_store"] <= 32 for x in samples), text  # the index follows the store
     assert max(x["tasks_beyond_in_flight"] for x in samples) - min(x["tasks_beyond_in_flight"] for x in samples) <= 1
     assert max(x["threads"] for x in samples[1:]) == min(x["threads"] for x in samples[1:]), text
     assert max(x["fds"] for x in samples[1:]) == min(x["fds"] for x in samples[1:]), text
