@@ -49,7 +49,7 @@ class Node:
     rows: torch.Tensor
     start_page: int  # pages from the root to this node's first page
     id: int
-    children: dict[bytes, Node] = attrs.field(factory=dict)
+    children: dict[bytes, Node] = attrs.field(factory=dict)  # bounded: nodes hold pool pages; eviction frees them
     mamba_slot: int | None = None
     lock: int = 0
     mamba_lock: int = 0

@@ -33,6 +33,7 @@ from ..stores.host_bytes import one_openmp_thread
 from ..stores.resilient import CircuitBreaker, ResiliencePolicy
 from .config import PluginConfig
 
+#: bounded: one per distinct plugin configuration open in this process, removed when it closes
 _HOSTS: dict[PluginConfig, StoreHost] = {}
 _HOSTS_LOCK = threading.Lock()
 

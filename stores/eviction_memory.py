@@ -79,7 +79,7 @@ class EvictionMemory:
     def __init__(self, clock: Callable[[], float], budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self._clock = clock
         self.budget_bytes = check_budget(budget_bytes)
-        self._evicted: OrderedDict[str, float] = OrderedDict()
+        self._evicted: OrderedDict[str, float] = OrderedDict()  # bounded: by budget_bytes, oldest first out
         self._key_bytes = 0
         self._sample_bytes = 0
         self._random = random.Random(0)  # the reservoir's draws: the same run, the same sample

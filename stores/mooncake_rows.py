@@ -85,7 +85,7 @@ class HeaderArenas:
     def __init__(self, batches: MooncakeBatches) -> None:
         self._batches = batches
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []  # bounded: arenas made, at most the calls ever in flight at once
         self.registered = 0  # arenas registered so far (for tests and diagnostics)
 
     def take(self, n: int) -> torch.Tensor:

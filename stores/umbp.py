@@ -210,7 +210,7 @@ class UmbpStore:
         self._max_object_pages = object_pages_limit(capacity_bytes)
         self._max_workers = max_workers
         self._limiter: anyio.CapacityLimiter | None = None
-        self._regions: list[tuple[int, torch.Tensor]] = []
+        self._regions: list[tuple[int, torch.Tensor]] = []  # bounded: registered buffers, dropped on unregister
         self._capabilities = StoreCapabilities(name=name, touch=True, remove=False, zero_copy=True)
         self._calls = InflightCalls(name)
         self._stats = new_counters()

@@ -60,15 +60,14 @@ class SoakOptions:
     restart_every_s: float = 120.0
     outage_s: float = 3.0
     seed: int = 0
+    #: linker: requests started per second, all workers together (constant traffic: a host
+    #: that gets faster must not raise the load and with it the offloads in flight); 0: as
+    #: fast as the workers go
+    rate: float = 30.0
 
     @property
     def seconds(self) -> float:
         return self.minutes * 60
-
-
-def held_pages_per_request() -> int:
-    """The most KV pages one of the Linker front's requests holds (its prompt's)."""
-    return -(-(MAX_TOKENS + MAX_TURN) // PAGE)
 
 
 def _stop_at(opts: SoakOptions) -> float:
@@ -87,13 +86,21 @@ class _Counts:
 
 
 async def _conversations(linker: Linker, content: SyntheticContent, worker: int, stop_at: float,
-                         counts: _Counts, seed: int) -> None:
+                         counts: _Counts, opts: SoakOptions) -> None:
+    seed = opts.seed
     rng = np.random.default_rng([seed, worker])
+    # constant traffic: this worker's requests start every `period` s (staggered across workers);
+    # a worker that falls behind starts its next at once and does not catch up in a burst
+    period = opts.concurrency / opts.rate if opts.rate > 0 else 0.0
+    next_at = time.monotonic() + period * worker / opts.concurrency
     systems = [np.random.default_rng([seed, 1000 + i]).integers(1, 30000, size=96).astype(np.int32)
                for i in range(SYSTEM_PROMPTS)]
     histories = [systems[i % SYSTEM_PROMPTS] for i in range(8)]  # this worker's conversations
     turn = 0
     while time.monotonic() < stop_at:
+        if period:
+            await anyio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at = max(next_at + period, time.monotonic())
         i = turn % len(histories)
         turn += 1
         new = rng.integers(1, 30000, size=int(rng.integers(16, MAX_TURN))).astype(np.int32)
@@ -151,6 +158,27 @@ async def _sampling(sampler: Sampler, probe: Callable[[], dict[str, float]], don
         await anyio.sleep(min(sampler.interval_s, max(0.0, stop_at - time.monotonic())))
 
 
+@attrs.frozen
+class InFlight:
+    pages: int  # KV pages of locked tree nodes plus the open requests' own rows
+    stray_locks: int  # node locks that no open request and no offload in flight holds
+
+
+def in_flight(linker: Linker) -> InFlight:
+    """What the Linker's work in flight holds: every lock is an open request's (one, on the
+    node it stands on) or an offload's (one per node it sends); anything beyond is a leak."""
+    locked_pages = locks = 0
+    for n in linker.tree.tree.nodes():
+        if n.lock:
+            locked_pages += len(n.keys)
+        locks += n.mamba_lock
+    requests = list(linker._requests.values())
+    own = sum(r.rows.numel() // linker.page - r.prefix_pages for r in requests)
+    own += sum(r.load.rows.numel() // linker.page for r in requests if r.load is not None and not r.load.finished)
+    request_locks = sum(not r.node.is_root for r in requests)
+    return InFlight(locked_pages + own, locks - request_locks - linker.offloads.locked_nodes)
+
+
 async def linker_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dict[str, Any]:
     layout = small_hybrid_layout(page_size=PAGE, chunk_size=PAGE)
     pools = HybridPools(layout, kv_pages=opts.kv_pages, mamba_slots=64)
@@ -161,26 +189,41 @@ async def linker_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> 
     stop_at = _stop_at(opts)
 
     def probe() -> dict[str, float]:
-        return {"tasks": float(len(asyncio.all_tasks())),
+        tasks = len(asyncio.all_tasks())
+        held = pools.kv.pages.capacity - linker.tree.kv_headroom_pages()
+        flight = in_flight(linker)
+        return {"tasks": float(tasks), "offloads_in_flight": float(linker.offloads.in_flight),
+                # one settlement task per offload in flight; the rest is the runtime's own
+                "tasks_beyond_in_flight": float(tasks - linker.offloads.in_flight),
                 "pool_cached": float(pools.kv.pages.capacity - pools.kv.pages.num_free),
-                # pages no allocation could take: held by requests and offloads in flight
-                "pool_held": float(pools.kv.pages.capacity - linker.tree.kv_headroom_pages()),
+                # pages no allocation could take, and those that requests and offloads in
+                # flight account for (locked paths, the requests' own rows)
+                "pool_held": float(held), "pages_in_flight": float(flight.pages),
+                "pages_beyond_in_flight": float(held - flight.pages),
+                "locks_beyond_in_flight": float(flight.stray_locks),
                 "store_objects": float(inner.statistics().objects),
                 "diag_kib": inner.evictions_memory.bytes / 1024}
 
     async with Linker(layout, pools, store, LinkerConfig(staging_bytes_per_pool=1 << 20)) as linker:
         async with anyio.create_task_group() as tg:
             for w in range(opts.concurrency):
-                tg.start_soon(_conversations, linker, content, w, stop_at, counts, opts.seed)
+                tg.start_soon(_conversations, linker, content, w, stop_at, counts, opts)
             tg.start_soon(_sampling, sampler, probe, lambda: counts.requests, warmup_s, stop_at)
             if opts.restart_every_s > 0:
                 tg.start_soon(_restarts, store, inner, opts, stop_at, counts)
         await linker.drain()
         stats = linker.statistics()
         faults = store.statistics()
+        # after the traffic, nothing in flight: nothing may stay locked, leaked or open
+        try:
+            linker.check_idle()
+            idle = "yes"
+        except PoolError as exc:
+            idle = str(exc)
     prompt = max(1, stats.lookup_prompt_tokens)
     await store.close()
     return {"requests": counts.requests, "requests_per_s": round(counts.requests / opts.seconds, 1),
+            "rate": opts.rate, "idle_at_end": idle,
             "device_hit": round(stats.device_hit_tokens / prompt, 4),
             "store_hit": round(stats.store_hit_tokens / prompt, 4),
             "wrong_prefixes": counts.wrong_prefixes, "dropped_loads": stats.dropped_loads,
@@ -188,6 +231,30 @@ async def linker_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> 
             "restarts": counts.restarts, "evictions": faults.evictions, "failed_keys": faults.failed_keys,
             "timeouts": faults.timeouts, "unavailable_calls": faults.unavailable_calls,
             "eviction_memory_dropped": getattr(inner.evictions_memory, "dropped", None)}
+
+
+class RestartSchedule:
+    """The store restarts of a front that serves from its own loop (sglang, vllm): call
+    :meth:`step` between requests; every ``restart_every_s`` an outage of ``outage_s`` in which
+    every call is refused, then the store comes back empty (``empty`` removes its keys)."""
+
+    def __init__(self, store: FaultyStore, empty: Callable[[], object], opts: SoakOptions, stop_at: float) -> None:
+        self.store, self.empty, self.opts, self.stop_at = store, empty, opts, stop_at
+        self.plan = store.plan
+        self.next_at = time.monotonic() + opts.restart_every_s if opts.restart_every_s else float("inf")
+        self.back_at = float("inf")
+        self.restarts = 0
+
+    def step(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_at and now + self.opts.outage_s < self.stop_at:
+            self.store.replan(FaultPlan(unavailable=1.0))  # down: every call refused
+            self.back_at, self.next_at = now + self.opts.outage_s, now + self.opts.restart_every_s
+        elif now >= self.back_at:
+            self.empty()  # back, empty
+            self.store.replan(self.plan)
+            self.back_at = float("inf")
+            self.restarts += 1
 
 
 # ---- the data plane (issue 53's held-out soak) --------------------------------------------------
@@ -241,4 +308,4 @@ def dataplane_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dic
     return {"iterations": i, "failed_transfers": failed, "evictions": evictions, "rss_mib_at": rss_at}
 
 
-__all__ = ["MAX_TOKENS", "SoakOptions", "dataplane_front", "held_pages_per_request", "linker_front"]
+__all__ = ["MAX_TOKENS", "InFlight", "RestartSchedule", "SoakOptions", "dataplane_front", "in_flight", "linker_front"]

@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 from ..stores.embedded import EmbeddedStore
-from ..stores.fault_plan import FaultPlan
 from ..stores.faulty import FaultyStore
-from .soak_fronts import MAX_TOKENS, MAX_TURN, SYSTEM_PROMPTS, SoakOptions
+from .soak_fronts import MAX_TOKENS, MAX_TURN, SYSTEM_PROMPTS, RestartSchedule, SoakOptions
 from .soak_measure import Sampler
 
 PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang"}
@@ -53,7 +52,6 @@ def _serve(cache: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float) -> 
     assert isinstance(faulty, FaultyStore), "the fault plan wraps the plugin's store"
     inner = faulty.inner
     assert isinstance(inner, EmbeddedStore)
-    plan = faulty.plan
     rng = np.random.default_rng(opts.seed)
     systems = [list(np.random.default_rng([opts.seed, 1000 + i]).integers(1, 30000, size=96))
                for i in range(SYSTEM_PROMPTS)]
@@ -70,20 +68,13 @@ def _serve(cache: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float) -> 
                 "diag_kib": inner.evictions_memory.bytes / 1024}
 
     stop_at = time.monotonic() + opts.seconds
-    next_restart = time.monotonic() + opts.restart_every_s if opts.restart_every_s else float("inf")
-    back_at = float("inf")
+    restarts = RestartSchedule(faulty, lambda: linker.data.call_store(inner.remove, inner.lru_keys()).result(timeout=30),
+                               opts, stop_at)
     warm = False
     turn = 0
     while time.monotonic() < stop_at:
-        now = time.monotonic()
-        if now >= next_restart and now + opts.outage_s < stop_at:
-            faulty.replan(FaultPlan(unavailable=1.0))  # down: every call refused
-            back_at, next_restart = now + opts.outage_s, now + opts.restart_every_s
-        elif now >= back_at:
-            linker.data.call_store(inner.remove, inner.lru_keys()).result(timeout=30)  # back, empty
-            faulty.replan(plan)
-            back_at = float("inf")
-            counts["restarts"] += 1
+        restarts.step()
+        counts["restarts"] = restarts.restarts
         i = turn % CONVERSATIONS
         turn += 1
         new = list(rng.integers(1, 30000, size=int(rng.integers(16, MAX_TURN))))

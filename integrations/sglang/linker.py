@@ -170,7 +170,8 @@ class HylinkerLinker(UnifiedCacheLinker):
                                       self._metric_totals)
 
         self._lock = threading.Lock()  # counters and the restored set: scheduler and loop threads
-        self._c: collections.Counter[str] = collections.Counter()
+        self._c: collections.Counter[str] = collections.Counter()  # bounded: the names in COUNTERS
+        #: bounded: the last _RESTORED_MEMORY keys restored, oldest dropped first
         self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: objects a load of this plugin proved bad, by the key lookups probe: a lookup never
         #: offers them again, even where the store cannot remove them (UMBP) or the removal

@@ -152,6 +152,7 @@ class StoreIndex:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.ranks = ranks
+        # bounded by the ranks' stores: a name leaves when its rank reports it dropped (evicted)
         self._held: list[set[str]] = [set() for _ in range(ranks)]
         self._incarnation: list[str | None] = [None] * ranks
         self._pending: dict[str, set[int]] = {}  # name -> ranks whose outcome has not arrived

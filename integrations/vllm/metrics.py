@@ -129,10 +129,11 @@ class StatsReporter:
 
     def __init__(self) -> None:
         self._increments = Increments()
-        self._gauges: dict[str, float] = {}
+        self._gauges: dict[str, float] = {}  # bounded: one per gauge series (fixed label values)
+        # bounded: the latencies between two reports; report() starts a fresh one
         self._seconds: dict[str, list[float]] = collections.defaultdict(list)
         self._lock = threading.Lock()
-        self._watched: set[int] = set()
+        self._watched: set[int] = set()  # bounded: the data planes watched (one per worker)
         self._sent: set[tuple[str, ...]] = set()  # counters reported at least once
 
     def watch(self, plane: DataPlane) -> None:
@@ -205,7 +206,7 @@ class HylinkerPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._families: dict[str, Any] = {}
+        self._families: dict[str, Any] = {}  # bounded: VLLM_KEYS's families
         self._unknown: set[str] = set()  # families reported but not registered (logged once each)
         for key in VLLM_KEYS:
             f = FAMILY[key]

@@ -27,6 +27,7 @@ without the store (counted, logged), never under a key that could match another 
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
@@ -37,7 +38,10 @@ from .plan import BlockExtras, BlockKeys, UnkeyableRequest, encode_extra_keys, r
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-_ADAPTER_DIGESTS: dict[tuple[str, str], bytes] = {}
+#: bounded: the last ADAPTER_DIGESTS adapters' digests (a server that loads adapters for weeks
+#: recomputes an evicted one's on its next request)
+_ADAPTER_DIGESTS: collections.OrderedDict[tuple[str, str], bytes] = collections.OrderedDict()
+ADAPTER_DIGESTS = 1024
 
 
 def adapter_digest(name: str, path: str) -> bytes:
@@ -46,6 +50,7 @@ def adapter_digest(name: str, path: str) -> bytes:
     readable local directory."""
     known = _ADAPTER_DIGESTS.get((name, path))
     if known is not None:
+        _ADAPTER_DIGESTS.move_to_end((name, path))
         return known
     try:
         digest = directory_digest(path)
@@ -54,6 +59,8 @@ def adapter_digest(name: str, path: str) -> bytes:
     except OSError as exc:
         raise UnkeyableRequest(f"LoRA adapter {name!r}: cannot read {path!r}: {exc}") from exc
     _ADAPTER_DIGESTS[(name, path)] = digest
+    while len(_ADAPTER_DIGESTS) > ADAPTER_DIGESTS:
+        _ADAPTER_DIGESTS.popitem(last=False)
     return digest
 
 

@@ -188,6 +188,7 @@ class Increments:
     """Running totals -> what each grew by since the last :meth:`take` (never negative)."""
 
     def __init__(self) -> None:
+        # bounded: one per series, a family and its fixed label values (never per request or key)
         self._seen: dict[tuple[str, ...], float] = {}
 
     def take(self, totals: Mapping[tuple[str, ...], float]) -> Figures:
@@ -219,6 +220,7 @@ class _Held:
     claimed: set[str] = attrs.field(factory=set)
 
 
+#: bounded: the registries alive (weak keys: a registry collected takes its entry with it)
 _held: weakref.WeakKeyDictionary[Any, _Held] = weakref.WeakKeyDictionary()
 _held_lock = threading.Lock()
 

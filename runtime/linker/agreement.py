@@ -30,6 +30,7 @@ waits for its peers: one ``all_gather`` of a fixed 4 KiB slot per rank in the co
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import pickle
@@ -46,11 +47,35 @@ SLOT_BYTES = 4096
 _LEN_BYTES = 4
 _TOO_LARGE = (1 << 32) - 1
 
+#: round durations kept per (channel, phase) (:class:`RoundTimes`); older ones only counted
+ROUND_WINDOW = 4096
+
 #: how long a round waits for its peers before it fails (seconds; ``GlooAgreement.create``)
 DEFAULT_ROUND_TIMEOUT_S = 120.0
 
 Channel = Literal["requests", "offloads"]
 CHANNELS: tuple[Channel, ...] = ("requests", "offloads")
+
+
+class RoundTimes:
+    """One (channel, phase)'s round durations: a server agrees on every request for weeks, so
+    every round is counted and summed, and only the last ``window`` durations are kept."""
+
+    def __init__(self, window: int = ROUND_WINDOW) -> None:
+        self.count = 0
+        self.total_s = 0.0
+        self.max_s = 0.0
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        self.max_s = max(self.max_s, seconds)
+        self.recent.append(seconds)
+
+    def since(self, count: int) -> list[float]:
+        """The durations of the rounds after the first ``count`` that are still kept."""
+        return list(self.recent)[max(0, len(self.recent) - (self.count - count)):]
 
 
 class AgreementError(RuntimeError):
@@ -67,11 +92,13 @@ class Agreement:
     rank: int = 0
     size: int = 1
 
-    def __init__(self) -> None:
-        #: seconds each round took, per (channel, phase): the cost of agreeing. Unbounded: one
-        #: float per round (tools read every one); a TP server running for weeks needs a streaming
-        #: summary here (issue 53 audit, left to the owner)
-        self.round_seconds: dict[tuple[str, str], list[float]] = {}
+    def __init__(self, *, round_window: int = ROUND_WINDOW) -> None:
+        if round_window < 1:
+            raise ValueError(f"round_window must be >= 1, got {round_window}")
+        self._round_window = round_window
+        #: what each round cost, per (channel, phase): every round counted and summed, the
+        #: last ``round_window`` durations kept (bounded: the phases are a fixed set of names)
+        self.round_seconds: dict[tuple[str, str], RoundTimes] = {}
         self.rounds = 0
 
     @property
@@ -88,7 +115,10 @@ class Agreement:
         tag = (phase, request_id)
         got = await self._gather(channel, (tag, value))
         self.rounds += 1
-        self.round_seconds.setdefault((channel, phase), []).append(time.perf_counter() - t0)
+        times = self.round_seconds.get((channel, phase))
+        if times is None:
+            times = self.round_seconds[(channel, phase)] = RoundTimes(self._round_window)
+        times.add(time.perf_counter() - t0)
         tags = [t for t, _ in got]
         if any(t != tag for t in tags):
             raise RankMismatchError(
@@ -124,10 +154,10 @@ class GlooAgreement(Agreement):
     ``GlooAgreement.create()`` after ``torch.distributed.init_process_group("gloo", ...)``.
     """
 
-    def __init__(self, groups: dict[Channel, Any]) -> None:
+    def __init__(self, groups: dict[Channel, Any], *, round_window: int = ROUND_WINDOW) -> None:
         import torch.distributed as dist
 
-        super().__init__()
+        super().__init__(round_window=round_window)
         if set(groups) != set(CHANNELS):
             raise ValueError(f"GlooAgreement needs one process group per channel {CHANNELS}")
         if not dist.is_initialized():
@@ -266,5 +296,6 @@ def runs_pages(runs: Sequence[tuple[int, int]]) -> set[int]:
     return {p for first, end in runs for p in range(first, end)}
 
 
-__all__ = ["CHANNELS", "Agreement", "AgreementError", "Boundaries", "Channel", "GlooAgreement",
-           "RankMismatchError", "SingleRank", "agreed_boundary", "page_runs", "restorable", "runs_pages"]
+__all__ = ["CHANNELS", "ROUND_WINDOW", "Agreement", "AgreementError", "Boundaries", "Channel", "GlooAgreement",
+           "RankMismatchError", "RoundTimes", "SingleRank", "agreed_boundary", "page_runs", "restorable",
+           "runs_pages"]

@@ -51,6 +51,7 @@ class OffloadRoom(LinkerRoom):
         self._spawn = ctx.spawn
         self.in_flight = 0  # offloads submitted and not yet settled
         self.locked_pages = 0  # KV pages of nodes locked by offloads in flight
+        self.locked_nodes = 0  # node locks the offloads in flight hold (one per node sent)
         self.largest_request_pages = 0  # the most KV pages one request has held (extend)
         self._idle = anyio.Event()
         self._idle.set()
@@ -154,6 +155,7 @@ class OffloadRoom(LinkerRoom):
             transfers.append(Transfer(kind, names, index))
         locked_pages = sum(len(n.keys) for n in locked.values())
         self.locked_pages += locked_pages
+        self.locked_nodes += len(locked)
         self._begin()
         ticket: OffloadTicket | None = None
         try:
@@ -204,6 +206,7 @@ class OffloadRoom(LinkerRoom):
             for n in locked:
                 self.tree.unlock(n)
             self.locked_pages -= locked_pages
+            self.locked_nodes -= len(locked)
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

@@ -310,3 +310,20 @@ def test_no_label_grows_with_traffic() -> None:
     assert few == many
     values = {v for _, labels in many for _, v in labels}
     assert not any(v.startswith("req-") for v in values)
+
+
+#: every label a family may carry: each names a dimension with a fixed, small set of values
+#: (an outcome, a pool, a direction...), never a request, a key or a node (issue 53)
+BOUNDED_LABELS = {"outcome": "hit/miss/error, ok/failed...", "source": "device/store", "reason": "skip reasons",
+                  "phase": "lookup/load/offload", "pool": "the layout's pool kinds", "direction": "load/offload",
+                  "event": "STORE_EVENTS", "version": "one per process", "integrity": "one per process",
+                  "store": "one per process"}
+
+
+def test_every_family_label_is_a_bounded_dimension() -> None:
+    """A new label on any family (the Linker's, the data plane's, each plugin's: they all export
+    FAMILIES) must be added here with what bounds its values; a per-request label fails here
+    even where no traffic test exports that family."""
+    unknown = {(f.key, label) for f in FAMILIES for label in f.labels if label not in BOUNDED_LABELS}
+    assert not unknown, f"labels not known to be bounded: {sorted(unknown)}"
+    assert not LIBRARY.base_labels

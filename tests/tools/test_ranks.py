@@ -74,6 +74,22 @@ async def test_single_rank_rounds_are_the_ranks_own_value() -> None:
         await agreement.gather("nowhere", "lookup", "r", 7)  # type: ignore[arg-type]
 
 
+async def test_round_times_stay_bounded_over_many_rounds_and_count_every_one() -> None:
+    # a server agrees on every request for weeks: the durations kept stop at the window
+    agreement = SingleRank(round_window=16)
+    for i in range(100):
+        await agreement.gather("requests", "lookup", f"r{i}", i)
+    await agreement.gather("offloads", "settle", "r", 0)
+    lookups = agreement.round_seconds[("requests", "lookup")]
+    assert lookups.count == 100 and len(lookups.recent) == 16 and agreement.rounds == 101
+    assert lookups.total_s >= sum(lookups.recent) and lookups.max_s >= max(lookups.recent)
+    assert len(lookups.since(90)) == 10 and lookups.since(90) == list(lookups.recent)[-10:]
+    assert len(lookups.since(0)) == 16  # only the kept ones
+    assert agreement.round_seconds[("offloads", "settle")].count == 1
+    with pytest.raises(ValueError, match="round_window"):
+        SingleRank(round_window=0)
+
+
 class _TwoRanks(SingleRank):
     """An agreement that claims two ranks (construction checks only; it never runs a round)."""
 

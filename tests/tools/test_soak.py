@@ -10,9 +10,17 @@ import json
 import mmap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from hylinker.components.pools import HybridPools
+from hylinker.runtime.linker.config import LinkerConfig
+from hylinker.runtime.linker.facade import Linker
+from hylinker.stores.embedded import EmbeddedStore
+from hylinker.testing.content import SyntheticContent
+from hylinker.testing.fakes import small_hybrid_layout, synthetic_prefill
 from hylinker.tools import cli
+from hylinker.tools.soak_fronts import PAGE, InFlight, in_flight
 from hylinker.tools.soak_measure import TOLERANCES, Sample, Sampler, Tolerance, growth, report
 
 
@@ -58,10 +66,43 @@ def test_sampler_sees_this_process_grow(tmp_path: Path) -> None:
     assert rss.grew and rss.last - rss.first > 30
 
 
+async def test_in_flight_accounts_for_every_lock_and_names_a_stray_one() -> None:
+    # what the Linker front checks: pages and locks held beyond what requests and offloads in
+    # flight account for. A lock nobody in flight holds (a leak) must show; an open request's
+    # and an offload's must not.
+    layout = small_hybrid_layout(page_size=PAGE, chunk_size=PAGE)
+    pools = HybridPools(layout, kv_pages=64, mamba_slots=8)
+    content = SyntheticContent(pools)
+    store = EmbeddedStore(1 << 20)
+    async with Linker(layout, pools, store, LinkerConfig(staging_bytes_per_pool=1 << 20)) as linker:
+        tokens = np.arange(1, 4 * PAGE + 1, dtype=np.int32)
+        req = linker.request("a", tokens)
+        await linker.lookup(req)
+        await synthetic_prefill(linker, content, req)
+        assert linker.offloads.in_flight == 1 and linker.offloads.locked_nodes > 0  # not settled yet
+        assert in_flight(linker).stray_locks == 0
+        await linker.release(req)
+        await linker.drain()
+        assert in_flight(linker) == InFlight(0, 0)
+        again = linker.request("b", np.concatenate([tokens, tokens]))
+        found = await linker.lookup(again)  # stands on the cached path: locks it
+        flight = in_flight(linker)
+        assert found.device_tokens > 0 and not again.node.is_root
+        assert flight.stray_locks == 0 and flight.pages == found.device_tokens // PAGE
+        node = again.node
+        linker.tree.lock(node)  # a leaked lock: no request or offload holds it
+        assert in_flight(linker).stray_locks == 1
+        linker.tree.unlock(node)
+        await linker.release(again)
+    await store.close()
+
+
 @pytest.mark.slow
 def test_linker_soak_is_flat_and_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "soak.json"
-    status = cli.main(["soak", "--front", "linker", "--minutes", "0.35", "--interval-s", "1",
+    # --rate 0: as fast as the workers go, so offloads pile up in flight (what the checks must
+    # tell from a leak) and the tiny store still serves hits within the short run
+    status = cli.main(["soak", "--front", "linker", "--rate", "0", "--minutes", "0.35", "--interval-s", "1",
                        "--concurrency", "4", "--kv-pages", "256", "--store-kib", "256",
                        "--restart-every-s", "14", "--outage-s", "1", "--warmup-s", "8", "--json", str(out)])
     text = capsys.readouterr().out
@@ -73,6 +114,11 @@ def test_linker_soak_is_flat_and_exact(tmp_path: Path, capsys: pytest.CaptureFix
     assert s["failed_keys"] > 0 and s["unavailable_calls"] > 0  # the faults were on
     last = result["samples"][-1]
     assert 0 < last["diag_kib"] <= 4096  # the eviction memory holds keys, within its budget
+    assert s["idle_at_end"] == "yes"  # drained: nothing locked, open or leaked
+    # checked by what the work in flight accounts for: nothing held beyond it, ever
+    beyond = [(x["pages_beyond_in_flight"], x["locks_beyond_in_flight"]) for x in result["samples"]]
+    assert set(beyond) == {(0, 0)}, beyond
+    assert "tasks_beyond_in_flight" in text and "pool_held" in text.split("not checked")[1]
 
 
 @pytest.mark.slow

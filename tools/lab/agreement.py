@@ -66,7 +66,8 @@ async def bench_rank(rank: int, size: int, agreement: Agreement, address: str, p
                         content.write_state(keys[depth // PAGE - 1], slot)
                         await agreed.insert(req, depth, checkpoint_slot=slot)
                 await agreed.drain()
-            before = len(agreement.round_seconds.get(("requests", "lookup"), []))
+            lookups = agreement.round_seconds.get(("requests", "lookup"))
+            before = lookups.count if lookups is not None else 0
             for r in range(rounds):
                 for i, t in enumerate(tokens):
                     order = (("single", single), ("agreed", agreed)) if (r + i) % 2 else \
@@ -79,7 +80,7 @@ async def bench_rank(rank: int, size: int, agreement: Agreement, address: str, p
                             times[name].append(time.perf_counter() - t0)
                             if hit.store_tokens == 0:
                                 raise RuntimeError(f"rank {rank}: {name} lookup missed the stored prompt")
-            round_s = agreement.round_seconds[("requests", "lookup")][before:]
+            round_s = agreement.round_seconds[("requests", "lookup")].since(before)
             # the bare collective under the round, on this thread (blocks the loop: bench only)
             raw, bare = _raw_rounds(agreement, len(round_s))
     finally:

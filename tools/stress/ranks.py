@@ -63,8 +63,11 @@ async def stress_rank(rank: int, size: int, agreement: Agreement, args: argparse
             await inner.close()
     s = result.summary
     lookups = result.latency_s["lookup"]
-    rounds = agreement.round_seconds.get(("requests", "lookup"), [])
-    local = [t - r for t, r in zip(lookups, rounds)] if len(rounds) == len(lookups) else []
+    times = agreement.round_seconds.get(("requests", "lookup"))
+    rounds = times.since(0) if times is not None else []
+    # one round per lookup: the last lookups pair with the rounds still kept
+    paired = times is not None and times.count == len(lookups)
+    local = [t - r for t, r in zip(lookups[len(lookups) - len(rounds):], rounds)] if paired else []
     stats = run.linker.statistics()
     return {
         "rank": rank,
@@ -73,8 +76,8 @@ async def stress_rank(rank: int, size: int, agreement: Agreement, args: argparse
         "lookup_us": _us(lookups),
         "lookup_round_us": _us(rounds),
         "lookup_local_us": _us(local),
-        "rounds": {f"{c}/{p}": len(v) for (c, p), v in agreement.round_seconds.items()},
-        "round_us": {f"{c}/{p}": _us(v) for (c, p), v in agreement.round_seconds.items()},
+        "rounds": {f"{c}/{p}": v.count for (c, p), v in agreement.round_seconds.items()},
+        "round_us": {f"{c}/{p}": _us(list(v.recent)) for (c, p), v in agreement.round_seconds.items()},
         "rank_shortened_lookups": stats.rank_shortened_lookups,
         "rank_shortened_loads": stats.rank_shortened_loads,
         "rank_unsettled_offloads": stats.rank_unsettled_offloads,

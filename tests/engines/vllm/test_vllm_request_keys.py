@@ -194,6 +194,26 @@ def test_an_adapter_retrained_in_place_does_not_meet_its_old_blocks(adapters: di
     assert hit(c, make(lora_request=LoRARequest("a1", 1, str(a1)))) == 0
 
 
+def test_adapter_digests_stay_bounded_for_a_server_loading_adapters_for_weeks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_request_keys, "ADAPTER_DIGESTS", 3)
+    vllm_request_keys._ADAPTER_DIGESTS.clear()
+    paths = []
+    for i in range(5):
+        (tmp_path / f"a{i}").mkdir()
+        (tmp_path / f"a{i}" / "adapter_model.safetensors").write_bytes(bytes([i]) * 64)
+        paths.append(str(tmp_path / f"a{i}"))
+    first = vllm_request_keys.adapter_digest("a0", paths[0])
+    for i in range(1, 5):
+        vllm_request_keys.adapter_digest(f"a{i}", paths[i])
+    assert list(vllm_request_keys._ADAPTER_DIGESTS) == [("a2", paths[2]), ("a3", paths[3]), ("a4", paths[4])]
+    assert vllm_request_keys.adapter_digest("a0", paths[0]) == first  # forgotten, computed again: the same
+    vllm_request_keys.adapter_digest("a3", paths[3])  # a use keeps it: the oldest unused goes first
+    vllm_request_keys.adapter_digest("a1", paths[1])
+    assert list(vllm_request_keys._ADAPTER_DIGESTS) == [("a0", paths[0]), ("a3", paths[3]), ("a1", paths[1])]
+    vllm_request_keys._ADAPTER_DIGESTS.clear()
+
+
 def test_the_checkpoint_revision_and_integrity_level_are_in_the_keys(tmp_path: Path) -> None:
     """Same files: the same seed in another connector; a changed config or weight file, another
     ``model_revision`` or integrity level: another seed (a store written before misses)."""
