@@ -84,6 +84,7 @@ from ...stores.resilient import ResilientStore
 from ...stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
 from .events import DeviceEvent
+from .latency import LatencyMonitor
 from .metrics import (
     LIBRARY,
     PLANE_KEYS,
@@ -95,7 +96,6 @@ from .metrics import (
     store_identity_figures,
 )
 from .pool_actor import PoolActor
-from .pool_staging import LatencyMonitor
 from .restore_cost import LoadBandwidth
 from .statistics import DataPlaneStatistics, PoolActorStatistics
 from .tickets import LoadTicket, OffloadTicket, TransferOutcome, _Ticket
