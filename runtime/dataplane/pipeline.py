@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 X = TypeVar("X")
 
@@ -26,10 +27,18 @@ async def pipelined(n: int, first: Callable[[int], Awaitable[X]],
     Two lanes run the sub-batches, even ones in one and odd ones in the other, each one after
     the other; one asyncio event per sub-batch says it is prepared (and, one call in flight, one
     that it ended: a handful of Python calls each). A sub-batch that fails still sets its events,
-    so the other lane never waits forever. One sub-batch runs inline: no task, no event."""
+    so the other lane never waits forever. One sub-batch runs inline: no task, no event; with one
+    call in flight it yields to the loop once between its two steps, as a task group around its
+    first step would, so the loop's other tasks (a plane that is closing, submitters waiting
+    for queue space) keep their turn between two jobs of a worker."""
+    if calls_in_flight not in (1, 2):
+        raise ValueError(f"calls_in_flight is 1 or 2, got {calls_in_flight}")
     if n <= 1:
         if n == 1:
-            await then(0, await first(0))
+            got = await first(0)
+            if calls_in_flight == 1:
+                await anyio.lowlevel.checkpoint()  # the loop's other tasks get a turn (see above)
+            await then(0, got)
         return
     prepared = [asyncio.Event() for _ in range(n)]
     ended = [asyncio.Event() for _ in range(n)] if calls_in_flight == 1 else None
