@@ -41,7 +41,6 @@ from ...stores.base import GetResult, Outcome, Store
 from ...stores.device_checksum import device_checksums, verify_on_device
 from .events import DeviceEvent, wait_fence
 from .pipeline import pipelined
-from .route import end_load
 from .staging_arena import StagingArena
 from .store_calls import StoreCalls, check_landed, condemner
 from .transfer_codec import PoolCodec
@@ -233,7 +232,7 @@ class DeviceRoute:
 
         await pipelined(len(batches), fetch, settle)
         # the layers are reported only once every object landed and verified on the device
-        return await end_load(self, self.calls, job, codec, ok, again, faults, size, t0)
+        return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0)
 
     def _landing(self, job: TransferJob, codec: PoolCodec, size: int, in_rows: bool,
                  batches: list[tuple[int, int]], k: int, which: range | list[int]) -> _Frames | _Rows:

@@ -19,7 +19,7 @@ from ...stores.base import GetResult, Outcome
 from .events import wait_fence
 from .in_place import private_rows
 from .pipeline import pipelined
-from .route import TransferRoute, end_load
+from .route import TransferRoute
 from .rows_route import RowsRoute
 from .staging_arena import StagingArena
 from .store_calls import StoreCalls, check_landed, condemner
@@ -56,7 +56,7 @@ class HeldRoute:
             target = job.staged_rows = private_rows(grid.numpy().reshape(-1), len(job.keys), codec)
             good, again, faults = await self.rows.get_verified(job, codec, size, target)
             ok = [g for batch in good for g in batch]
-            return await end_load(self, self.calls, job, codec, ok, again, faults, size, t0, report=False)
+            return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0, report=False)
         faults = {}
         batches = a.batches(len(job.keys))
         good = [[] for _ in batches]
@@ -78,7 +78,7 @@ class HeldRoute:
 
         await pipelined(len(batches), get, verify_async)  # sub-batch k verified while k+1 is read
         ok = [g for batch in good for g in batch]
-        return await end_load(self, self.calls, job, codec, ok, again, faults, size, t0, report=False)
+        return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0, report=False)
 
     def _check(self, job: TransferJob, which: list[int] | range, results: list[GetResult], faults: dict[str, int],
                reread: Callable[[int], None] | None) -> list[bool]:

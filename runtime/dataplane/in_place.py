@@ -21,7 +21,6 @@ import torch
 from ...stores import framing
 from ...stores.base import GetResult, Outcome
 from .pipeline import pipelined
-from .route import end_load
 from .staging_arena import StagingArena
 from .store_calls import StoreCalls, check_landed, condemner
 from .transfer_codec import PoolCodec
@@ -157,7 +156,7 @@ class InPlaceRoute:
 
         await pipelined(len(batches), _nothing, get_verify, calls_in_flight=2)
         ok = [g for batch in good for g in batch]
-        return await end_load(self, self.calls, job, codec, ok, again, faults, size, t0)
+        return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0)
 
     def verify_parts(self, keys: list[str], heads_np: list[np.ndarray], pieces: list[list[torch.Tensor]],
                      results: list[GetResult], faults: dict[str, int],

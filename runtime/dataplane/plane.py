@@ -72,6 +72,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.from_thread
+import attrs
 import torch
 
 from ...components.layout import PoolKind
@@ -81,7 +82,6 @@ from ...stores.resilient import ResilientStore
 from ...stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
 from .events import DeviceEvent
-from .latency import LatencyMonitor
 from .metrics import (
     LIBRARY,
     PLANE_KEYS,
@@ -92,10 +92,11 @@ from .metrics import (
     store_figures,
     store_identity_figures,
 )
-from .plane_config import DataPlaneConfig, Transfer, group_key, group_keys
+from .plane_config import DataPlaneConfig
 from .pool_actor import PoolActor
 from .restore_cost import LoadBandwidth
 from .statistics import Backpressure, DataPlaneStatistics, PoolActorStatistics
+from .store_calls import LatencyMonitor
 from .tickets import LoadTicket, OffloadTicket, TransferOutcome, _Ticket
 from .tracing import trace
 from .transfer_codec import PoolCodec
@@ -104,6 +105,25 @@ from .transfer_jobs import TransferJob, cancel_job
 
 class DataPlaneClosedError(RuntimeError):
     """The data plane is not running (not entered yet, closing or closed)."""
+
+
+@attrs.frozen
+class Transfer:
+    """One pool's objects of a submission: ``keys[i]`` ↔ rows (or slot) ``index[i]``."""
+
+    pool: PoolKind
+    keys: Sequence[str]
+    index: Any  # torch.Tensor [n, unit] or flat [n * unit]; or a sequence of ints
+
+
+def group_key(key: str, group: int, groups: int) -> str:
+    """The store key of layer group ``group`` of an object (the key itself when ``groups == 1``)."""
+    return key if groups == 1 else f"{key}|g{group}of{groups}"
+
+
+def group_keys(keys: Sequence[str], group: int, groups: int) -> list[str]:
+    """:func:`group_key` of every key (one comprehension, no call per key)."""
+    return list(keys) if groups == 1 else [f"{key}|g{group}of{groups}" for key in keys]
 
 
 class DataPlane:

@@ -1,13 +1,9 @@
-"""The data plane's configuration and what a submission names (a pool's objects and their rows)."""
+"""The data plane's configuration (``DataPlaneConfig``; ``LinkerConfig`` carries the same fields)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import attrs
 
-from ...components.layout import PoolKind
 from ...stores import framing
 from ...stores.config_rules import positive
 
@@ -62,22 +58,3 @@ class DataPlaneConfig:
                 _positive(self, f, getattr(self, f.name))
         if not isinstance(self.layer_groups, int):
             raise ValueError(f"DataPlaneConfig.layer_groups must be an int, got {self.layer_groups!r}")
-
-
-@attrs.frozen
-class Transfer:
-    """One pool's objects of a submission: ``keys[i]`` ↔ rows (or slot) ``index[i]``."""
-
-    pool: PoolKind
-    keys: Sequence[str]
-    index: Any  # torch.Tensor [n, unit] or flat [n * unit]; or a sequence of ints
-
-
-def group_key(key: str, group: int, groups: int) -> str:
-    """The store key of layer group ``group`` of an object (the key itself when ``groups == 1``)."""
-    return key if groups == 1 else f"{key}|g{group}of{groups}"
-
-
-def group_keys(keys: Sequence[str], group: int, groups: int) -> list[str]:
-    """:func:`group_key` of every key (one comprehension, no call per key)."""
-    return list(keys) if groups == 1 else [f"{key}|g{group}of{groups}" for key in keys]

@@ -35,13 +35,12 @@ from .device_transfers import DeviceRoute
 from .events import wait_fence
 from .held_load import HeldRoute
 from .in_place import InPlaceRoute
-from .latency import LatencyMonitor
 from .route import LoadRoute, TransferRoute
 from .rows_route import RowsRoute
 from .staged_route import StagedRoute
 from .staging_arena import StagingArena
 from .statistics import PoolActorStatistics, QueueStatistics
-from .store_calls import StoreCalls
+from .store_calls import LatencyMonitor, StoreCalls
 from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, OffloadResult, TransferJob, cancel_job
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .store_calls import StoreCalls
-from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, OffloadResult, TransferJob
 
 
@@ -30,17 +28,4 @@ class TransferRoute(LoadRoute, Protocol):
 
     async def offload(self, job: TransferJob) -> OffloadResult:
         """Every object of ``job``: framed from its rows and put; one outcome per object."""
-
-
-async def end_load(route: LoadRoute, calls: StoreCalls, job: TransferJob, codec: PoolCodec, ok: list[bool],
-                   again: list[int], faults: dict[str, int], size: int, t0: float, *, report: bool = True) -> LoadResult:
-    """End a load: read the objects ``again`` once more, report every layer (``report``) if
-    every object landed, count the outcome."""
-    if again:
-        again.sort()
-        calls.reread_outcome(ok, again, await route.reread(job, again, faults))
-    if report and job.on_layer is not None and all(ok):  # every object of the job landed
-        for layer in codec.layer_ids:
-            job.on_layer(layer)
-    return calls.loaded(job, ok, faults, size, t0)
 

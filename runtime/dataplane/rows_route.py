@@ -21,7 +21,6 @@ from ...stores.base import GetResult, Outcome
 from ...stores.rows import CODE, OK, OUTCOMES, RowBatch, RowResults, digests_of, expected_headers
 from .in_place import InPlaceRoute, RowTarget, in_place_batches, pool_rows
 from .pipeline import pipelined
-from .route import end_load
 from .staging_arena import StagingArena
 from .store_calls import StoreCalls, check_landed, condemner
 from .transfer_codec import PoolCodec
@@ -72,7 +71,7 @@ class RowsRoute:
         codec, size = self.arena.codecs[job.group], self.arena.frame_sizes[job.group]
         good, again, faults = await self.get_verified(job, codec, size, pool_rows(job, codec))
         ok = [g for batch in good for g in batch]
-        return await end_load(self, self.calls, job, codec, ok, again, faults, size, t0)
+        return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0)
 
     async def reread(self, job: TransferJob, again: list[int], faults: dict[str, int]) -> list[bool]:
         """Read the objects ``again`` once more into their pool rows, in parts."""

@@ -19,7 +19,6 @@ from ...stores import framing
 from ...stores.base import GetResult, Outcome
 from .events import DeviceEvent, wait_fence
 from .pipeline import pipelined
-from .route import end_load
 from .staging_arena import StagingArena
 from .store_calls import StoreCalls, check_landed, condemner, split
 from .transfer_jobs import LoadResult, OffloadResult, TransferJob
@@ -164,7 +163,7 @@ class StagedRoute:
 
         await pipelined(len(batches), get, land)
         ok = [g for batch in good for g in batch]
-        return await end_load(self, self.calls, job, codec, ok, again, faults, size, t0)
+        return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0)
 
     async def reread(self, job: TransferJob, again: list[int], faults: dict[str, int]) -> list[bool]:
         """Read the objects ``again`` once more, into frames of their own (the arena's halves

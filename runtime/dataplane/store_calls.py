@@ -1,12 +1,14 @@
 """A pool actor's store calls: one wrapper every transfer route calls the store through.
 
 :class:`StoreCalls` makes a call (a store that raises, or answers the wrong number of results,
-reads as a failure of every key; the call's latency feeds the monitor), tells whether an object
+reads as a failure of every key; the call's latency feeds the :class:`LatencyMonitor` the
+backpressure reads), tells whether an object
 a get answered for can be used (:func:`check_landed`), and keeps the actor's transfer counts.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -19,11 +21,58 @@ from ...stores import framing
 from ...stores.base import GetResult, Outcome, Store, StoreError
 from ...stores.condemned import Condemned
 from ...stores.rows import RowBatch
-from .latency import LatencyMonitor
 from .tracing import trace
+from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, OffloadResult, TransferJob
 
 _FRAME_FAULTS = frozenset(f.value for f in framing.FrameFault)
+
+
+class LatencyMonitor:
+    """EMA of store-call latency with a high/low watermark (hysteresis).
+
+    While dropping, no offloads reach the store, so the EMA also decays with wall time
+    (half-life ``decay_half_life_s``) to let the state end even without new samples.
+    """
+
+    def __init__(self, high_ms: float, low_ms: float, alpha: float = 0.2,
+                 decay_half_life_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < low_ms <= high_ms:
+            raise ValueError(f"need 0 < low_ms <= high_ms, got low={low_ms} high={high_ms}")
+        self.high_ms, self.low_ms, self.alpha = high_ms, low_ms, alpha
+        self.half_life = decay_half_life_s
+        self.clock = clock
+        self._ema_ms = 0.0
+        self._stamp = clock()
+        self.dropping = False
+
+    def observe(self, seconds: float) -> None:
+        self._decay()
+        self._ema_ms += self.alpha * (seconds * 1e3 - self._ema_ms)
+        self._update()
+
+    @property
+    def ema_ms(self) -> float:
+        self._decay()
+        return self._ema_ms
+
+    def should_drop(self) -> bool:
+        self._decay()
+        self._update()
+        return self.dropping
+
+    def _decay(self) -> None:
+        now = self.clock()
+        dt = now - self._stamp
+        self._stamp = now
+        if dt > 0 and self.dropping:
+            self._ema_ms *= math.pow(0.5, dt / self.half_life)
+
+    def _update(self) -> None:
+        if not self.dropping and self._ema_ms > self.high_ms:
+            self.dropping = True
+        elif self.dropping and self._ema_ms < self.low_ms:
+            self.dropping = False
 
 R = TypeVar("R")
 V = TypeVar("V")
@@ -141,6 +190,19 @@ class StoreCalls:
         self.counts["rereads_failed"] += len(again) - n
         if again:
             trace("reread", pool=self.kind.value, objects=len(again), recovered=n)
+
+    async def end_load(self, reread: Callable[[TransferJob, list[int], dict[str, int]], Awaitable[list[bool]]],
+                       job: TransferJob, codec: PoolCodec, ok: list[bool], again: list[int], faults: dict[str, int],
+                       size: int, t0: float, *, report: bool = True) -> LoadResult:
+        """End a load: read the objects ``again`` once more (``reread``: the route's), report
+        every layer (``report``) if every object landed, count the outcome."""
+        if again:
+            again.sort()
+            self.reread_outcome(ok, again, await reread(job, again, faults))
+        if report and job.on_layer is not None and all(ok):  # every object of the job landed
+            for layer in codec.layer_ids:
+                job.on_layer(layer)
+        return self.loaded(job, ok, faults, size, t0)
 
     def offloaded(self, job: TransferJob, outcomes: list[Outcome], size: int, t0: float) -> OffloadResult:
         c = self.counts
