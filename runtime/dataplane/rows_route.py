@@ -42,8 +42,11 @@ class RowsRoute:
         ``put_rows`` / ``get_rows`` take."""
         keys = job.keys[lo:hi]
         target = target or pool_rows(job, codec)
+        template = self.arena.templates.get(id(codec))
+        if template is None:
+            template = self.arena.template(codec)
         return RowBatch(keys, digests_of(keys), target.segments, codec.row_bytes, codec.unit,
-                        target.starts[lo:hi], self.arena.template(codec), heads)
+                        target.starts[lo:hi], template, heads)
 
     async def offload(self, job: TransferJob) -> OffloadResult:
         """Offload in place by row-described sub-batches, two store calls in flight."""

@@ -145,7 +145,10 @@ class StoreCalls:
             got = [unreachable] * len(keys)
         if len(got) != len(keys):
             got = [broken] * len(keys)
-        self._observe(call, len(keys), start)
+        seconds = time.perf_counter() - start
+        self.latency.observe(seconds)
+        trace("store", pool=self.kind.value, call=getattr(call, "__name__", "call"), objects=len(keys),
+              us=round(seconds * 1e6))
         return got
 
     async def rows(self, call: Callable[[RowBatch, bool], Awaitable[R]], batch: RowBatch,
@@ -156,14 +159,11 @@ class StoreCalls:
             got = await call(batch, self.integrity is framing.Integrity.CHECKSUM)
         except StoreError:
             got = unreachable()
-        self._observe(call, len(batch.keys), start)
-        return got
-
-    def _observe(self, call: object, objects: int, start: float) -> None:
         seconds = time.perf_counter() - start
         self.latency.observe(seconds)
-        trace("store", pool=self.kind.value, call=getattr(call, "__name__", "call"), objects=objects,
+        trace("store", pool=self.kind.value, call=getattr(call, "__name__", "call"), objects=len(batch.keys),
               us=round(seconds * 1e6))
+        return got
 
     async def get_frames(self, keys: list[str], frames: list[torch.Tensor]) -> list[GetResult]:
         """One get of whole frames (a checksumming store's ``get_checked`` where it is used)."""
