@@ -2,7 +2,7 @@
 
 A store shared by several engines is shared trust: a reader removes an object only when it
 proved the object bad itself, i.e. the object failed verification again after the re-read
-(``runtime/dataplane/pool_staging.py::check_landed``). A failed, timed-out, unreachable or cancelled
+(``runtime/dataplane/store_calls.py::check_landed``). A failed, timed-out, unreachable or cancelled
 read, or a load error, proves nothing about the object and removes nothing.
 
 And a removal names the exact object condemned. Between a reader's verification and its

@@ -2,7 +2,7 @@
 
 * :class:`FakeDeviceEvent` — a fence that completes after ``polls`` queries, on
   :meth:`~FakeDeviceEvent.set`, or fails (its ``query`` raises) after :meth:`~FakeDeviceEvent.fail`.
-* :class:`FakeClock` — a manual clock for :class:`~hylinker.runtime.dataplane.pool_actor.LatencyMonitor`;
+* :class:`FakeClock` — a manual clock for :class:`~hylinker.runtime.dataplane.store_calls.LatencyMonitor`;
   :func:`attach_clock` puts one under a running :class:`~hylinker.runtime.linker.facade.Linker`.
 * :class:`GatedStore` — wraps any store; holds put/get calls until released, or lets them
   through at most one per ``drain_interval_s``; records every call's keys.
@@ -27,7 +27,7 @@ import torch
 
 from ..components.layout import MambaLayerSpec, ModelLayout, PoolKind
 from ..runtime.dataplane.events import DeviceEvent
-from ..runtime.dataplane.pool_staging import LatencyMonitor
+from ..runtime.dataplane.store_calls import LatencyMonitor
 from ..runtime.linker.facade import Linker, Request
 from ..stores.base import (
     GetResult,

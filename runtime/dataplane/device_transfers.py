@@ -27,6 +27,7 @@ report waits for the rest of the load (``job.in_rows``), as for host pools moved
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -39,8 +40,9 @@ from ...stores import framing
 from ...stores.base import GetResult, Outcome, Store
 from ...stores.device_checksum import device_checksums, verify_on_device
 from .events import DeviceEvent, wait_fence
-from .held_load import HeldLoads
-from .pool_staging import check_landed, pipelined
+from .pipeline import pipelined
+from .staging_arena import StagingArena
+from .store_calls import StoreCalls, check_landed, condemner
 from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, OffloadResult, TransferJob
 
@@ -109,25 +111,27 @@ class _Rows:
         """The store already wrote the rows."""
 
 
-class DeviceTransfers(HeldLoads):
+class DeviceRoute:
     """A pool actor's device paths with the device checksum. See the module doc."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, arena: StagingArena, calls: StoreCalls) -> None:
+        self.arena = arena
+        self.calls = calls
         self._sides: dict[tuple[str, int], torch.Tensor] = {}  # bounded: one per (pool, side), not per transfer
 
-    def device_route(self, job: TransferJob) -> bool:
+    def takes(self, job: TransferJob) -> bool:
         """Whether a job moves here: a device pool summed on the device, or registered."""
-        return self.copies is not None and (self.device_sums or self.in_place_groups[job.group])
+        a = self.arena
+        return a.copies is not None and (a.device_sums or a.in_place_groups[job.group])
 
     def _in_rows(self, job: TransferJob, codec: PoolCodec) -> bool:
-        return self.in_place_groups[job.group] and codec.in_runs(job.index)
+        return self.arena.in_place_groups[job.group] and codec.in_runs(job.index)
 
     def _device_batches(self, n: int, in_rows: bool) -> list[tuple[int, int]]:
         if not in_rows:
-            return self._batches(n)
-        per = max(1, min(self.store.capabilities.max_batch, self.batch * self.stride // _HB,
-                         DEVICE_CALL_BYTES // self.stride))
+            return self.arena.batches(n)
+        per = max(1, min(self.calls.store.capabilities.max_batch, self.arena.batch * self.arena.stride // _HB,
+                         DEVICE_CALL_BYTES // self.arena.stride))
         return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
     def _side(self, direction: str, half: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,16 +139,18 @@ class DeviceTransfers(HeldLoads):
         sub-batch half: the small copies between the device and the host land here."""
         buf = self._sides.get((direction, half))
         if buf is None or buf.numel() < 16 * n:
-            assert self.copies is not None
-            buf = self.copies.staging(16 * max(n, self.batch))
+            assert self.arena.copies is not None
+            buf = self.arena.copies.staging(16 * max(n, self.arena.batch))
             self._sides[(direction, half)] = buf
         return buf[:8 * n].view(torch.int64), buf[8 * n:9 * n].view(torch.bool)
 
     # ---- offload ------------------------------------------------------------------------
-    async def _offload_device(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> OffloadResult:
+    async def offload(self, job: TransferJob) -> OffloadResult:
         """Sum (and stage) sub-batch k on the copy stream, seal it once that completed, while
         sub-batch k-1 is put."""
-        copies = self.copies
+        t0 = time.perf_counter()
+        codec, size = self.arena.codecs[job.group], self.arena.frame_sizes[job.group]
+        copies = self.arena.copies
         assert copies is not None
         in_rows = self._in_rows(job, codec)
         batches = self._device_batches(len(job.keys), in_rows)
@@ -156,50 +162,52 @@ class DeviceTransfers(HeldLoads):
             lo, hi = batches[k]
             index = job.index[lo:hi]
             with copies.on_stream():
-                if self.device_sums:
+                if self.arena.device_sums:
                     rows = torch.empty((hi - lo, payload), dtype=torch.uint8, device=codec.device)
                     codec.gather(index, rows)
                     self._side("offload", k % 2, hi - lo)[0].copy_(device_checksums(rows), non_blocking=True)
                     if not in_rows:
-                        self._views("offload", k % 2, hi - lo, size)[0][:, _HB:size].copy_(rows, non_blocking=True)
+                        self.arena.views("offload", k % 2, hi - lo, size)[0][:, _HB:size].copy_(rows, non_blocking=True)
                 elif not in_rows:
-                    codec.gather(index, self._views("offload", k % 2, hi - lo, size)[0][:, _HB:size])
+                    codec.gather(index, self.arena.views("offload", k % 2, hi - lo, size)[0][:, _HB:size])
                 return copies.record()
 
         def seal(k: int) -> list[Any]:
             lo, hi = batches[k]
-            sums = self._side("offload", k % 2, hi - lo)[0].tolist() if self.device_sums else None
+            sums = self._side("offload", k % 2, hi - lo)[0].tolist() if self.arena.device_sums else None
             if in_rows:
-                heads, targets = self._headers("offload", batches, k)
+                heads, targets = self.arena.headers("offload", batches, k)
             else:
-                targets = self._np_frames("offload", k % 2, hi - lo, size)
+                targets = self.arena.np_frames("offload", k % 2, hi - lo, size)
             for i, key in enumerate(job.keys[lo:hi]):
                 if sums is not None:
-                    framing.seal_device(targets[i], key, self.fingerprint, payload, sums[i])
+                    framing.seal_device(targets[i], key, self.arena.fingerprint, payload, sums[i])
                 else:
-                    framing.seal_header(targets[i], key, self.fingerprint, payload, self.integrity)
+                    framing.seal_header(targets[i], key, self.arena.fingerprint, payload, self.arena.integrity)
             if in_rows:
                 return [[heads[i], *codec.pieces(r0)] for i, r0 in enumerate(starts[lo:hi])]
-            return self._views("offload", k % 2, hi - lo, size)[1]
+            return self.arena.views("offload", k % 2, hi - lo, size)[1]
 
         async def prepare(k: int) -> list[Any]:
-            ev = await self.threads.run(queue, k)
+            ev = await self.arena.threads.run(queue, k)
             # never read the sums or the staged bytes before the copy stream produced them
-            await wait_fence(ev, timeout_s=self.fence_timeout_s)
+            await wait_fence(ev, timeout_s=self.arena.fence_timeout_s)
             return seal(k)
 
         async def put(k: int, buffers: list[Any]) -> None:
             lo, hi = batches[k]
-            call = self.store.put_parts if in_rows else self.store.put  # type: ignore[attr-defined]
-            results[k] = await self._store_call(call, job.keys[lo:hi], buffers, Outcome.UNREACHABLE, Outcome.FAILED)
+            call = self.calls.store.put_parts if in_rows else self.calls.store.put  # type: ignore[attr-defined]
+            results[k] = await self.calls.call(call, job.keys[lo:hi], buffers, Outcome.UNREACHABLE, Outcome.FAILED)
 
         await pipelined(len(batches), prepare, put)
-        return self._offloaded(job, [o for r in results for o in r], size, t0)
+        return self.calls.offloaded(job, [o for r in results for o in r], size, t0)
 
     # ---- load ---------------------------------------------------------------------------
-    async def _load_device(self, job: TransferJob, codec: PoolCodec, size: int, t0: float) -> LoadResult:
+    async def load(self, job: TransferJob) -> LoadResult:
         """Get sub-batch k (into staging, or the rows) while sub-batch k-1 lands and is
         verified on the device; report the layers only after every object verified."""
+        t0 = time.perf_counter()
+        codec, size = self.arena.codecs[job.group], self.arena.frame_sizes[job.group]
         in_rows = self._in_rows(job, codec)
         if job.hold:  # verify-all: the rows are written and verified; the report waits
             job.in_rows = True
@@ -223,30 +231,26 @@ class DeviceTransfers(HeldLoads):
                 ok[i] = good
 
         await pipelined(len(batches), fetch, settle)
-        if again:
-            again.sort()
-            self._reread_outcome(ok, again, await self._reread_device(job, codec, size, in_rows, again, faults))
-        if job.on_layer is not None and all(ok):  # every object landed and verified on the device
-            for layer in codec.layer_ids:
-                job.on_layer(layer)
-        return self._loaded(job, ok, faults, size, t0)
+        # the layers are reported only once every object landed and verified on the device
+        return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0)
 
     def _landing(self, job: TransferJob, codec: PoolCodec, size: int, in_rows: bool,
                  batches: list[tuple[int, int]], k: int, which: range | list[int]) -> _Frames | _Rows:
         if in_rows:
-            heads, heads_np = self._headers("load", batches, k)
+            heads, heads_np = self.arena.headers("load", batches, k)
             starts = job.index[:, 0].tolist()
             return _Rows(heads, heads_np, [codec.pieces(starts[i]) for i in which])
-        return _Frames(self._views("load", k % 2, len(which), size)[0], size)
+        return _Frames(self.arena.views("load", k % 2, len(which), size)[0], size)
 
     async def _read(self, landing: _Frames | _Rows, keys: list[str]) -> list[GetResult]:
-        return await self._store_call(landing.call(self.store), keys, landing.buffers(),
-                                      GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
+        return await self.calls.call(landing.call(self.calls.store), keys, landing.buffers(),
+                                     GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
 
-    async def _reread_device(self, job: TransferJob, codec: PoolCodec, size: int, in_rows: bool,
-                             again: list[int], faults: dict[str, int]) -> list[bool]:
+    async def reread(self, job: TransferJob, again: list[int], faults: dict[str, int]) -> list[bool]:
         """Read the objects ``again`` once more (staged: into frames of their own; registered:
         into their rows) and verify them as the first time; what fails now is counted."""
+        codec, size = self.arena.codecs[job.group], self.arena.frame_sizes[job.group]
+        in_rows = self._in_rows(job, codec)
         verified: list[bool] = []
         batches = self._device_batches(len(again), in_rows)
         for k, (lo, hi) in enumerate(batches):  # one at a time: the arena's slots are free now
@@ -255,7 +259,8 @@ class DeviceTransfers(HeldLoads):
             if in_rows:
                 landing = self._landing(job, codec, size, True, batches, k, which)
             else:
-                landing = _Frames(self._new_arena(len(which) * self.stride).view(len(which), self.stride), size)
+                stride = self.arena.stride
+                landing = _Frames(self.arena.new_arena(len(which) * stride).view(len(which), stride), size)
             results = await self._read(landing, [job.keys[i] for i in which])
             verified += await self._verify_landed(job, codec, size, which, results, landing, 0, faults, None)
         return verified
@@ -267,7 +272,7 @@ class DeviceTransfers(HeldLoads):
         host, then (on the copy stream) land it and compare the device checksum of its rows
         with the header's; the verdicts are read once that work completed. Faults a transfer
         can cause go to ``reread`` (when given), others are counted in ``faults``."""
-        copies = self.copies
+        copies = self.arena.copies
         assert copies is not None
         room = size - _HB
         verdicts = [False] * len(which)
@@ -276,7 +281,7 @@ class DeviceTransfers(HeldLoads):
 
         def condemn(j: int) -> Callable[[GetResult, framing.FrameFault], None] | None:
             """On a re-read, notes object ``which[j]`` proved bad when it fails again."""
-            return None if reread is not None else self._condemner(job, which[j], landing.header(j))
+            return None if reread is not None else condemner(job, which[j], landing.header(j))
 
         def reject(j: int, fault: framing.FrameFault) -> None:
             if reread is not None and fault in framing.REREAD_FAULTS:
@@ -293,10 +298,10 @@ class DeviceTransfers(HeldLoads):
                 key = job.keys[i]
 
                 def verify(_: int | None, j: int = j, r: GetResult = r, key: str = key) -> tuple[framing.Checksum, int]:
-                    kind, checksum = framing.read_header(landing.header(j), r.nbytes, room, key, self.fingerprint,
-                                                         self.integrity)
-                    if kind is framing.Checksum.XXH3 and landing.hashed_on_host(j, r.nbytes, key, self.fingerprint,
-                                                                                 self.integrity):
+                    kind, checksum = framing.read_header(landing.header(j), r.nbytes, room, key, self.arena.fingerprint,
+                                                         self.arena.integrity)
+                    if kind is framing.Checksum.XXH3 and landing.hashed_on_host(j, r.nbytes, key, self.arena.fingerprint,
+                                                                                 self.arena.integrity):
                         kind = framing.Checksum.NONE  # verified already
                     return kind, checksum
 
@@ -333,8 +338,8 @@ class DeviceTransfers(HeldLoads):
                     codec.gather(index, host)
                 return copies.record(), host
 
-        ev, host = await self.threads.run(queue)
-        await wait_fence(ev, timeout_s=self.fence_timeout_s)  # landed and compared: read the verdicts
+        ev, host = await self.arena.threads.run(queue)
+        await wait_fence(ev, timeout_s=self.arena.fence_timeout_s)  # landed and compared: read the verdicts
         if on_device:
             matched = self._side("load", half, len(on_device))[1].tolist()
             for (j, _), good in zip(on_device, matched):

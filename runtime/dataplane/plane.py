@@ -77,9 +77,7 @@ import torch
 
 from ...components.layout import PoolKind
 from ...components.pool_view import PoolSet, PoolView, PoolViewError
-from ...stores import framing
 from ...stores.base import Store, StoreError, bad_key
-from ...stores.config_rules import positive
 from ...stores.resilient import ResilientStore
 from ...stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
@@ -94,10 +92,11 @@ from .metrics import (
     store_figures,
     store_identity_figures,
 )
+from .plane_config import DataPlaneConfig
 from .pool_actor import PoolActor
-from .pool_staging import LatencyMonitor
 from .restore_cost import LoadBandwidth
-from .statistics import DataPlaneStatistics, PoolActorStatistics
+from .statistics import Backpressure, DataPlaneStatistics, PoolActorStatistics
+from .store_calls import LatencyMonitor
 from .tickets import LoadTicket, OffloadTicket, TransferOutcome, _Ticket
 from .tracing import trace
 from .transfer_codec import PoolCodec
@@ -106,58 +105,6 @@ from .transfer_jobs import TransferJob, cancel_job
 
 class DataPlaneClosedError(RuntimeError):
     """The data plane is not running (not entered yet, closing or closed)."""
-
-
-def _integrity(value: framing.Integrity | str) -> framing.Integrity:
-    return framing.Integrity.parse(value, "DataPlaneConfig.integrity")
-
-
-_positive = positive()
-
-
-@attrs.frozen
-class DataPlaneConfig:
-    """The data path's knobs (``LinkerConfig`` carries the same fields for the Linker)."""
-
-    queue_depth: int = 64  # jobs each pool queues per direction before submitters wait
-    staging_bytes_per_pool: int = 16 << 20  # host staging per pool and direction
-    copy_threads: int = 2  # threads for gather/scatter copies
-    inline_copy_bytes: int = 4 << 20  # host sub-batches up to this size copy on the loop
-    fence_timeout_s: float = attrs.field(default=60.0, validator=_positive)  # an offload fence pending longer fails the offload
-    latency_high_ms: float = attrs.field(default=250.0, validator=_positive)  # store latency EMA watermarks (LatencyMonitor)
-    latency_low_ms: float = attrs.field(default=50.0, validator=_positive)  # the low watermark (offloads resume below it)
-    layer_groups: int = 1  # objects per page/state, each a run of layers (see module doc)
-    #: let a scatter-gather store read/write host pool rows in place (checksums over the rows)
-    in_place: bool = True
-    #: ...but only objects of at least this many payload bytes; smaller ones go staged, where
-    #: per-object work (buffer checks, piece views, one streaming hash each) would dominate
-    #: (docs/figures/data-path.md, "Data plane: in place vs staged"); 0 moves every size in place
-    in_place_min_bytes: int = 256 << 10
-    #: staging per pool for verify-all loads (a whole load is held there until it verified),
-    #: allocated and registered with the store at start; 0: ``staging_bytes_per_pool``,
-    #: allocated on the first verify-all load.
-    verify_all_staging_bytes: int = 0
-    #: a verify-all load larger than that arena grows it (registered, kept for later loads)
-    #: up to this many bytes per pool; a load larger still gets fresh, unregistered memory
-    verify_all_staging_max_bytes: int = 1 << 30
-    #: what a frame proves about its payload: ``"checksum"`` (header and an XXH3-64 of the
-    #: payload) or ``"header"`` (header only: key, layout, length; no pass over the payload).
-    #: Objects are read by what their header says (``stores/framing.py``, "Integrity levels")
-    integrity: framing.Integrity = attrs.field(default=framing.Integrity.CHECKSUM, converter=_integrity)
-
-    def __attrs_post_init__(self) -> None:
-        for f in attrs.fields(DataPlaneConfig):
-            if f.name in ("in_place", "integrity"):
-                continue
-            if f.name in ("in_place_min_bytes", "verify_all_staging_bytes", "verify_all_staging_max_bytes"):
-                v = getattr(self, f.name)
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise ValueError(f"DataPlaneConfig.{f.name} must be an int >= 0, got {v!r}")
-                continue
-            if f.validator is None:  # the float fields carry the shared rule themselves
-                _positive(self, f, getattr(self, f.name))
-        if not isinstance(self.layer_groups, int):
-            raise ValueError(f"DataPlaneConfig.layer_groups must be an int, got {self.layer_groups!r}")
 
 
 @attrs.frozen
@@ -483,6 +430,15 @@ class DataPlane:
     def pending_objects(self, pool: PoolKind) -> int:
         """Objects of ``pool`` in queued or running offloads (MAMBA: states held for writing)."""
         return self.actors[pool].pending_states if pool is PoolKind.MAMBA else self.actors[pool].offload_q.depth
+
+    def backpressure(self) -> Backpressure:
+        """What offload backpressure reads, now: pending MAMBA states, the store-latency
+        monitor's state (its drop watermark updated first), whether the store's breaker is open."""
+        mamba = self.actors.get(PoolKind.MAMBA)
+        dropping = self.latency.should_drop()
+        return Backpressure(pending_states=0 if mamba is None else mamba.pending_states,
+                            latency_ema_ms=self.latency.ema_ms, dropping=dropping,
+                            breaker_open=isinstance(self.store, ResilientStore) and self.store.breaker_open)
 
     def statistics(self) -> DataPlaneStatistics:
         return DataPlaneStatistics(**self._c)

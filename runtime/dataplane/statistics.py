@@ -52,3 +52,14 @@ class DataPlaneStatistics:
     offloads_failed: int
     exists_calls: int
     exists_errors: int  # existence checks the store could not answer (a lookup that misses)
+
+
+@attrs.frozen
+class Backpressure:
+    """What an offload's backpressure reads from a data plane (a snapshot,
+    ``DataPlane.backpressure()``): nothing else of the data plane's insides."""
+
+    pending_states: int  # MAMBA states held by queued or in-flight offloads (0: no MAMBA pool)
+    latency_ema_ms: float  # the store-latency EMA every store call feeds
+    dropping: bool  # the EMA is past the high watermark and not yet below the low one
+    breaker_open: bool  # the store's circuit breaker is open (False: the store has none)

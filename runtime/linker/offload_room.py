@@ -14,7 +14,6 @@ import anyio
 from ...components.layout import PoolKind
 from ...components.radix import Node
 from ...stores.base import StoreError
-from ...stores.resilient import ResilientStore
 from ..dataplane.events import DeviceEvent
 from ..dataplane.plane import Transfer
 from ..dataplane.tickets import OffloadTicket
@@ -100,7 +99,8 @@ class OffloadRoom(LinkerRoom):
         if not plan:
             return
         self._c["offloads"] += 1
-        if isinstance(self.store, ResilientStore) and self.store.breaker_open:
+        pressure = self.data.backpressure()
+        if pressure.breaker_open:
             # the store is down: lock nothing, send nothing (lookups probe it meanwhile)
             self._c["offloads_skipped_breaker"] += 1
             trace("offload.skipped", request_id=req.id, reason="breaker_open")
@@ -109,10 +109,10 @@ class OffloadRoom(LinkerRoom):
             assert self.pools.mamba is not None
             limit = self.config.mamba_backpressure_share * self.pools.mamba.slots.capacity
             # queued and in-flight states must stay below the limit (3/4 of the pool)
-            if self.data.actors[PoolKind.MAMBA].pending_states + len(plan[PoolKind.MAMBA]) >= limit:
+            if pressure.pending_states + len(plan[PoolKind.MAMBA]) >= limit:
                 self._c["offloads_skipped_mamba"] += 1
                 trace("offload.skipped", request_id=req.id, reason="mamba_backpressure",
-                      pending=self.data.actors[PoolKind.MAMBA].pending_states)
+                      pending=pressure.pending_states)
                 return
         # KV backpressure: nodes stay locked until their offload settles, so a slow store and
         # long prompts could otherwise lock the whole KV pool and make `extend` fail. Skip only
@@ -128,9 +128,9 @@ class OffloadRoom(LinkerRoom):
             trace("offload.skipped", request_id=req.id, reason="kv_backpressure",
                   locked_pages=self.locked_pages, pages=new_pages)
             return
-        if self.data.latency.should_drop():
+        if pressure.dropping:
             self._c["offloads_dropped"] += 1
-            trace("offload.dropped", request_id=req.id, reason="latency", ema_ms=self.data.latency.ema_ms)
+            trace("offload.dropped", request_id=req.id, reason="latency", ema_ms=pressure.latency_ema_ms)
             return
         job_id = next(self._job_ids)
         jobs: dict[PoolKind, _OffloadPlan] = {}

@@ -131,7 +131,7 @@ async def test_offload_then_load_restores_exactly_the_named_rows(store: Embedded
     want_rows, want_slot = a.rows(src_rows), a.slot(4)
     # one path writes, the other reads: in place and staged objects are the same bytes
     async with plane(a, store, groups, in_place=in_place) as dp:
-        assert all(actor.scatter is in_place for actor in dp.actors.values())
+        assert all(actor.arena.scatter is in_place for actor in dp.actors.values())
         done = await dp.offload(transfers("x", src_rows, 4))
         out = await done.wait()
         assert out.ok and out.objects[PoolKind.FULL] == [True] * 3
@@ -615,7 +615,7 @@ async def test_in_place_loads_verify_the_landed_rows(store: EmbeddedStore, fault
         await store.put(["v1"], [other])
     b = EnginePools(2)
     async with plane(b, store) as dp:
-        assert all(actor.scatter for actor in dp.actors.values())
+        assert all(actor.arena.scatter for actor in dp.actors.values())
         ticket = await dp.load([Transfer(PoolKind.FULL, ["v0", "v1"], pages(2, 3))])
         out = await ticket.wait()
         assert not out.ok and out.objects[PoolKind.FULL] == [True, False]
@@ -648,9 +648,9 @@ async def test_linker_restores_exactly_through_the_data_plane(groups: int, in_pl
     async with Linker(layout, pools, store, LinkerConfig(layer_groups=groups, in_place=in_place,
                                                                    in_place_min_bytes=0)) as lk:
         if device == "cuda":  # device pools move through pinned staging on copy streams
-            assert all(isinstance(a.copies, CudaCopies) and not a.scatter for a in lk.actors.values())
+            assert all(isinstance(a.copies, CudaCopies) and not a.arena.scatter for a in lk.actors.values())
         else:
-            assert all(a.scatter is in_place for a in lk.actors.values())
+            assert all(a.arena.scatter is in_place for a in lk.actors.values())
         req = lk.request("donor", tokens)
         await lk.lookup(req)
         assert await synthetic_prefill(lk, content, req, fence=record_fence(torch.device(device))) > 0
@@ -746,14 +746,14 @@ async def test_in_place_only_from_the_configured_object_size(put_min: str, get_m
 
     try:
         async with sized(a, put_min) as dp:
-            assert {k: act.in_place_groups for k, act in dp.actors.items()} == moved(put_min)
+            assert {k: act.arena.in_place_groups for k, act in dp.actors.items()} == moved(put_min)
             assert (await (await dp.offload(transfers("x", src_rows, 4))).wait()).ok
         # only the big pool's objects, and only when they reach the minimum
         assert len(store.in_place) == (3 if put_min == "at" else 0)
         assert all(k.endswith(tuple(keys("xk", 3))) for k in store.in_place)
         store.in_place.clear()
         async with sized(b, get_min) as dp:
-            assert {k: act.in_place_groups for k, act in dp.actors.items()} == moved(get_min)
+            assert {k: act.arena.in_place_groups for k, act in dp.actors.items()} == moved(get_min)
             assert (await (await dp.load(transfers("x", dst_rows, 2))).wait()).ok
         assert len(store.in_place) == (3 if get_min == "at" else 0)
     finally:
@@ -889,7 +889,7 @@ async def test_held_arena_is_freed_once_a_verified_load_landed() -> None:
         for _ in range(2):  # back to back: the arena is free again once a load landed
             out = await (await dp.load([Transfer(PoolKind.FULL, keys("r", 8), pages(*range(8, 16)))],
                                        verify_all=True)).wait()
-            assert out.ok and not actor._held_busy
+            assert out.ok and not actor.arena.held_busy
     kv = 2 * len(FULL_IDS)  # K and V rows (no draft in this load)
     assert all(torch.equal(x, y) for x, y in zip(b.rows(pages(*range(8, 16)))[:kv], a.rows(pages(*range(8)))[:kv]))
     await store.close()
@@ -970,7 +970,7 @@ async def test_in_place_sub_batches_in_flight_together_keep_each_header_with_its
     assert puts >= 5 and store.most_in_flight == 2
     store.most_in_flight = 0
     async with DataPlane(b.views(), store, cfg, namespace="test") as dp:
-        assert all(actor.scatter for actor in dp.actors.values())
+        assert all(actor.arena.scatter for actor in dp.actors.values())
         out = await (await dp.load([Transfer(PoolKind.FULL, keys("o", 14), dst)])).wait()
         assert out.ok
     assert store.calls - puts >= 5 and store.most_in_flight == 2
@@ -1027,7 +1027,7 @@ async def _grown_loads(store: Store, *, max_bytes: int) -> tuple[_RegionLog, lis
         for n in (2, 4, 3, 6):
             dest = pages(*range(n))
             out = await (await dp.load([Transfer(PoolKind.FULL, keys("g", n), dest)], verify_all=True)).wait()
-            assert out.ok and not actor._held_busy
+            assert out.ok and not actor.arena.held_busy
             assert all(torch.equal(x, y) for x, y in zip(b.rows(dest)[:kv], a.rows(pages(*range(n)))[:kv]))
             stats.append(actor.statistics())
     return log, stats

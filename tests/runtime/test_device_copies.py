@@ -47,7 +47,7 @@ async def test_an_offload_reads_staging_only_after_the_device_copy() -> None:
     fake = FakeDeviceCopies()
     fence = FakeDeviceEvent(polls=None)
     async with DataPlane(views, gated, copies={PoolKind.FULL: fake}) as dp:
-        assert not dp.actors[PoolKind.FULL].scatter  # device pools move through staging
+        assert not dp.actors[PoolKind.FULL].arena.scatter  # device pools move through staging
         ticket = await dp.offload([Transfer(PoolKind.FULL, ["a", "b"], pages(1, 2))], fence=fence)
         await anyio.sleep(0.02)
         assert fake.log == []  # the engine's fence first: no copy was even queued
@@ -127,7 +127,7 @@ async def test_cuda_round_trip_on_a_copy_stream() -> None:
     k, temporal, views = pools(1, "cuda")
     async with DataPlane(views, store) as dp:
         assert all(isinstance(a.copies, CudaCopies) for a in dp.actors.values())
-        assert all(a._arenas["load"].is_pinned() for a in dp.actors.values())
+        assert all(a.arena.arenas["load"].is_pinned() for a in dp.actors.values())
         fence = torch.cuda.Event()
         fence.record(torch.cuda.current_stream())
         done = await dp.offload([Transfer(PoolKind.FULL, ["a", "b"], pages(1, 2)),

@@ -307,7 +307,7 @@ async def test_registered_device_rows_move_in_place_with_no_staging(level: Integ
     try:
         async with _plane(src, store, device=True, path="in-place", level=level) as dp:
             actor = dp.actors[PoolKind.FULL]
-            assert actor.in_place_groups == [True] and actor.scatter
+            assert actor.arena.in_place_groups == [True] and actor.arena.scatter
             rows = {t.data_ptr() for t in (*src[0], *src[1])}
             assert rows <= set(store.registered)
             assert (await (await dp.offload([Transfer(PoolKind.FULL, keys, a)])).wait()).ok
@@ -334,7 +334,7 @@ async def test_many_sub_batches_round_trip_and_a_corrupt_one_is_pinpointed(path:
     store = DeviceAddressing(64 << 20, max_batch=2)
     try:
         async with _plane(src, store, device=True, path=path, staging_frames=4) as dp:
-            assert dp.actors[PoolKind.FULL].batch == 2
+            assert dp.actors[PoolKind.FULL].arena.batch == 2
             assert (await (await dp.offload([Transfer(PoolKind.FULL, keys, a)])).wait()).ok
         calls = store.calls["put_parts" if path == "in-place" else "put"]
         assert calls == 4
@@ -361,7 +361,7 @@ async def test_a_store_without_device_memory_keeps_the_staged_path() -> None:
     try:
         async with _plane(_pools(1), store, device=True, path="in-place") as dp:
             actor = dp.actors[PoolKind.FULL]
-            assert actor.in_place_groups == [False] and not actor.scatter and actor.device_sums
+            assert actor.arena.in_place_groups == [False] and not actor.arena.scatter and actor.arena.device_sums
     finally:
         await store.close()
 
@@ -389,7 +389,7 @@ async def test_mooncake_says_whether_its_client_addresses_device_memory(
     with pytest.raises(ValueError, match="without GPU support"):
         mooncake_store.register(torch.empty(4096, dtype=torch.uint8, device="meta"))
     async with _plane(_pools(1), mooncake_store, device=True, path="in-place") as dp:
-        assert dp.actors[PoolKind.FULL].in_place_groups == [False]
+        assert dp.actors[PoolKind.FULL].arena.in_place_groups == [False]
     config = mooncake_store.config
     mooncake_client._client_links.cache_clear()
     monkeypatch.setattr(mooncake_client, "needed_libraries", lambda path: ["libc.so.6", "libcudart.so.12"])
@@ -474,7 +474,7 @@ async def test_cuda_registered_pools_on_a_mooncake_master(mooncake_master: Any) 
         src, dst = _pools(27, "cuda"), _pools(28, "cuda")
         keys, a, b = _keys(4), _rows(0, 2, 4, 6), _rows(7, 5, 3, 1)
         async with _plane(src, store, device=True, path="in-place") as dp:
-            assert dp.actors[PoolKind.FULL].in_place_groups == [True]
+            assert dp.actors[PoolKind.FULL].arena.in_place_groups == [True]
             assert (await (await dp.offload([Transfer(PoolKind.FULL, keys, a)])).wait()).ok
         out, layers, faults, _ = await _load(dst, store, keys, b, device=True, path="in-place")
         assert out.ok and layers == [True, True], faults

@@ -90,7 +90,7 @@ async def test_short_runs_move_staged_long_runs_in_place_and_both_restore_exactl
     in_place = min_run <= PAGE * ROW  # every segment's run is one page of one part: 8 KiB
     async with DataPlane(pools, store) as dp:
         actor = dp.actors[PoolKind.FULL]
-        assert actor.in_place_groups == [in_place] and actor.row_groups == [in_place]
+        assert actor.arena.in_place_groups == [in_place] and actor.arena.row_groups == [in_place]
         assert (await (await dp.offload([Transfer(PoolKind.FULL, keys, _rows(list(range(n))))])).wait()).ok
         assert store.moved == ({"rows": n, "frames": 0} if in_place else {"rows": 0, "frames": n})
         dest = list(range(2 * n - 1, n - 1, -1))

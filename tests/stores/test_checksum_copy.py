@@ -238,7 +238,7 @@ async def test_a_checksumming_store_restores_exactly_or_reports_the_fault(fault:
     src, dst = _rows(3, 0, 9), _rows(1, 12, 5)
     try:
         async with _plane(ka, va, store, in_place) as dp:
-            assert all(a.store_checksums and a.scatter is in_place for a in dp.actors.values())
+            assert all(a.arena.store_checksums and a.arena.scatter is in_place for a in dp.actors.values())
             assert (await (await dp.offload([Transfer(PoolKind.FULL, ["o0", "o1", "o2"], src)])).wait()).ok
         if fault == "flip_payload":
             size = HEADER_BYTES + 2 * 2 * P * (40 << 10)
