@@ -50,6 +50,13 @@ class LinkerStatistics:
     stored_tokens: int = 0  # prompt tokens whose KV pages an offload settled as stored
 
 
+#: the fields the Linker reads elsewhere than from its counters (the data plane's latency
+#: monitor, the touch batcher)
+_NOT_COUNTED = frozenset({"store_latency_ema_ms", "dropping", "touch_calls"})
+#: the Linker's counters: every other field, in field order
+COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(LinkerStatistics) if f.name not in _NOT_COUNTED)
+
+
 def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
     """The Linker's request figures (its data plane publishes the data path's)."""
     return {
