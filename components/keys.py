@@ -77,6 +77,25 @@ def namespace_seed(layout: ModelLayout, salt: bytes | str | None = None, *, iden
     return h.digest()
 
 
+def geometry_seed(model: str, geometry: str, salt: str, identity: bytes = b"") -> bytes:
+    """The vLLM connector's ``k_{-1}``: the model, the cache geometry (dtype, block size, page
+    bytes per group), the tenant salt and ``identity``
+    (:func:`~hylinker.components.identity.namespace_term`). Engines agree on keys exactly when
+    they agree on all four.
+
+    Why not :func:`namespace_seed`: vLLM describes its cache as KV cache groups, not as a
+    :class:`~hylinker.components.layout.ModelLayout`, so there is no layout fingerprint to hash;
+    and the bytes hashed here (``model\\0geometry\\0salt\\0identity``) are what the keys vLLM
+    deployments have already stored were made of, so they stay as they are."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for part in (model, geometry, salt):
+        h.update(part.encode())
+        h.update(b"\x00")
+    if identity:
+        h.update(identity)
+    return h.digest()
+
+
 def _term(tag: bytes, value: bytes) -> bytes:
     """``tag ‖ len ‖ value``: one unambiguous field of a hashed record."""
     return tag + struct.pack("<Q", len(value)) + value
@@ -213,6 +232,20 @@ def page_keys(
     return out
 
 
+# ---- object keys: one format per front --------------------------------------------------
+# The three fronts name the same thing (one pool's bytes of one page on some ranks) with the
+# same parts, page key first, but not in the same words, and keys already stored must keep
+# their bytes (docs/design/rules.md, "Key formats"):
+# * the Linker: ``{k hex}:{pool}:{rank term}`` — its own chained keys, its own layout;
+# * the SGLang plugin: ``{SGLang's page key}:{namespace}:{pool}:{rank term}cp{c}pp{p}`` — the
+#   page key is SGLang's (its HiCache hash, shared with other storage backends), so the suffix
+#   carries hylinker's namespace (the seed the Linker hashes into its keys) and the context- and
+#   pipeline-parallel ranks SGLang splits pools by;
+# * the vLLM connector: ``{k hex}:kv:g{group}`` / ``{k hex}:state:g{group}`` (a rank-free name,
+#   vLLM's KV cache groups, not pools: the scheduler plans with names), then ``:r{owner rank}``
+#   (:func:`rank_key`) on the worker that moves the bytes (replicas share their owner's key).
+
+
 def object_key_suffix(pool: PoolKind, layout: ModelLayout) -> str:
     """The part of an object key after the page key: ``:{pool}:{rank term}``."""
     return f":{pool.value}:{layout.rank_term(pool)}"
@@ -227,3 +260,26 @@ def object_keys(page_keys: Sequence[bytes], pool: PoolKind, layout: ModelLayout)
     """:func:`object_key` for many pages at once."""
     suffix = object_key_suffix(pool, layout)
     return [k.hex() + suffix for k in page_keys]
+
+
+def sglang_key_suffix(namespace: str, pool: PoolKind, rank_term: str, cp_rank: int, pp_rank: int) -> str:
+    """What the SGLang plugin appends to SGLang's page key (see the comment above)."""
+    return f":{namespace}:{pool.value}:{rank_term}cp{cp_rank}pp{pp_rank}"
+
+
+RANK_MARK = ":r"
+
+
+def attention_key(block_key: bytes, group: int) -> str:
+    """The vLLM connector's name of an attention (or sliding-window) group's block."""
+    return f"{block_key.hex()}:kv:g{group}"
+
+
+def state_key(block_key: bytes, group: int) -> str:
+    """The vLLM connector's name of a state group's state after a block."""
+    return f"{block_key.hex()}:state:g{group}"
+
+
+def rank_key(name: str, rank: int) -> str:
+    """The store key of rank ``rank``'s shard of the vLLM connector's object ``name``."""
+    return f"{name}{RANK_MARK}{rank}"

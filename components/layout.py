@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from .mamba import checkpoint_grid, grid_unfit_reason
+from .ranks import rank_term, replicated_writes
 
 
 class PoolKind(enum.Enum):
@@ -323,15 +324,14 @@ class ModelLayout:
         """Whether this rank writes ``pool`` to the store: a sharded pool every rank, a replicated
         one only its first holder (TP rank 0; for a DCP-folded pool the first DCP group, one
         writer per DCP rank, since each DCP rank holds other tokens)."""
-        if pool not in self.replicated:
-            return True
-        return self.tp_rank < (self.dcp_size if self.folds(pool) else 1)
+        return replicated_writes(self.tp_rank, replicated=pool in self.replicated, dcp_size=self.dcp_size,
+                                 folded=self.folds(pool))
 
     def rank_term(self, pool: PoolKind) -> str:
         """Which ranks share ``pool``'s objects: ``tp<r>`` (sharded) or ``rep`` (replicated),
         plus ``dcp<d>`` for a DCP-folded pool (each DCP rank holds its own tokens)."""
-        term = "rep" if pool in self.replicated else f"tp{self.tp_rank}"
-        return term + f"dcp{self.dcp_rank}" if self.folds(pool) else term
+        return rank_term(self.tp_rank, replicated=pool in self.replicated,
+                         dcp_rank=self.dcp_rank if self.folds(pool) else None)
 
     def describe(self) -> dict[str, object]:
         """Everything that decides stored bytes, as JSON-able data (rank excluded)."""

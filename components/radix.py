@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import attrs
 import torch
 
-from .eviction import EvictionPolicy, LRUEviction
+from .eviction import EvictionPolicy, LRUEviction, Scorer
 from .layout import ModelLayout, PoolKind
 from .pools import HybridPools, PoolError
 
@@ -140,12 +140,8 @@ class RadixTree:
         best = self.root
         i = 0
         now = next(self._clock)
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            n = _common_len(child.keys, keys, i)
-            child.last_access = now
+        while i < len(keys) and (step := _step(node, keys, i, now)) is not None:
+            child, n = step
             if n < len(child.keys):
                 if not self.layout.is_hybrid:
                     best = self._split(child, n)
@@ -188,12 +184,8 @@ class RadixTree:
         now = next(self._clock)
         node = self.root
         i = 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            n = _common_len(child.keys, keys, i)
-            child.last_access = now
+        while i < len(keys) and (step := _step(node, keys, i, now)) is not None:
+            child, n = step
             if n < len(child.keys):
                 child = self._split(child, n)
             node = child
@@ -285,9 +277,7 @@ class RadixTree:
         leaves, evictable = self._unlocked()
         if all_or_nothing and evictable < n_pages:
             return 0
-        score = self.eviction.scorer(leaves, next(self._clock), self.layout)
-        heap = [(score(n), n.id, n) for n in leaves]
-        heapq.heapify(heap)
+        score, heap = self._by_score(leaves)
         freed = 0
         while heap and freed < n_pages:
             _, _, leaf = heapq.heappop(heap)
@@ -296,6 +286,13 @@ class RadixTree:
             if parent is not None and not parent.is_root and not parent.children and parent.lock == 0:
                 heapq.heappush(heap, (score(parent), parent.id, parent))
         return freed
+
+    def _by_score(self, nodes: list[Node]) -> tuple[Scorer, list[tuple[float, int, Node]]]:
+        """The eviction policy's score of ``nodes`` (scored now), and them in a heap, lowest first."""
+        score = self.eviction.scorer(nodes, next(self._clock), self.layout)
+        heap = [(score(n), n.id, n) for n in nodes]
+        heapq.heapify(heap)
+        return score, heap
 
     def evict_states(self, n_slots: int, *, all_or_nothing: bool = False) -> int:
         """Free unlocked states, lowest eviction score first, until ``n_slots`` are freed.
@@ -306,9 +303,7 @@ class RadixTree:
                       if n.mamba_slot is not None and n.mamba_lock == 0 and PoolKind.MAMBA not in n.pending]
         if all_or_nothing and len(candidates) < n_slots:
             return 0
-        score = self.eviction.scorer(candidates, next(self._clock), self.layout)
-        heap = [(score(n), n.id, n) for n in candidates]
-        heapq.heapify(heap)
+        _, heap = self._by_score(candidates)
         freed = 0
         while heap and freed < n_slots:
             _, _, node = heapq.heappop(heap)
@@ -416,6 +411,16 @@ class RadixTree:
             used = self.pools.mamba.slots.capacity - self.pools.mamba.num_free
             if used < slots:
                 raise PoolError(f"tree holds {slots} states but only {used} slots are allocated")
+
+
+def _step(node: Node, keys: list[bytes], i: int, now: int) -> tuple[Node, int] | None:
+    """The child of ``node`` that ``keys[i:]`` enters (its access stamped ``now``) and the pages
+    they share, or None where no child starts with ``keys[i]``."""
+    child = node.children.get(keys[i])
+    if child is None:
+        return None
+    child.last_access = now
+    return child, _common_len(child.keys, keys, i)
 
 
 def _common_len(node_keys: list[bytes], keys: list[bytes], start: int) -> int:

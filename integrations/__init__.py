@@ -6,3 +6,21 @@
   share and the store they open (imports no engine);
 * :mod:`hylinker.integrations.store_host`: one store per engine process.
 """
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+def lazy_export(package: str, name: str, module: str) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` that imports ``name`` from its submodule ``module`` on first
+    access, so the engine-free modules of an engine's package import without the engine."""
+
+    def __getattr__(attr: str) -> Any:
+        if attr == name:
+            return getattr(importlib.import_module(module, package), name)
+        raise AttributeError(f"module {package!r} has no attribute {attr!r}")
+
+    return __getattr__

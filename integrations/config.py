@@ -23,6 +23,7 @@ from ..stores.config_rules import Validator, non_negative, positive
 from ..stores.eviction_memory import DEFAULT_BUDGET_BYTES
 from ..stores.faulty import FaultPlan
 from ..stores.framing import Integrity
+from ..stores.registry import StoreSpec, open_store
 
 STORES = ("embedded", "mooncake")
 MIB = 1 << 20
@@ -167,30 +168,13 @@ class PluginConfig:
 
     async def open_store(self) -> Store:
         """The store these settings name (on the calling event loop), fault plan wrapped around."""
-        store: Store
-        if self.store == "embedded":
-            from ..stores.embedded import EmbeddedStore
-
-            store = EmbeddedStore(self.capacity_mb * MIB, eviction_memory_bytes=self.eviction_memory_bytes)
-        elif self.store == "umbp":
-            from ..stores.umbp import UmbpStore
-
-            store = UmbpStore(capacity_bytes=self.capacity_mb * MIB)
-        else:
-            from ..stores.mooncake import MooncakeConfig, MooncakeStore
-
-            assert self.master is not None
-            store = await MooncakeStore.open(MooncakeConfig(
-                master_address=self.master, local_hostname=self.local_hostname,
-                metadata_server=self.metadata_server, protocol=self.protocol,
-                rdma_devices=self.rdma_devices, segment_bytes=self.segment_mb * MIB,
-                detect_exists=self.mooncake_detect_exists))
-        plan = self.fault_plan
-        if plan is not None:
-            from ..stores.faulty import FaultyStore
-
-            store = FaultyStore(store, plan, seed=self.fault_seed)
-        return store
+        return (await open_store(StoreSpec(
+            self.store, self.capacity_mb * MIB, eviction_memory_bytes=self.eviction_memory_bytes,
+            mooncake={"master_address": self.master, "local_hostname": self.local_hostname,
+                      "metadata_server": self.metadata_server, "protocol": self.protocol,
+                      "rdma_devices": self.rdma_devices, "segment_bytes": self.segment_mb * MIB,
+                      "detect_exists": self.mooncake_detect_exists},
+            faults=self.fault_plan, fault_seed=self.fault_seed))).store
 
 
 def coerce_value(where: str, name: str, raw: Any, default: Any,

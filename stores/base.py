@@ -114,6 +114,15 @@ def new_counters() -> dict[str, int]:
     return dict.fromkeys((f.name for f in attrs.fields(StoreStatistics)), 0)
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def exit_closes(self: Closable, *exc_info: object) -> None:
+    """The ``__exit__`` of an object whose ``close()`` ends it (``__exit__ = exit_closes``)."""
+    self.close()
+
+
 def count_puts(counters: dict[str, int], outcomes: Sequence[Outcome], sizes: Sequence[int]) -> None:
     """Add one put batch's outcomes (``sizes``: bytes of each buffer) to ``counters``."""
     for outcome, size in zip(outcomes, sizes):

@@ -112,6 +112,13 @@ class InflightCalls:
         if self._count == 0 and self._idle is not None:
             self._idle.set()
 
+    def __enter__(self) -> None:
+        """``with calls:`` one call in flight (refused once closed)."""
+        self.enter()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.exit()
+
     async def close(self) -> bool:
         """Refuse new calls and wait for those in flight; False if already closed."""
         first = not self.closed
@@ -198,17 +205,13 @@ class EmbeddedStore(RowTransfers):
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         check_keys(keys)
-        self._calls.enter()
-        try:
-            with self._lock:
-                self._stats["exists_calls"] += 1
-                present = [key in self._index for key in keys]
-                for key, held in zip(keys, present):
-                    if not held:
-                        self._stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
-                return present
-        finally:
-            self._calls.exit()
+        with self._calls, self._lock:
+            self._stats["exists_calls"] += 1
+            present = [key in self._index for key in keys]
+            for key, held in zip(keys, present):
+                if not held:
+                    self._stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
+            return present
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
         check_buffers(keys, buffers)
@@ -304,8 +307,7 @@ class EmbeddedStore(RowTransfers):
                         copy: Callable[[list[_Put]], Callable[[], object]]) -> list[Outcome]:
         """Every put: plan slots for ``sized`` (anything with ``numel()``), run ``copy(plan)()``
         (inline if small, else in a worker thread), publish what was copied, free the rest."""
-        self._calls.enter()
-        try:
+        with self._calls:
             outcomes, plan = self._plan_put(keys, sized)
             if not plan:
                 return outcomes
@@ -318,15 +320,12 @@ class EmbeddedStore(RowTransfers):
                 for i, _, _ in plan:
                     outcomes[i] = Outcome.FAILED
             return outcomes
-        finally:
-            self._calls.exit()
 
     async def _get_with(self, keys: Sequence[str], sized: Sequence[Any],
                         copy: Callable[[list[_Get]], Callable[[], list[int] | None]]) -> list[GetResult]:
         """Every get: pin the objects that fit, run ``copy(plan)()``, unpin. A copy that
         returns checksums (one per planned object) puts each on its result."""
-        self._calls.enter()
-        try:
+        with self._calls:
             results, plan = self._plan_get(keys, sized)
             if not plan:
                 return results
@@ -339,22 +338,16 @@ class EmbeddedStore(RowTransfers):
                 results[i] = (GetResult(Outcome.OK, loc[2], None if digests is None else digests[k])
                               if copied else GetResult(Outcome.FAILED))
             return results
-        finally:
-            self._calls.exit()
 
     async def touch(self, keys: Sequence[str]) -> None:
         check_keys(keys)
-        self._calls.enter()
-        try:
-            with self._lock:
-                for key in keys:
-                    if key in self._index:
-                        self._index.move_to_end(key)
-                        self._stats["touches"] += 1
-                    else:
-                        self._stats["evicted_touched_again"] += self.evictions_memory.asked_again(key, touched=True)
-        finally:
-            self._calls.exit()
+        with self._calls, self._lock:
+            for key in keys:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                    self._stats["touches"] += 1
+                else:
+                    self._stats["evicted_touched_again"] += self.evictions_memory.asked_again(key, touched=True)
 
     async def remove(self, keys: Sequence[str]) -> int:
         return self._remove_where(keys, [None] * len(keys))
@@ -367,8 +360,7 @@ class EmbeddedStore(RowTransfers):
 
     def _remove_where(self, keys: Sequence[str], condemned: Sequence[Condemned | None]) -> int:
         check_keys(keys)
-        self._calls.enter()
-        try:
+        with self._calls:
             removed = 0
             with self._lock:
                 for key, c in zip(keys, condemned, strict=True):
@@ -379,8 +371,6 @@ class EmbeddedStore(RowTransfers):
                     removed += 1
                 self._stats["removes"] += removed
             return removed
-        finally:
-            self._calls.exit()
 
     def statistics(self) -> StoreStatistics:
         with self._lock:

@@ -62,8 +62,7 @@ class RowTransfers:
     async def _put_rows(self, batch: RowBatch, hashed: bool) -> np.ndarray:
         """Store each object of ``batch`` (see :class:`~hylinker.stores.base.RowStore`)."""
         check_batch(batch)
-        self._calls.enter()
-        try:
+        with self._calls:
             codes = np.full(len(batch.keys), _FAILED, dtype=np.int8)
             todo, locs = self._plan_rows_put(batch, codes)
             if not todo:
@@ -83,15 +82,12 @@ class RowTransfers:
                 self._finish_rows_put(sub.keys, locs, copied)
             codes[todo] = OK if copied else _FAILED
             return codes
-        finally:
-            self._calls.exit()
 
     async def _get_rows(self, batch: RowBatch, hashed: bool) -> RowResults:
         """Read each object of ``batch`` into its rows, its header into ``batch.heads``."""
         check_batch(batch, get=True)
         assert batch.heads is not None
-        self._calls.enter()
-        try:
+        with self._calls:
             n = len(batch.keys)
             res = RowResults.of(n, Outcome.MISSING)
             plan = self._plan_rows_get(batch, res.codes)
@@ -129,8 +125,6 @@ class RowTransfers:
             if whole and hashed and sums:
                 res.checksums[whole] = sums
             return res
-        finally:
-            self._calls.exit()
 
     # ---- planning (under the index lock) -----------------------------------------------------
 

@@ -139,8 +139,7 @@ class FaultyStore:
         """``exists`` per key: OK present, MISSING absent, FAILED / UNREACHABLE for an injected
         failure (plain ``exists`` reports those as absent)."""
         check_keys(keys)
-        self._calls.enter()
-        try:
+        with self._calls:
             scheduled = self._begin_call()
             if scheduled == "timeout":
                 await self._overrun()
@@ -165,8 +164,6 @@ class FaultyStore:
             if gone:
                 await self._vanish(gone)
             return present
-        finally:
-            self._calls.exit()
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
         check_buffers(keys, buffers)
@@ -263,8 +260,7 @@ class FaultyStore:
                            ) -> list[Outcome]:
         """Every put: object ``i`` is the concatenation of ``objects[i]``; ``sealed``: its
         first part is a header whose checksum field the inner store fills."""
-        self._calls.enter()
-        try:
+        with self._calls:
             scheduled = self._begin_call()
             if scheduled == "failed":
                 return [Outcome.FAILED] * len(keys)
@@ -313,8 +309,6 @@ class FaultyStore:
                     if answer[j] is Outcome.EXISTS:
                         outcomes[i] = Outcome.OK
             return outcomes
-        finally:
-            self._calls.exit()
 
     async def _get_objects(self, keys: Sequence[str], objects: Sequence[Sequence[torch.Tensor]],
                            send_to: Callable[[list[str], list[Sequence[torch.Tensor]]], Awaitable[list[GetResult]]],
@@ -322,8 +316,7 @@ class FaultyStore:
         """Every get: object ``i`` is read into the concatenation of ``objects[i]``;
         ``rehash``: a damaged object's result carries the checksum of its damaged payload
         (``objects[i][1:]``), as a checksumming store's would."""
-        self._calls.enter()
-        try:
+        with self._calls:
             scheduled = self._begin_call()
             if scheduled == "failed":
                 return [GetResult(Outcome.FAILED)] * len(keys)
@@ -370,13 +363,10 @@ class FaultyStore:
                     results[i] = attrs.evolve(result, checksum=_landed_checksum(objects[i][1:],
                                                                                 result.nbytes - HEADER_BYTES))
             return results
-        finally:
-            self._calls.exit()
 
     async def touch(self, keys: Sequence[str]) -> None:
         check_keys(keys)
-        self._calls.enter()
-        try:
+        with self._calls:
             scheduled = self._begin_call()
             if scheduled == "timeout":
                 await self._overrun()
@@ -386,8 +376,6 @@ class FaultyStore:
             await self._within_deadline(
                 lambda: self._inner.touch([k for k in keys if k not in self._vanished])
             )
-        finally:
-            self._calls.exit()
 
     async def remove(self, keys: Sequence[str]) -> int:
         return await self._remove_where(keys, None)
@@ -401,8 +389,7 @@ class FaultyStore:
 
     async def _remove_where(self, keys: Sequence[str], condemned: list[Condemned] | None) -> int:
         check_keys(keys)
-        self._calls.enter()
-        try:
+        with self._calls:
             scheduled = self._begin_call()
             if scheduled is not None:
                 if scheduled == "timeout":
@@ -420,8 +407,6 @@ class FaultyStore:
             if answer is None:
                 raise StoreUnavailableError("remove ran past the fault plan's deadline")
             return answer
-        finally:
-            self._calls.exit()
 
     def statistics(self) -> FaultStatistics:
         inner = attrs.asdict(self._inner.statistics(), recurse=False)

@@ -248,41 +248,23 @@ class MooncakeStore:
         return [code == 1 for code in codes]
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
-        check_buffers(keys, buffers)
-        keys = list(keys)
-        buffers = list(buffers)
+        keys, buffers = self._batch(keys, buffers)
         if not keys:
-            self._check_open()
             return []
-        # a key repeated inside one batch: the first occurrence is the writer, the rest EXISTS
-        first: dict[str, int] = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        unique = sorted(first.values())
-        try:
-            got = await self._run(self._batches.put, [keys[i] for i in unique], [buffers[i] for i in unique])
-        except MasterUnreachable:
-            got = [Outcome.UNREACHABLE] * len(unique)
-        by_index = dict(zip(unique, got))
-        outcomes = [by_index[i] if i in by_index else
-                    (Outcome.EXISTS if by_index[first[k]] in (Outcome.OK, Outcome.EXISTS) else by_index[first[k]])
-                    for i, k in enumerate(keys)]
+        outcomes = await self._put_first(self._batches.put, keys, buffers)
         count_puts(self._counters, outcomes, [b.numel() for b in buffers])
         return outcomes
 
     async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        keys, buffers = self._batch(keys, buffers)
+        return await self._get(self._batches.get, keys, buffers) if keys else []
+
+    def _batch(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+        """A put's or get's keys and buffers, checked; an empty batch still needs an open store."""
         check_buffers(keys, buffers)
-        keys = list(keys)
-        buffers = list(buffers)
         if not keys:
             self._check_open()
-            return []
-        try:
-            results = await self._run(self._batches.get, keys, buffers)
-        except MasterUnreachable:
-            results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
-        count_gets(self._counters, results)
-        return results
+        return list(keys), list(buffers)
 
     async def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[torch.Tensor]]) -> list[Outcome]:
         """Store each object from several buffers (``batch_put_from_multi_buffers`` when all
@@ -292,18 +274,7 @@ class MooncakeStore:
         if not keys:
             self._check_open()
             return []
-        first: dict[str, int] = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        unique = sorted(first.values())
-        try:
-            got = await self._run(self._batches.put_parts, [keys[i] for i in unique], [list(parts[i]) for i in unique])
-        except MasterUnreachable:
-            got = [Outcome.UNREACHABLE] * len(unique)
-        by_index = dict(zip(unique, got))
-        outcomes = [by_index[i] if i in by_index else
-                    (Outcome.EXISTS if by_index[first[k]] in (Outcome.OK, Outcome.EXISTS) else by_index[first[k]])
-                    for i, k in enumerate(keys)]
+        outcomes = await self._put_first(self._batches.put_parts, keys, [list(p) for p in parts])
         count_puts(self._counters, outcomes, sizes)
         return outcomes
 
@@ -315,8 +286,30 @@ class MooncakeStore:
         if not keys:
             self._check_open()
             return []
+        return await self._get(self._batches.get_parts, keys, [list(p) for p in parts])
+
+    async def _put_first(self, put: Callable[..., list[Outcome]], keys: list[str], payloads: Sequence[Any]
+                         ) -> list[Outcome]:
+        """``put`` each key once: a key repeated inside one batch is written at its first
+        occurrence, the rest report EXISTS (or the first's failure)."""
+        first: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        unique = sorted(first.values())
         try:
-            results = await self._run(self._batches.get_parts, keys, [list(p) for p in parts])
+            got = await self._run(put, [keys[i] for i in unique], [payloads[i] for i in unique])
+        except MasterUnreachable:
+            got = [Outcome.UNREACHABLE] * len(unique)
+        by_index = dict(zip(unique, got))
+        return [by_index[i] if i in by_index else
+                (Outcome.EXISTS if by_index[first[k]] in (Outcome.OK, Outcome.EXISTS) else by_index[first[k]])
+                for i, k in enumerate(keys)]
+
+    async def _get(self, get: Callable[..., list[GetResult]], keys: list[str], payloads: Sequence[Any]
+                   ) -> list[GetResult]:
+        """``get`` the batch; an unreachable master fails every key; counted."""
+        try:
+            results = await self._run(get, keys, payloads)
         except MasterUnreachable:
             results = [GetResult(Outcome.UNREACHABLE)] * len(keys)
         count_gets(self._counters, results)

@@ -194,17 +194,13 @@ class MooncakeBatches:
                 [buffers[i].numel() for i in idx],
             )
             self._record(outcomes, idx, codes, put_outcome)
-        if bounced:
-            with self.bounce_lock:
-                self.ensure_bounce(max(_aligned(buffers[i].numel()) for i in bounced))
-                for group in self.bounce_groups(bounced, buffers):
-                    for chunk in self.chunks(len(group), 1):
-                        idx = [group[j] for j in chunk]
-                        ptrs = self._stage(idx, buffers, copy_in=True)
-                        codes = self.client.batch_put_from(
-                            [keys[i] for i in idx], ptrs, [buffers[i].numel() for i in idx]
-                        )
-                        self._record(outcomes, idx, codes, put_outcome)
+
+        def put_bounced(idx: list[int]) -> None:
+            ptrs = self._stage(idx, buffers, copy_in=True)
+            codes = self.client.batch_put_from([keys[i] for i in idx], ptrs, [buffers[i].numel() for i in idx])
+            self._record(outcomes, idx, codes, put_outcome)
+
+        self._each_bounced(bounced, buffers, put_bounced)
         return [o if o is not None else Outcome.FAILED for o in outcomes]
 
     def get(self, keys: list[str], buffers: list[torch.Tensor]) -> list[GetResult]:
@@ -215,36 +211,17 @@ class MooncakeBatches:
         bounced = [i for i, yes in enumerate(inside) if not yes]
 
         def read(idx: list[int], ptrs: list[int]) -> list[int]:
-            codes = [int(c) for c in self.client.batch_get_into(
-                [keys[i] for i in idx], ptrs, [buffers[i].numel() for i in idx]
-            )]
-            retry = [j for j, code in enumerate(codes) if code == LEASE_EXPIRED]
-            if retry:  # the lease ran out mid-transfer; a second read takes a fresh one
-                again = self.client.batch_get_into(
-                    [keys[idx[j]] for j in retry],
-                    [ptrs[j] for j in retry],
-                    [buffers[idx[j]].numel() for j in retry],
-                )
-                for j, code in zip(retry, again):
-                    codes[j] = int(code)
-            self.note(codes)
-            for i, code in zip(idx, codes):
-                outcome = get_outcome(code)
-                results[i] = GetResult(outcome, code if outcome is Outcome.OK else 0)
-            return codes
+            args = ([keys[i] for i in idx], ptrs, [buffers[i].numel() for i in idx])
+            return self._read(self.client.batch_get_into, idx, args, results)
 
         for chunk in self.chunks(len(direct), 1):
             idx = [direct[j] for j in chunk]
             read(idx, [buffers[i].data_ptr() for i in idx])
-        if bounced:
-            with self.bounce_lock:
-                self.ensure_bounce(max(_aligned(buffers[i].numel()) for i in bounced))
-                for group in self.bounce_groups(bounced, buffers):
-                    for chunk in self.chunks(len(group), 1):
-                        idx = [group[j] for j in chunk]
-                        ptrs = self._stage(idx, buffers, copy_in=False)
-                        codes = read(idx, ptrs)
-                        self._unstage(idx, buffers, codes)
+
+        def get_bounced(idx: list[int]) -> None:
+            self._unstage(idx, buffers, read(idx, self._stage(idx, buffers, copy_in=False)))
+
+        self._each_bounced(bounced, buffers, get_bounced)
         return [r if r is not None else GetResult(Outcome.FAILED) for r in results]
 
     def put_parts(self, keys: list[str], parts: list[list[torch.Tensor]]) -> list[Outcome]:
@@ -272,16 +249,7 @@ class MooncakeBatches:
         for chunk in self.chunks(len(direct), max(map(len, ptrs), default=1)):
             idx = [direct[j] for j in chunk]
             args = ([keys[i] for i in idx], ptrs[chunk.start:chunk.stop], sizes[chunk.start:chunk.stop])
-            codes = [int(c) for c in self.client.batch_get_into_multi_buffers(*args)]
-            retry = [j for j, code in enumerate(codes) if code == LEASE_EXPIRED]
-            if retry:  # the lease ran out mid-transfer; a second read takes a fresh one
-                again = self.client.batch_get_into_multi_buffers(*([a[j] for j in retry] for a in args))
-                for j, code in zip(retry, again):
-                    codes[j] = int(code)
-            self.note(codes)
-            for i, code in zip(idx, codes):
-                outcome = get_outcome(code)
-                results[i] = GetResult(outcome, code if outcome is Outcome.OK else 0)
+            self._read(self.client.batch_get_into_multi_buffers, idx, args, results)
         if joined:  # not registered: read whole through the bounced path, then split
             whole = [torch.empty(sum(p.numel() for p in parts[i]), dtype=torch.uint8) for i in joined]
             got = self.get([keys[i] for i in joined], whole)
@@ -296,6 +264,35 @@ class MooncakeBatches:
                         p[:n].copy_(w[off:off + n])
                         off += n
         return [r if r is not None else GetResult(Outcome.FAILED) for r in results]
+
+    def _read(self, call: Callable[..., Sequence[int]], idx: list[int], args: tuple[list[Any], ...],
+              results: list[GetResult | None]) -> list[int]:
+        """One read ``call`` over ``args`` (lists, one item per object ``idx[j]``), the objects
+        whose lease ran out mid-transfer read a second time (a fresh lease); their results
+        recorded; the codes."""
+        codes = [int(c) for c in call(*args)]
+        retry = [j for j, code in enumerate(codes) if code == LEASE_EXPIRED]
+        if retry:
+            again = call(*([a[j] for j in retry] for a in args))
+            for j, code in zip(retry, again):
+                codes[j] = int(code)
+        self.note(codes)
+        for i, code in zip(idx, codes):
+            outcome = get_outcome(code)
+            results[i] = GetResult(outcome, code if outcome is Outcome.OK else 0)
+        return codes
+
+    def _each_bounced(self, bounced: list[int], buffers: list[torch.Tensor],
+                      move: Callable[[list[int]], None]) -> None:
+        """``move`` each chunk of the objects outside the registered regions through the bounce
+        buffer, grown to the largest of them, under the bounce lock."""
+        if not bounced:
+            return
+        with self.bounce_lock:
+            self.ensure_bounce(max(_aligned(buffers[i].numel()) for i in bounced))
+            for group in self.bounce_groups(bounced, buffers):
+                for chunk in self.chunks(len(group), 1):
+                    move([group[j] for j in chunk])
 
     def _stage(self, idx: list[int], buffers: list[torch.Tensor], *, copy_in: bool) -> list[int]:
         assert self.bounce is not None

@@ -27,12 +27,11 @@ import logging
 import mmap
 import os
 import struct
-from types import TracebackType
 from typing import Any
 
 import attrs
 
-from .base import Outcome, StoreUnavailableError
+from .base import Outcome, StoreUnavailableError, exit_closes
 from .config_rules import number_rule, positive
 from .mooncake_master import port_accepts
 
@@ -54,29 +53,22 @@ SETUP_RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"
 TRANSFER_TIMEOUT_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT")
 
 
+#: ``batch_put_from``'s error codes (0 is OK; a code not here is FAILED)
+_PUT_ERRORS = {NO_AVAILABLE_HANDLE: Outcome.FULL, OBJECT_ALREADY_EXISTS: Outcome.EXISTS,
+               OBJECT_HAS_LEASE: Outcome.LEASED, RPC_FAIL: Outcome.UNREACHABLE}
+#: ``batch_get_into``'s error codes (>= 0: bytes read, OK; a code not here is FAILED)
+_GET_ERRORS = {OBJECT_NOT_FOUND: Outcome.MISSING, REPLICA_IS_NOT_READY: Outcome.MISSING,
+               INVALID_PARAMS: Outcome.TOO_SMALL, OBJECT_HAS_LEASE: Outcome.LEASED, RPC_FAIL: Outcome.UNREACHABLE}
+
+
 def put_outcome(code: int) -> Outcome:
     """Map a ``batch_put_from`` return code to an :class:`Outcome`."""
-    if code == 0:
-        return Outcome.OK
-    return {
-        NO_AVAILABLE_HANDLE: Outcome.FULL,
-        OBJECT_ALREADY_EXISTS: Outcome.EXISTS,
-        OBJECT_HAS_LEASE: Outcome.LEASED,
-        RPC_FAIL: Outcome.UNREACHABLE,
-    }.get(code, Outcome.FAILED)
+    return Outcome.OK if code == 0 else _PUT_ERRORS.get(code, Outcome.FAILED)
 
 
 def get_outcome(code: int) -> Outcome:
     """Map a ``batch_get_into`` return code (bytes read when >= 0) to an :class:`Outcome`."""
-    if code >= 0:
-        return Outcome.OK
-    return {
-        OBJECT_NOT_FOUND: Outcome.MISSING,
-        REPLICA_IS_NOT_READY: Outcome.MISSING,
-        INVALID_PARAMS: Outcome.TOO_SMALL,
-        OBJECT_HAS_LEASE: Outcome.LEASED,
-        RPC_FAIL: Outcome.UNREACHABLE,
-    }.get(code, Outcome.FAILED)
+    return Outcome.OK if code >= 0 else _GET_ERRORS.get(code, Outcome.FAILED)
 
 
 def import_mooncake_store() -> Any:
@@ -280,10 +272,4 @@ class MooncakeSegmentHost:
     def __enter__(self) -> MooncakeSegmentHost:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+    __exit__ = exit_closes

@@ -30,7 +30,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
+
+from .base import exit_closes
 
 BINARY_NAME = "mooncake_master"
 INSTALL_HINT = (
@@ -268,13 +269,7 @@ class MooncakeMaster:
             self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+    __exit__ = exit_closes
 
     def __repr__(self) -> str:
         state = f"running at {self.address}" if self.running else "stopped"

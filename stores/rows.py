@@ -139,33 +139,32 @@ def gather(batch: RowBatch, slots: Sequence[np.ndarray], hashed: bool) -> list[i
     least ``object_bytes``); return each payload's XXH3-64, hashed right after its copy while
     it is in cache (0s when not ``hashed``). One Python loop per object: the per-segment copies
     are slice assignments."""
-    offsets, widths = _layout(batch)
-    segs = batch.segments
-    end = batch.object_bytes
-    sums = [0] * len(slots)
-    hash_of = xxhash.xxh3_64_intdigest
-    for i, (dst, src_off) in enumerate(zip(slots, source_offsets(batch))):
-        for seg, o, w, s in zip(segs, offsets, widths, src_off):
-            dst[o:o + w] = seg[s:s + w]
-        if hashed:
-            sums[i] = hash_of(dst[HEADER_BYTES:end].data)
-    return sums
+    return _copy_rows(batch, slots, hashed, into_slots=True)
 
 
 def scatter(batch: RowBatch, slots: Sequence[np.ndarray], hashed: bool) -> list[int]:
     """Get side: copy each slot's payload into the object's rows; each payload's XXH3-64,
     hashed from the slot right after it was copied out (a host copy lands the bytes it read),
     or 0s when not ``hashed``."""
+    return _copy_rows(batch, slots, hashed, into_slots=False)
+
+
+def _copy_rows(batch: RowBatch, slots: Sequence[np.ndarray], hashed: bool, *, into_slots: bool) -> list[int]:
+    """Copy between each object's rows and its slot's payload (``into_slots``: rows to slot);
+    each payload's XXH3-64 hashed from the slot right after its copy, while it is in cache."""
     offsets, widths = _layout(batch)
     segs = batch.segments
     end = batch.object_bytes
     sums = [0] * len(slots)
     hash_of = xxhash.xxh3_64_intdigest
-    for i, (src, dst_off) in enumerate(zip(slots, source_offsets(batch))):
-        for seg, o, w, s in zip(segs, offsets, widths, dst_off):
-            seg[s:s + w] = src[o:o + w]
+    for i, (slot, row_off) in enumerate(zip(slots, source_offsets(batch))):
+        for seg, o, w, s in zip(segs, offsets, widths, row_off):
+            if into_slots:
+                slot[o:o + w] = seg[s:s + w]
+            else:
+                seg[s:s + w] = slot[o:o + w]
         if hashed:
-            sums[i] = hash_of(src[HEADER_BYTES:end].data)
+            sums[i] = hash_of(slot[HEADER_BYTES:end].data)
     return sums
 
 

@@ -53,7 +53,7 @@ lists, answering one boolean per key. What the real 1.2.4 client does (pinned by
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -250,54 +250,41 @@ class UmbpStore:
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         check_keys(keys)
-        self._calls.enter()
-        try:
+        with self._calls:
             self._stats["exists_calls"] += 1
             if not keys:
                 return []
             answer: list[bool] = await self._run(self._exists_sync, list(keys))
             return answer
-        finally:
-            self._calls.exit()
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
-        check_buffers(keys, buffers)
-        self._calls.enter()
-        try:
-            if not keys:
-                return []
-            ptrs = [b.data_ptr() for b in buffers]
-            sizes = [b.numel() for b in buffers]
-            outcomes: list[Outcome] = await self._run(self._put_sync, list(keys), ptrs, sizes)
-            count_puts(self._stats, outcomes, sizes)
-            return outcomes
-        finally:
-            self._calls.exit()
+        outcomes: list[Outcome] = await self._move(self._put_sync, keys, buffers)
+        count_puts(self._stats, outcomes, [b.numel() for b in buffers])
+        return outcomes
 
     async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
+        results: list[GetResult] = await self._move(self._get_sync, keys, buffers)
+        count_gets(self._stats, results)
+        return results
+
+    async def _move(self, call: Callable[[list[str], list[int], list[int]], Any], keys: Sequence[str],
+                    buffers: Sequence[torch.Tensor]) -> Any:
+        """``call`` (put or get) over the buffers' addresses and sizes, in the worker pool."""
         check_buffers(keys, buffers)
-        self._calls.enter()
-        try:
+        with self._calls:
             if not keys:
                 return []
             ptrs = [b.data_ptr() for b in buffers]
             sizes = [b.numel() for b in buffers]
-            results: list[GetResult] = await self._run(self._get_sync, list(keys), ptrs, sizes)
-            count_gets(self._stats, results)
-            return results
-        finally:
-            self._calls.exit()
+            return await self._run(call, list(keys), ptrs, sizes)
 
     async def touch(self, keys: Sequence[str]) -> None:
         """Refresh the keys' recency by reading their headers (UMBP has no touch; a read is
         one). Missing keys are ignored."""
         check_keys(keys)
-        self._calls.enter()
-        try:
+        with self._calls:
             if keys:
                 await self._run(self._touch_sync, list(keys))
-        finally:
-            self._calls.exit()
 
     async def remove(self, keys: Sequence[str]) -> int:
         """Always raises: UMBP has no per-key delete (``capabilities.remove`` is False)."""

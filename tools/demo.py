@@ -111,27 +111,18 @@ class DemoSetupError(RuntimeError):
 
 async def _run_with_store(arch: str, store_kind: str, shape: ConversationShape, seed: int,
                           large: bool, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    from ..stores.base import Store
+    from ..stores.registry import StoreSpec, open_store
     from .harness.reference.models import UnsupportedModelError
 
-    store: Store
-    master: Any = None
-    if store_kind == "embedded":
-        from ..stores.embedded import EmbeddedStore
-
-        store = EmbeddedStore((2048 if overrides else 256) * MIB)  # real shapes: states of tens of MB
+    if store_kind == "embedded":  # real shapes: states of tens of MB
+        spec = StoreSpec("embedded", (2048 if overrides else 256) * MIB)
     else:
-        try:
-            from ..stores.mooncake import MooncakeConfig, MooncakeStore
-            from ..stores.mooncake_master import MooncakeMaster
-
-            master = MooncakeMaster().start()
-            store = await MooncakeStore.open(MooncakeConfig(
-                master_address=master.address, segment_bytes=128 * MIB, workers=2))
-        except (ImportError, OSError, RuntimeError) as exc:
-            if master is not None:
-                master.close()
-            raise DemoSetupError(f"cannot start the mooncake store: {exc}") from exc
+        spec = StoreSpec(store_kind, 128 * MIB, mooncake={"workers": 2})
+    try:
+        opened = await open_store(spec)
+    except (ImportError, OSError, RuntimeError) as exc:
+        raise DemoSetupError(f"cannot start the {store_kind} store: {exc}") from exc
+    store, master = opened.store, opened.master
     try:
         return await run_demo(arch, shape, store=store, store_name=store_kind, seed=seed, large=large,
                               model_overrides=overrides)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -128,36 +128,37 @@ def holder(fleet: Fleet, window_s: float) -> str:
     return min(fleet.roles, key=lambda h: (remote[h] - local[h], h))
 
 
+def _held(fault_s: float, down: Callable[[], object], up: Callable[[], object]) -> tuple[float, float]:
+    """``down``, ``fault_s`` seconds, then ``up``: (when it began, when it was lifted)."""
+    began = time.monotonic()
+    down()
+    time.sleep(fault_s)
+    up()
+    return began, time.monotonic()
+
+
 def apply_fault(fleet: Fleet, fault: str, fault_s: float, victim: str) -> tuple[float, float]:
     """Apply ``fault`` to ``victim`` (the master for a master restart) and lift it; (when it
     began, when it was lifted)."""
     if fault == "partition":
-        began = time.monotonic()
-        fleet.partition(victim)
-        time.sleep(fault_s)
-        fleet.heal(victim)
-        return began, time.monotonic()
+        return _held(fault_s, lambda: fleet.partition(victim), lambda: fleet.heal(victim))
     if fault == "host-death":
-        began = time.monotonic()
-        fleet.partition(victim)  # a dead host answers nothing, not even a reset
-        fleet.kill_engine(victim)
-        time.sleep(fault_s)
-        fleet.heal(victim)
-        fleet.start_engine(victim)
-        return began, time.monotonic()
+        def die() -> None:
+            fleet.partition(victim)  # a dead host answers nothing, not even a reset
+            fleet.kill_engine(victim)
+
+        def revive() -> None:
+            fleet.heal(victim)
+            fleet.start_engine(victim)
+
+        return _held(fault_s, die, revive)
     if fault == "master-restart":
-        began = time.monotonic()
-        fleet.kill_master()
-        time.sleep(fault_s)
-        fleet.start_master()
-        return began, time.monotonic()
+        return _held(fault_s, fleet.kill_master, fleet.start_master)
     if fault == "engine-kill9":
         eng = fleet.engines[victim]
         eng.wait_event("offloading", 30.0, after=len(eng.events))
-        began = time.monotonic()
-        fleet.kill_engine(victim)  # while it drains this request's offloads
-        fleet.start_engine(victim)
-        return began, time.monotonic()
+        # killed while it drains this request's offloads, restarted at once
+        return _held(0.0, lambda: fleet.kill_engine(victim), lambda: fleet.start_engine(victim))
     raise ValueError(f"unknown fault {fault!r}; choose from {FAULTS}")
 
 

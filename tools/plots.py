@@ -50,6 +50,30 @@ def legend_below(ax: Any, columns: int = 3, fontsize: float | None = None) -> No
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=columns, frameon=False, fontsize=fontsize)
 
 
+def save_ttft_cdf(fig: Any, ax: Any, path: Any, title: str, *, title_size: float, columns: int,
+                  bottom: float) -> None:
+    """Finish a TTFT CDF panel (a log axis of seconds, fractions of requests, the legend below)
+    and write the figure to ``path`` as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    log_seconds_axis(ax)
+    ax.set_xlabel("time to first token, s (log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title, fontsize=title_size)
+    legend_below(ax, columns=columns, fontsize=8)
+    fig.subplots_adjust(bottom=bottom)  # room for the legend
+    ax.grid(alpha=0.3)
+    FigureCanvasAgg(fig).print_png(str(path))
+
+
+def _finish_panel(ax: Any, xlabel: str, ylabel: str, ylim: tuple[float, float], title: str, **grid: Any) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(*ylim)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3, **grid)
+
+
 def log_seconds_axis(ax: Any) -> None:
     """A log x axis of seconds labelled 0.02, 0.05, 0.1, 0.2, ... (matplotlib's labelled minor ticks
     overlap at a figure's usual width)."""
@@ -90,11 +114,7 @@ def plot_stress(
         ax_hit.set_xlim(t[0], t[-1] if t[-1] > t[0] else t[0] + 1.0)
     else:
         ax_hit.text(0.5, 0.5, "no request finished", ha="center", va="center", transform=ax_hit.transAxes)
-    ax_hit.set_xlabel("time (s)")
-    ax_hit.set_ylabel("% of the finished requests' prompt tokens")
-    ax_hit.set_ylim(0, 100)
-    ax_hit.set_title("hit rate so far")
-    ax_hit.grid(True, alpha=0.3)
+    _finish_panel(ax_hit, "time (s)", "% of the finished requests' prompt tokens", (0, 100), "hit rate so far")
     legend_below(ax_hit, columns=2)
 
     plotted = 0
@@ -112,11 +132,7 @@ def plot_stress(
             ax_lat.set_xscale("log")
     else:
         ax_lat.text(0.5, 0.5, "no latency samples", ha="center", va="center", transform=ax_lat.transAxes)
-    ax_lat.set_xlabel("latency (ms)")
-    ax_lat.set_ylabel("fraction of calls")
-    ax_lat.set_ylim(0, 1.0)
-    ax_lat.set_title("latency CDF per phase")
-    ax_lat.grid(True, alpha=0.3, which="both")
+    _finish_panel(ax_lat, "latency (ms)", "fraction of calls", (0, 1.0), "latency CDF per phase", which="both")
     legend_below(ax_lat)
     fig.savefig(path, format="png", dpi=100)
     return fig

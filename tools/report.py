@@ -7,10 +7,11 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from types import TracebackType
 from typing import Any, TextIO
 
 import numpy as np
+
+from ..stores.base import exit_closes
 
 # ---------------------------------------------------------------------------------------------
 # Progress
@@ -108,13 +109,7 @@ class ProgressBar:
     def __enter__(self) -> ProgressBar:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+    __exit__ = exit_closes
 
 
 def progress_bar(

@@ -13,13 +13,8 @@ dynamic linker factory (``"linker_module_path": "hylinker.integrations.sglang"``
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .. import lazy_export
 
 __all__ = ["HylinkerLinker"]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "HylinkerLinker":
-        return importlib.import_module(".linker", __name__).HylinkerLinker
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_export(__name__, "HylinkerLinker", ".linker")

@@ -60,6 +60,7 @@ import anyio
 import torch
 
 from ...components.layout import PoolKind
+from ...components.lookup import ALL_PAGES, TRAILING_PAGES, restorable_stops, window
 from ...components.pool_view import PoolSet, PoolViewError
 from ...runtime.dataplane.events import record_fence
 from ...runtime.dataplane.metrics import (
@@ -261,22 +262,18 @@ class HylinkerLinker(UnifiedCacheLinker):
             with self._lock:
                 for kind, names in probe.items():
                     present[kind] = [ok and k not in self._condemned for ok, k in zip(present[kind], names)]
-        kv_ok = present[PoolKind.FULL]
+        needs = [(ALL_PAGES, present[PoolKind.FULL])]
         if PoolKind.DRAFT in present:
-            kv_ok = [a and b for a, b in zip(kv_ok, present[PoolKind.DRAFT])]
-        prefix = kv_ok.index(False) if False in kv_ok else len(kv_ok)  # KV pages [0, prefix) present
+            needs.append((ALL_PAGES, present[PoolKind.DRAFT]))
         if with_state:
-            state = present[PoolKind.MAMBA]
-            counts = [n for n in range(1, prefix + 1) if state[n - 1]]
-        else:
-            counts = list(range(1, prefix + 1))
+            needs.append((TRAILING_PAGES, present[PoolKind.MAMBA]))
         trailing = 0
         if swa is not None:
             # SGLang's rule for a TRAILING_PAGES pool: a stop n needs the window's pages below it,
             # as many as the lookup's SWA transfer names (the window, or the tail if shorter)
             trailing = max(1, len(swa.keys or ()))
-            window_ok = present[PoolKind.SWA]
-            counts = [n for n in counts if all(window_ok[max(0, n - trailing):n])]
+            needs.append((window(trailing), present[PoolKind.SWA]))
+        counts = restorable_stops(needs, len(pages))
         trace("sglang.lookup", request_id=rid, pages=len(pages), hit_pages=counts[-1] if counts else 0,
               stops=len(counts), state=with_state, swa_window=trailing)
         if counts:

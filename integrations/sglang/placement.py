@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...components.keys import sglang_key_suffix
 from ...components.layout import PoolKind
+from ...components.ranks import rank_term, replicated_writes
 from .pools import (
     DcpShare,
     PoolLayoutError,
@@ -55,19 +57,15 @@ def key_suffix(kind: PoolKind, pool: SGLangPool, ns: str, tp_rank: int, dcp_rank
                 pp_rank: int) -> str:
     """What this rank appends to a page key for ``pool``'s objects: the namespace, the pool,
     and the ranks whose rows differ (a replicated pool's objects are the same on every TP rank)."""
-    tp = "rep" if pool.replicated else f"tp{tp_rank}"
-    dcp = f"dcp{dcp_rank}" if pool.dcp is not None else ""
-    return f":{ns}:{kind.value}:{tp}{dcp}cp{cp_rank}pp{pp_rank}"
+    term = rank_term(tp_rank, replicated=pool.replicated, dcp_rank=dcp_rank if pool.dcp is not None else None)
+    return sglang_key_suffix(ns, kind, term, cp_rank, pp_rank)
 
 
 def writes(pool: SGLangPool, tp_rank: int, dcp_size: int) -> bool:
     """Whether this rank offloads ``pool``: a per-rank pool always; a replicated pool TP rank 0
     only, or under DCP (the latent sharded by token) the first DCP group, one writer per DCP
     rank (SGLang's HiCache rule: tp_rank == dcp_rank)."""
-    if not pool.replicated:
-        return True
-    writers = dcp_size if dcp_size > 1 and pool.dcp is not None else 1
-    return tp_rank < writers
+    return replicated_writes(tp_rank, replicated=pool.replicated, dcp_size=dcp_size, folded=pool.dcp is not None)
 
 
 def dcp_placement() -> tuple[int, int]:

@@ -15,13 +15,8 @@ attention models (``--kv-transfer-config`` with ``"kv_connector_module_path":
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .. import lazy_export
 
 __all__ = ["HylinkerConnector"]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "HylinkerConnector":
-        return importlib.import_module(".connector", __name__).HylinkerConnector
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_export(__name__, "HylinkerConnector", ".connector")

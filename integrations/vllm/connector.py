@@ -77,8 +77,8 @@ from .plan import (
     TransferPlan,
     UnkeyableRequest,
     attention_key,
+    geometry_seed,
     load_plan,
-    namespace_seed,
     restorable_blocks,
     state_key,
 )
@@ -184,7 +184,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.incarnation = uuid.uuid4().hex
         geometry = cache_geometry(vllm_config, kv_cache_config)
         model = str(vllm_config.model_config.model)
-        self.seed = namespace_seed(model, geometry, self.config.salt, namespace_term(
+        self.seed = geometry_seed(model, geometry, self.config.salt, namespace_term(
             model_identity(model, self.config.model_revision), self.config.integrity))
         self.counters: dict[str, int] = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         # scheduler side

@@ -32,15 +32,11 @@ from typing import Protocol
 
 import attrs
 
+from ...components.keys import RANK_MARK, rank_key
+from ...components.ranks import writes
 from ..store_host import StoreHost
 
-RANK_MARK = ":r"
 BLOCK_MARK = ":kv:"  # in the names of attention blocks (plan.attention_key), not of states
-
-
-def rank_key(name: str, rank: int) -> str:
-    """The store key of rank ``rank``'s shard of object ``name``."""
-    return f"{name}{RANK_MARK}{rank}"
 
 
 def kv_replicas(total_kv_heads: int, tp: int, *, latent: bool = False) -> int:
@@ -77,7 +73,7 @@ class CopyRanks:
         return rank - rank % self.replicas
 
     def writes(self, rank: int) -> bool:
-        return rank % self.replicas == 0
+        return writes(rank, replicas=self.replicas)
 
     def copies(self) -> range:
         """The ranks whose keys hold a copy: every one must be present for a hit."""

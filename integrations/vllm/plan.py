@@ -2,7 +2,7 @@
 
 Objects and keys. vLLM hands out blocks of ``block_size`` tokens per KV cache group. Block ``i``
 of a token sequence has the chained key ``k_i = H(k_{i-1} ‖ tokens of block i)``
-(:func:`~hylinker.components.keys.page_keys`, ``k_{-1}`` = :func:`namespace_seed`, folded with
+(:func:`~hylinker.components.keys.page_keys`, ``k_{-1}`` = :func:`~hylinker.components.keys.geometry_seed`, folded with
 the request's own seed parts by :func:`request_seed`); a block for which the request has extra
 keys (vLLM's block-hash extra keys: LoRA adapter, multimodal inputs overlapping the block, the
 cache salt on block 0, prompt embeddings) gets ``k_i = H(H(k_{i-1} ‖ tokens) ‖ extras)``
@@ -32,21 +32,15 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from ...components.keys import KEY_BYTES, as_tokens, page_keys
-
-
-def namespace_seed(model: str, geometry: str, salt: str, identity: bytes = b"") -> bytes:
-    """``k_{-1}``: the model, the cache geometry (dtype, block size, page bytes per group), the
-    tenant salt and ``identity`` (:func:`~hylinker.components.identity.namespace_term`: the
-    weights' fingerprint, ``model_revision``, the integrity level). Engines agree on keys exactly
-    when they agree on all four."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
-    for part in (model, geometry, salt):
-        h.update(part.encode())
-        h.update(b"\x00")
-    if identity:
-        h.update(identity)
-    return h.digest()
+from ...components.keys import (
+    KEY_BYTES,
+    as_tokens,
+    attention_key,
+    geometry_seed,
+    page_keys,
+    state_key,
+)
+from ...components.lookup import ALL_PAGES, TRAILING_PAGES, restorable_stops, window
 
 
 class UnkeyableRequest(ValueError):
@@ -89,17 +83,9 @@ def fold_extra_keys(key: bytes, encoded: bytes) -> bytes:
 
 
 def request_seed(seed: bytes, parts: Sequence[tuple[object, ...]]) -> bytes:
-    """``k_{-1}`` of one request: the deployment's :func:`namespace_seed` with the request-wide
+    """``k_{-1}`` of one request: the deployment's :func:`~hylinker.components.keys.geometry_seed` with the request-wide
     parts that are not block extra keys (the LoRA adapter's weights digest) folded in."""
     return fold_extra_keys(seed, encode_extra_keys(parts)) if parts else seed
-
-
-def attention_key(block_key: bytes, group: int) -> str:
-    return f"{block_key.hex()}:kv:g{group}"
-
-
-def state_key(block_key: bytes, group: int) -> str:
-    return f"{block_key.hex()}:state:g{group}"
 
 
 #: a request's extra keys of block ``i`` (``extras(i)``), encoded; None where it has none
@@ -205,21 +191,14 @@ def restorable_blocks(groups: Groups, first: int, last: int, present: Sequence[b
     per_block = groups.per_block
     if len(present) != per_block * (last - first):
         raise ValueError(f"{len(present)} answers for {last - first} blocks of {per_block} objects")
-    n_attn = len(groups.attention)
-    n_state = len(groups.state)
-    runs = [0] * len(groups.window)  # per window group: present blocks in a row ending at i
-    best = first
-    for i in range(first, last):
-        row = present[(i - first) * per_block: (i - first + 1) * per_block]
-        if not all(row[:n_attn]):
-            break  # an attention block is missing: nothing above it restores
-        windows_ok = True
-        for w, (_g, need) in enumerate(groups.window):
-            runs[w] = runs[w] + 1 if row[n_attn + n_state + w] else 0
-            windows_ok = windows_ok and runs[w] >= min(need, i + 1 - first)
-        if all(row[n_attn:n_attn + n_state]) and windows_ok:
-            best = i + 1  # every state after block i and every window below it is there
-    return best
+    blocks = last - first
+    cols = [present[c::per_block] for c in range(per_block)]
+    n_attn, n_state = len(groups.attention), len(groups.state)
+    needs = [(ALL_PAGES, col) for col in cols[:n_attn]]
+    needs += [(TRAILING_PAGES, col) for col in cols[n_attn:n_attn + n_state]]
+    needs += [(window(need), col) for (_g, need), col in zip(groups.window, cols[n_attn + n_state:])]
+    found = restorable_stops(needs, blocks)
+    return first + found[-1] if found else first
 
 
 @attrs.frozen
@@ -294,8 +273,8 @@ __all__ = [
     "attention_key",
     "encode_extra_keys",
     "fold_extra_keys",
+    "geometry_seed",
     "load_plan",
-    "namespace_seed",
     "request_seed",
     "restorable_blocks",
     "state_key",

@@ -71,6 +71,8 @@ FAMILIES: tuple[Family, ...] = (
     _f("declined_hit_tokens", "counter", "Store hit tokens a lookup declined: loading them would "
        "take longer than recomputing them (restores that pay for themselves)."),
     _f("loads", "counter", "Loads (restores) by outcome.", "outcome"),
+    _f("load_waits", "counter", "Loads that found no free pages and waited for them, by outcome "
+       "(served: pages came; recomputed: the wait ended without them).", "outcome"),
     _f("offloads", "counter", "Offloads by outcome.", "outcome"),
     _f("objects_skipped", "counter", "Objects or offloads not written, by reason.", "reason"),
     _f("bad_objects_removed", "counter", "Objects a load proved bad (verification failed after the re-read), "

@@ -67,7 +67,7 @@ from .lookup_room import LookupRoom
 from .offload_room import OffloadRoom
 from .request import LookupResult, PhaseError, Request
 from .restore_room import LoadHandle, RestoreRoom
-from .statistics import LinkerStatistics, linker_figures
+from .statistics import COUNTERS, LinkerStatistics, linker_figures
 from .touch_room import TouchBatcher
 from .tree_writer import PoolExhaustedError, TreeWriter
 
@@ -142,15 +142,7 @@ class Linker:
         self._requests: dict[str, Request] = {}  # bounded: the live requests; release() drops each
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
-        self._c: dict[str, int] = {k: 0 for k in (
-            "requests", "lookups", "lookup_prompt_tokens", "device_hit_tokens", "store_hit_tokens",
-            "loads", "load_misses", "commits", "dropped_loads", "aborts", "inserts", "offloads",
-            "offloads_skipped_mamba", "offloads_dropped", "offload_failures", "touches", "touch_keys",
-            "verifications", "verify_failures", "offloads_skipped_kv", "offloads_verified_replicas",
-            "bad_objects_removed", "bad_objects_rewritten", "failed_objects_kept", "close_timeouts", "partial_loads", "partial_pages_lost",
-            "offloads_skipped_breaker", "rank_shortened_lookups", "rank_shortened_loads",
-            "rank_unsettled_offloads", "lookup_hits", "declined_lookups", "declined_hit_tokens",
-            "decline_probes", "stored_tokens", "load_waits", "load_waits_recomputed")}
+        self._c: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.toucher = TouchBatcher(self.store, batch_s=self.config.touch_batch_s)
         # the rooms: each phase's rules live in one of them; the linker checks and delegates
         #: what the rooms share (runtime/linker/context.py): they reach the linker only through it

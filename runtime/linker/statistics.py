@@ -52,6 +52,13 @@ class LinkerStatistics:
     load_waits_recomputed: int = 0  # of those, the wait ended without pages (limit, nothing left to free): a miss
 
 
+#: the fields the Linker reads elsewhere than from its counters (the data plane's latency
+#: monitor, the touch batcher)
+_NOT_COUNTED = frozenset({"store_latency_ema_ms", "dropping", "touch_calls"})
+#: the Linker's counters: every other field, in field order
+COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(LinkerStatistics) if f.name not in _NOT_COUNTED)
+
+
 def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
     """The Linker's request figures (its data plane publishes the data path's)."""
     return {
@@ -61,8 +68,6 @@ def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
         ("hit_tokens", "store"): s.store_hit_tokens,
         ("declined_hit_tokens",): s.declined_hit_tokens,
         ("stored_tokens",): s.stored_tokens,
-        # exported once the family exists in runtime/dataplane/metrics.py (figures of unknown
-        # families are left out by the exporter)
         ("load_waits", "served"): s.load_waits - s.load_waits_recomputed,
         ("load_waits", "recomputed"): s.load_waits_recomputed,
         ("objects_skipped", "mamba_backpressure"): s.offloads_skipped_mamba,

@@ -23,8 +23,8 @@ from hylinker.integrations.vllm.plan import (
     LoadSpec,
     TransferPlan,
     attention_key,
+    geometry_seed,
     load_plan,
-    namespace_seed,
     restorable_blocks,
     state_key,
 )
@@ -157,7 +157,7 @@ def test_pool_view_round_trip_at_real_layer_counts_and_pages(layers: int, page: 
 
 @pytest.mark.parametrize("block", PAGES)
 def test_load_plans_at_engine_block_sizes(block: int) -> None:
-    seed = namespace_seed("m", "g", "")
+    seed = geometry_seed("m", "g", "")
     tokens = list(range(4 * block - 1))  # 3 whole blocks and a partial one
     keys = tuple(BlockKeys(seed, block).extend(tokens))
     assert len(keys) == 3

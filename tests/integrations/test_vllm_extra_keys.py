@@ -12,12 +12,12 @@ from hylinker.integrations.vllm.plan import (
     UnkeyableRequest,
     encode_extra_keys,
     fold_extra_keys,
-    namespace_seed,
+    geometry_seed,
     request_seed,
 )
 
 BS = 4
-SEED = namespace_seed("m", "g", "")
+SEED = geometry_seed("m", "g", "")
 TOKENS = list(range(10, 26))  # 4 blocks
 
 

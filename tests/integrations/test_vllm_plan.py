@@ -17,8 +17,8 @@ from hylinker.integrations.vllm.plan import (
     LoadSpec,
     TransferPlan,
     attention_key,
+    geometry_seed,
     load_plan,
-    namespace_seed,
     restorable_blocks,
     state_key,
     window_blocks,
@@ -64,7 +64,7 @@ def test_config_rejects_non_object() -> None:
 
 
 def test_block_keys_chain_and_extend() -> None:
-    seed = namespace_seed("m", "g", "")
+    seed = geometry_seed("m", "g", "")
     tokens = list(range(100))
     whole = BlockKeys(seed, 16).extend(tokens)
     assert len(whole) == 6
@@ -75,7 +75,7 @@ def test_block_keys_chain_and_extend() -> None:
     other[20] = 999  # block 1 changes: blocks 1.. change, block 0 stays
     ko = BlockKeys(seed, 16).extend(other)
     assert ko[0] == whole[0] and all(a != b for a, b in zip(ko[1:], whole[1:]))
-    assert BlockKeys(namespace_seed("m", "g", "salt"), 16).extend(tokens)[0] != whole[0]
+    assert BlockKeys(geometry_seed("m", "g", "salt"), 16).extend(tokens)[0] != whole[0]
     assert BlockKeys(seed, 16).extend(tokens, 2) == whole[:2]
 
 
@@ -96,7 +96,7 @@ def test_restorable_blocks_needs_every_attention_block_and_the_state_at_the_boun
 
 
 def test_load_plan_maps_blocks_and_refuses_the_null_block() -> None:
-    seed = namespace_seed("m", "g", "")
+    seed = geometry_seed("m", "g", "")
     keys = tuple(BlockKeys(seed, 4).extend(list(range(16))))
     g = Groups(attention=(1,), state=(0,))
     spec = LoadSpec("r", 1, 3, keys[:3])
@@ -223,7 +223,7 @@ def test_sliding_window_groups_need_only_the_window_below_the_boundary() -> None
     assert restorable_blocks(g, 0, 5, present) == 0
     # the engine's own hit (first=3) holds the window below it: one stored block above suffices
     assert restorable_blocks(g, 3, 5, [True, True, True, False]) == 4
-    seed = namespace_seed("m", "g", "")
+    seed = geometry_seed("m", "g", "")
     keys = tuple(BlockKeys(seed, 4).extend(list(range(24))))
     plan = load_plan(LoadSpec("r", 0, 5, keys[:5]), g, [[1, 2, 3, 4, 5], [0, 0, 0, 13, 14]])
     # every full-attention block, and only the window's two blocks (null blocks below them)

@@ -293,10 +293,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """TTFT CDFs of the three configurations: restores (solid) and misses (dashed), every length pooled."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from ..plots import legend_below, log_seconds_axis
+    from ..plots import save_ttft_cdf
 
     fig = Figure(figsize=(7, 5.6))
     ax = fig.add_subplot(1, 1, 1)
@@ -309,17 +308,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 label = f"{config} {kind if config != 'baseline' or kind == 'miss' else 'recompute'}"
                 ax.step(xs, ys, style, where="post", color=colors.get(config, "tab:red"), label=label)
-    log_seconds_axis(ax)  # restores and misses differ by an order of magnitude; stalls by another
-    ax.set_xlabel("time to first token, s (log)")
-    ax.set_ylabel("fraction of requests")
     sizes = ",".join(str(r["tokens"]) for r in result["ttft"])
     host = result["host"]
-    ax.set_title(f"vLLM CPU build, {sizes} tokens, {host['cores']} cores, load {host['load_average'][0]}"
-                 f" -> {host.get('load_average_end', '?')}", fontsize=10)
-    legend_below(ax, columns=2, fontsize=8)
-    fig.subplots_adjust(bottom=0.36)  # room for the legend
-    ax.grid(alpha=0.3)
-    FigureCanvasAgg(fig).print_png(str(path))
+    # a log axis: restores and misses differ by an order of magnitude; stalls by another
+    save_ttft_cdf(fig, ax, path, f"vLLM CPU build, {sizes} tokens, {host['cores']} cores, load "
+                  f"{host['load_average'][0]} -> {host.get('load_average_end', '?')}", title_size=10, columns=2,
+                  bottom=0.36)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -347,10 +347,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """TTFT CDFs of the three configurations, every round pooled."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from ..plots import legend_below, log_seconds_axis
+    from ..plots import save_ttft_cdf
 
     fig = Figure(figsize=(7, 5.0))
     ax = fig.add_subplot(1, 1, 1)
@@ -361,17 +360,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
             t = result["table"][config]
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=colors[config],
                     label=f"{NAMES[config]}: p99 {t['ttft_p99_s']:.3f} s, hit rate {t['hit_rate']:.2f}")
-    log_seconds_axis(ax)
-    ax.set_xlabel("time to first token, s (log)")
-    ax.set_ylabel("fraction of requests")
     host, w = result["host"], result["workload"]
-    ax.set_title(f"vLLM CPU server, {w['requests']} trace requests at concurrency {result['args']['concurrency']}, "
-                 f"{len(result['rounds'])} rounds pooled\n{host['cores']} cores, load {host['load_average'][0]} -> "
-                 f"{host.get('load_average_end', '?')}", fontsize=9)
-    legend_below(ax, columns=1, fontsize=8)
-    fig.subplots_adjust(bottom=0.32)  # room for the legend
-    ax.grid(alpha=0.3)
-    FigureCanvasAgg(fig).print_png(str(path))
+    save_ttft_cdf(fig, ax, path, f"vLLM CPU server, {w['requests']} trace requests at concurrency "
+                  f"{result['args']['concurrency']}, {len(result['rounds'])} rounds pooled\n{host['cores']} cores, "
+                  f"load {host['load_average'][0]} -> {host.get('load_average_end', '?')}", title_size=9, columns=1,
+                  bottom=0.32)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,10 +42,10 @@ def measure(tokens: list[int], blocks: list[int], repeats: int) -> dict[str, dic
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.v1.request import Request
 
-    from ...integrations.vllm.plan import BlockKeys, namespace_seed
+    from ...integrations.vllm.plan import BlockKeys, geometry_seed
     from ...integrations.vllm.request_keys import request_block_keys
 
-    seed = namespace_seed("model", "geometry", "")
+    seed = geometry_seed("model", "geometry", "")
     out: dict[str, dict[str, float]] = {}
     for n in tokens:
         ids = [int(t) for t in np.random.default_rng(0).integers(10, 30000, n)]

@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ...stores import registry
 from ...stores.base import Store, StoreUnavailableError
+from ...stores.faulty import FaultPlan
+from ...stores.registry import StoreSpec
 from ..arguments import UsageError
 from ..eviction_returns import TraceClock
 from ..workloads import Request as WorkloadRequest
@@ -37,43 +40,19 @@ async def open_store(args: argparse.Namespace, clock: TraceClock | None = None) 
     """The store the run uses, and an object to close after it (a master we started);
     ``clock`` stamps the embedded store's evictions (trace time)."""
     capacity = args.store_capacity_mb * MIB
-    inner: Store
-    extra: Any = None
-    if args.store == "embedded":
-        from ...stores.embedded import EmbeddedStore
-
-        # a replay ends with its trace: its eviction memory may hold far more than a server's
-        # (the published eviction-return figures count every return of a long trace)
-        inner = EmbeddedStore(capacity, eviction_memory_bytes=REPLAY_EVICTION_MEMORY_BYTES) if clock is None \
-            else EmbeddedStore(capacity, clock=clock, eviction_memory_bytes=REPLAY_EVICTION_MEMORY_BYTES)
-    elif args.store == "umbp":
-        from ...stores.umbp import UmbpStore
-
-        try:
-            inner = UmbpStore(capacity_bytes=capacity)
-        except StoreUnavailableError as exc:  # no mori UMBP client here
-            raise UsageError(f"--store umbp: {exc}") from exc
-    else:
-        from ...stores.mooncake import MooncakeConfig, MooncakeStore
-
-        address = args.mooncake_master
-        if address is None:
-            from ...stores.mooncake_master import MooncakeMaster
-
-            extra = MooncakeMaster().start()
-            address = extra.address
-        try:
-            inner = await MooncakeStore.open(MooncakeConfig(master_address=address, segment_bytes=capacity))
-        except StoreUnavailableError as exc:  # nothing answers, or no Mooncake client installed
-            if extra is not None:
-                extra.stop()
-            raise UsageError(f"--store mooncake ({address}): {exc}") from exc
+    plan = None
     if args.faults or args.fault_rate > 0:
-        from ...stores.faulty import FaultPlan, FaultyStore
-
         plan = FaultPlan.parse(args.faults) if args.faults else FaultPlan.uniform(args.fault_rate)
-        return FaultyStore(inner, plan, seed=args.seed), (extra, inner)
-    return inner, (extra, None)
+    # a replay ends with its trace: its eviction memory may hold far more than a server's
+    # (the published eviction-return figures count every return of a long trace)
+    spec = StoreSpec(args.store, capacity, eviction_memory_bytes=REPLAY_EVICTION_MEMORY_BYTES, clock=clock,
+                     mooncake={"master_address": args.mooncake_master}, faults=plan, fault_seed=args.seed)
+    try:
+        opened = await registry.open_store(spec)
+    except StoreUnavailableError as exc:  # no UMBP or Mooncake client here, or nothing answers
+        where = f" ({args.mooncake_master or 'a loopback master'})" if args.store == "mooncake" else ""
+        raise UsageError(f"--store {args.store}{where}: {exc}") from exc
+    return opened.store, (opened.master, opened.backend if opened.wrapped else None)
 
 
 __all__ = ["load_workload", "open_store"]

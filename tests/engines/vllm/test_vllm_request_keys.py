@@ -34,13 +34,13 @@ from hylinker.integrations.vllm.connector import (
 )
 from hylinker.integrations.vllm.index import RankReport
 from hylinker.integrations.vllm.metrics import HylinkerStats
-from hylinker.integrations.vllm.plan import namespace_seed
+from hylinker.integrations.vllm.plan import geometry_seed
 from hylinker.integrations.vllm.request_keys import request_block_keys
 
 BS = 16
 N_TOKENS = 8 * BS + 5  # 8 whole blocks; a hit can cover all 8
 TOKENS = [(7 * i) % 251 + 3 for i in range(N_TOKENS)]
-SEED = namespace_seed("tiny", "geometry", "")
+SEED = geometry_seed("tiny", "geometry", "")
 IMAGE = PlaceholderRange(offset=2 * BS + 3, length=3 * BS)  # blocks 2..5
 _ids = itertools.count()
 

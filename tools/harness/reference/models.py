@@ -48,6 +48,28 @@ _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 # 3 linear-attention layers then 1 full-attention layer, as in Kimi Linear's 3:1 pattern
 _HYBRID_4 = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
+#: the sizes Qwen3-Next's tiny config shares with the generic shrink: a small MoE transformer
+_TINY_MOE: dict[str, Any] = {
+    "vocab_size": _TINY_VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
+#: and its Gated DeltaNet mixer
+_TINY_GDN: dict[str, Any] = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+}
 _TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "kimi_linear": {
         "vocab_size": _TINY_VOCAB,
@@ -73,22 +95,8 @@ _TINY_OVERRIDES: dict[str, dict[str, Any]] = {
         **_TOKEN_IDS,
     },
     "qwen3_next": {
-        "vocab_size": _TINY_VOCAB,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "moe_intermediate_size": 64,
-        "shared_expert_intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32,
-        "linear_conv_kernel_dim": 4,
+        **_TINY_MOE,
+        **_TINY_GDN,
         "layer_types": _HYBRID_4,
         "max_position_embeddings": 4096,
         **_TOKEN_IDS,
@@ -128,19 +136,9 @@ _FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
 
 # Best-effort shrink for other model types: only fields the config already has are set.
 _GENERIC_OVERRIDES: dict[str, Any] = {
-    "vocab_size": _TINY_VOCAB,
+    **_TINY_MOE,
     "unpadded_vocab_size": _TINY_VOCAB,  # Inkling 2's LM head (its default is 200058)
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "num_experts": 4,
     "num_local_experts": 4,
-    "num_experts_per_tok": 2,
     "max_position_embeddings": 4096,
     "mamba_n_heads": 4,
     "mamba_d_head": 32,
@@ -149,11 +147,7 @@ _GENERIC_OVERRIDES: dict[str, Any] = {
     "mamba_d_conv": 4,
     "mamba_expand": 1,
     "mamba_chunk_size": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32,
-    "linear_conv_kernel_dim": 4,
+    **_TINY_GDN,
     # weights drawn 10x wider than the library's 0.02: at 0.02 the recurrent state of several
     # tiny families (the Mamba2 ones, Inkling's conv states, ...) moves the logprobs by ~1e-6,
     # so a negative control could not show that a wrong state is caught (tools/demo_controls.py)
