@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -115,12 +115,12 @@ def plot_pool_sweep(path: str, rows: Sequence[Mapping[str, Any]], *, title: str 
     # the right panel's key: a colour per loss, a marker per workload, a line style per series
     from matplotlib.lines import Line2D
 
-    key = [Line2D([], [], color=color, label=what) for color, what in drawn.values()]
-    key += [Line2D([], [], color="black", marker="os^v"[wi % 4], linestyle="none", label=w)
+    handles: list[Any] = [Line2D([], [], color=color, label=what) for color, what in drawn.values()]
+    handles += [Line2D([], [], color="black", marker="os^v"[wi % 4], linestyle="none", label=w)
             for wi, w in enumerate(workloads)]
-    key += [Line2D([], [], color="black", linestyle=styles[si % len(styles)], label=name)
+    handles += [Line2D([], [], color="black", linestyle=cast(Any, styles[si % len(styles)]), label=name)
             for si, name in enumerate(series) if name]
-    right.legend(handles=key, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False, fontsize=8)
+    right.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False, fontsize=8)
     fig.savefig(path, format="png", dpi=100)
     return fig
 
