@@ -334,8 +334,9 @@ def stage_bench(device: str, out: dict[str, Any]) -> bool:
         "loop_lag_ms_max": 1e3 * lags[-1] if lags else None, "loop_lag_samples": len(lags),
         "goals": {"offload_and_load_vs_torch": 0.8, "checksum_vs_pcie": 10.0, "loop_lag_ms_p99": 10.0},
     }
-    # the vLLM connector's page transfers at Qwen3-Next-80B's object shape (12 pages of 2.16 MB)
-    from hylinker.tools.lab.shapes import measure  # the lab: run from a checkout (the device call runs in one)
+    # the vLLM connector's page transfers at Qwen3-Next-80B's object shape (12 pages of 2.16 MB),
+    # measured by the lab's shapes bench (run from a checkout: the device call runs in one)
+    from hylinker.tools.lab.shapes import measure
 
     vllm = measure(1, 8 if cuda else 1, 2, device)
     figures["vllm_pages"] = vllm
