@@ -162,7 +162,7 @@ class RestoreRoom(LinkerRoom):
             return rows, None
         slot = self.tree.try_alloc_slot()
         if slot is None:
-            self.tree.free_rows(rows)
+            self.tree.free_rows(rows, wake=False)  # rolled back: nothing came free
             return None
         return rows, slot
 

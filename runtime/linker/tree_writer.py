@@ -103,10 +103,14 @@ class TreeWriter:
                 "everything else is locked")
         return rows
 
-    def free_rows(self, rows: torch.Tensor) -> None:
+    def free_rows(self, rows: torch.Tensor, *, wake: bool = True) -> None:
+        """Give rows back; ``wake=False`` for rows taken a moment ago and returned unused (an
+        allocation rolled back): nothing new is free, and waking the loads that wait for pages
+        would let two of them wake each other in turn until their limit."""
         if rows.numel():
             self.pools.kv.free_rows(rows)
-            self._note_released()
+            if wake:
+                self._note_released()
 
     def try_alloc_slot(self) -> int | None:
         if self.pools.mamba is None:

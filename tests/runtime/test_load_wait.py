@@ -172,3 +172,29 @@ async def test_a_request_released_while_its_load_waits_takes_nothing() -> None:
         assert got == [None]
         assert lk.statistics().load_waits_recomputed == 1
         await lk.release(holder)
+
+
+async def test_an_allocation_rolled_back_for_want_of_a_slot_wakes_no_waiter() -> None:
+    """Rows taken and given back because no state slot was free free nothing new: a load waiting
+    for pages is not woken by it (two waiters would otherwise wake each other in turn)."""
+    async with running(16, EmbeddedStore(1 << 22)) as (lk, _, _):
+        slots = []
+        while (slot := lk.tree.try_alloc_slot()) is not None:
+            slots.append(slot)
+        woken = anyio.Event()
+
+        async def waiter() -> None:
+            await lk.tree.released()
+            woken.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0)
+            assert lk.restores._allocate(2) is None  # rows were free, the slot was not
+            await anyio.sleep(0.01)
+            assert not woken.is_set()
+            lk.tree.free_slot(slots.pop())  # a real release wakes it
+            with anyio.fail_after(5):
+                await woken.wait()
+        for slot in slots:
+            lk.tree.free_slot(slot)
