@@ -53,6 +53,7 @@ def vllm_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dict[str
     from vllm.config import KVTransferConfig
 
     from .harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from .harness.vllm_runner import shutdown_engine
 
     extra = {"store": "embedded", "capacity_mb": max(1, opts.store_kib >> 10), "faults": opts.faults,
              "fault_seed": opts.seed}
@@ -67,7 +68,7 @@ def vllm_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dict[str
             sampler.start_clock()
             return _serve(llm, opts, sampler, warmup_s)
         finally:
-            llm.llm_engine.engine_core.shutdown()  # the connector drains its writes here (bounded)
+            shutdown_engine(llm)
 
 
 def _connectors(llm: Any) -> tuple[Any, Any]:

@@ -246,8 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print("RESULT " + json.dumps(r))
     sys.stdout.flush()
-    llm.llm_engine.engine_core.shutdown()  # the connector drains its writes here (bounded)
+    shutdown_engine(llm)
     return 0
+
+
+# vLLM gives its engine-core process 5 s after SIGTERM before it kills it (its default when no
+# timeout is passed). The worker's connector drains its writes (``drain_timeout_s``, 10 s by default)
+# and logs its statistics during that teardown, and on two loaded cores the teardown alone can pass
+# 5 s: the statistics line was then never written (a CI failure). The grace covers the drain with room.
+SHUTDOWN_GRACE_S = 60.0
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Shut the engine down, waiting for the connector's drain (bounded by ``drain_timeout_s``)."""
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.config import KVTransferConfig
 
     from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
+    from ..harness.vllm_runner import shutdown_engine
 
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(0)
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             median = runs[len(runs) // 2]
             out["sizes"][str(n)] = {"miss": miss, "restores": runs, "median_restore": median}
             _print(n, median, miss)
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_engine(llm)
     host = finish(host)
     out["host"] = host
     print(describe(host))
