@@ -24,7 +24,7 @@ from .soak_fronts import SoakOptions
 from .soak_measure import TOLERANCES, Sampler, Tolerance, plot, report
 
 HELP = "run a runtime for MINUTES under constant traffic with faults; exit 1 if memory, threads, fds or tasks grow"
-FRONTS = ("linker", "dataplane", "sglang", "vllm")
+FRONTS = ("linker", "dataplane", "sglang", "vllm", "vllm-engine")
 #: the vLLM front's default store: fills in the warm-up and evicts all the time, restores still hit
 VLLM_STORE_KIB = 16 << 10
 
@@ -33,7 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--front", choices=FRONTS, default="linker",
                         help="the runtime driven: the Linker, the synchronous data plane (issue 53's "
                              "held-out loop), the SGLang plugin in SGLang's cache (.venv-sglang) or the "
-                             "vLLM connector in a vLLM engine (.venv-vllm)")
+                             "vLLM connector in a vLLM engine (.venv-vllm); vllm-engine: the same engine "
+                             "and traffic without the connector, the control for vLLM's own memory")
     parser.add_argument("--minutes", type=positive_float, default=1.0, help="how long the traffic runs")
     parser.add_argument("--iterations", type=positive_int, default=None,
                         help="dataplane: stop after this many iterations instead of --minutes")
@@ -67,7 +68,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def options(args: argparse.Namespace) -> SoakOptions:
     if args.iterations is not None and args.front != "dataplane":
         raise UsageError("--iterations applies to --front dataplane only")
-    store_kib = args.store_kib or (VLLM_STORE_KIB if args.front == "vllm" else SoakOptions().store_kib)
+    store_kib = args.store_kib or (VLLM_STORE_KIB if args.front.startswith("vllm") else SoakOptions().store_kib)
     return SoakOptions(minutes=args.minutes, iterations=args.iterations or 0, concurrency=args.concurrency,
                        store_kib=store_kib, kv_pages=args.kv_pages, faults=args.faults, restart_every_s=args.restart_every_s,
                        outage_s=args.outage_s, seed=args.seed, rate=args.rate)
@@ -109,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
         tolerances["index_beyond_store"] = Tolerance(32.0)  # one request's objects, reported late
         tolerances["diag_kib"] = Tolerance(DEFAULT_BUDGET_BYTES / 1024, unit=" KiB")
         summary = vllm_front(opts, sampler, warmup_s)
+    elif args.front == "vllm-engine":
+        from .soak_vllm import vllm_front
+
+        del tolerances["tasks"]  # no store loop: the engine alone
+        summary = vllm_front(opts, sampler, warmup_s, connector=False)
     else:
         from .soak_sglang import sglang_front
 

@@ -67,6 +67,21 @@ def resident_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
+def malloc_trim_released_mib() -> float:
+    """Resident memory given back by glibc's ``malloc_trim(0)`` (MiB): memory the allocator held
+    free, not live objects. 0.0 where the C library has no ``malloc_trim``."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return 0.0
+    before = resident_mib()
+    libc.malloc_trim(0)
+    return before - resident_mib()
+
+
 def os_threads() -> int:
     with open("/proc/self/status") as f:
         for line in f:

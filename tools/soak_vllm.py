@@ -27,7 +27,7 @@ import numpy as np
 from ..stores.embedded import EmbeddedStore
 from ..stores.faulty import FaultyStore
 from .soak_fronts import RestartSchedule, SoakOptions
-from .soak_measure import Sampler
+from .soak_measure import Sampler, malloc_trim_released_mib
 
 #: vLLM's block (tokens); the hybrid model's state is checkpointed at block boundaries
 BLOCK = 384
@@ -45,7 +45,10 @@ async def _tasks() -> int:
     return len(asyncio.all_tasks())
 
 
-def vllm_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dict[str, Any]:
+def vllm_front(opts: SoakOptions, sampler: Sampler, warmup_s: float, *, connector: bool = True) -> dict[str, Any]:
+    """The soak through a vLLM engine; ``connector=False``: the same engine and traffic without
+    the connector (vLLM's own prefix cache only), the control that tells vLLM's own memory from
+    the connector's."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and the worker here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -57,18 +60,23 @@ def vllm_front(opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dict[str
 
     extra = {"store": "embedded", "capacity_mb": max(1, opts.store_kib >> 10), "faults": opts.faults,
              "fault_seed": opts.seed}
+    transfer = KVTransferConfig(
+        kv_connector="HylinkerConnector", kv_connector_module_path="hylinker.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     with tempfile.TemporaryDirectory(prefix="hylinker-soak-") as folder:
         model = build_tiny_qwen3_next(Path(folder) / "model")
         llm = LLM(model=str(model), dtype="bfloat16", block_size=BLOCK, enable_prefix_caching=True,
                   max_model_len=4096, max_num_batched_tokens=4096, enforce_eager=True, seed=0,
-                  kv_transfer_config=KVTransferConfig(
-                      kv_connector="HylinkerConnector", kv_connector_module_path="hylinker.integrations.vllm",
-                      kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra))
+                  **({"kv_transfer_config": transfer} if connector else {}))
         try:
             sampler.start_clock()
-            return _serve(llm, opts, sampler, warmup_s)
+            served = _Served(llm, opts) if connector else None
+            out = _serve(llm, opts, sampler, warmup_s, served)
         finally:
             shutdown_engine(llm)
+    # how much of the resident memory was the allocator's free memory, not live objects
+    out["rss_released_by_malloc_trim_mib"] = round(malloc_trim_released_mib(), 1)
+    return out
 
 
 def _connectors(llm: Any) -> tuple[Any, Any]:
@@ -78,17 +86,64 @@ def _connectors(llm: Any) -> tuple[Any, Any]:
     return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()
 
 
-def _serve(llm: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float) -> dict[str, Any]:
+class _Served:
+    """The connector's side of the soak: its two instances, its store, the probe and the restarts."""
+
+    def __init__(self, llm: Any, opts: SoakOptions) -> None:
+        self.scheduler, self.worker = _connectors(llm)
+        self.host = self.worker.host
+        faulty = self.host.store
+        assert isinstance(faulty, FaultyStore), "the fault plan wraps the worker's store"
+        inner = faulty.inner
+        assert isinstance(inner, EmbeddedStore)
+        self.inner: EmbeddedStore = inner
+        self.restarts = RestartSchedule(faulty, self._empty, opts, time.monotonic() + opts.seconds)
+
+    def _empty(self) -> None:
+        # a restarted worker's embedded store comes back empty under a new incarnation, and the
+        # scheduler's index forgets it; here the process stays, so the worker reports the keys
+        # removed as it reports evictions
+        inner, worker = self.inner, self.worker
+
+        async def gone() -> None:  # on the store's loop, as its eviction listener runs
+            keys = inner.lru_keys()
+            await inner.remove(keys)
+            worker._transfers.note_evicted(keys)
+
+        self.host.portal.call(gone)
+
+    def probe(self) -> dict[str, float]:
+        transfers = self.worker._transfers
+        in_flight = transfers.loads_in_flight() + transfers.saves_in_flight()
+        tasks = self.host.portal.call(_tasks)
+        stored = self.inner.statistics().objects
+        return {"tasks": float(tasks), "transfers_in_flight": float(in_flight),
+                # the loop's own tasks beyond one per transfer in flight
+                "tasks_beyond_in_flight": float(tasks - in_flight),
+                # the scheduler's per-request state: the live requests only (one at a time here)
+                "requests_tracked": float(len(self.scheduler._requests) + len(self.scheduler._pending)),
+                # the scheduler's index of the worker's store: what the store holds, plus the
+                # names of saves and evictions not reported yet (the last request's)
+                "index_beyond_store": float(self.scheduler.lookup.held(0) - stored),
+                "store_objects": float(stored),
+                "diag_kib": self.inner.evictions_memory.bytes / 1024}
+
+    def summary(self) -> dict[str, Any]:
+        stats: dict[str, int] = {}
+        for side in (self.scheduler, self.worker):
+            for k, v in attrs.asdict(side.statistics()).items():
+                stats[k] = stats.get(k, 0) + v  # each counter lives on one side
+        return {"evictions": self.inner.statistics().evictions,
+                "eviction_memory_dropped": self.inner.evictions_memory.dropped,
+                "connector": {k: v for k, v in stats.items() if v}}
+
+
+def _serve(llm: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float,
+           served: _Served | None) -> dict[str, Any]:
     from vllm import SamplingParams
 
     from .harness.vllm_runner import _reset
 
-    scheduler, worker = _connectors(llm)
-    host = worker.host
-    faulty = host.store
-    assert isinstance(faulty, FaultyStore), "the fault plan wraps the worker's store"
-    inner = faulty.inner
-    assert isinstance(inner, EmbeddedStore)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     rng = np.random.default_rng(opts.seed)
     systems = [[int(t) for t in np.random.default_rng([opts.seed, 1000 + i]).integers(10, 300, size=400)]
@@ -97,38 +152,15 @@ def _serve(llm: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float) -> di
     counts = {"requests": 0, "cached_tokens": 0, "tokens": 0, "resets_refused": 0, "restarts": 0}
 
     def probe() -> dict[str, float]:
-        transfers = worker._transfers
-        in_flight = transfers.loads_in_flight() + transfers.saves_in_flight()
-        tasks = host.portal.call(_tasks)
-        return {"tasks": float(tasks), "transfers_in_flight": float(in_flight),
-                # the loop's own tasks beyond one per transfer in flight
-                "tasks_beyond_in_flight": float(tasks - in_flight),
-                # the scheduler's per-request state: the live requests only (one at a time here)
-                "requests_tracked": float(len(scheduler._requests) + len(scheduler._pending)),
-                # the scheduler's index of the worker's store: what the store holds, plus the
-                # names of saves and evictions not reported yet (the last request's)
-                "index_beyond_store": float(scheduler.lookup.held(0) - inner.statistics().objects),
-                "store_objects": float(inner.statistics().objects),
-                "diag_kib": inner.evictions_memory.bytes / 1024}
+        return served.probe() if served is not None else {}
 
     stop_at = time.monotonic() + opts.seconds
-    def empty() -> None:
-        # a restarted worker's embedded store comes back empty under a new incarnation, and the
-        # scheduler's index forgets it; here the process stays, so the worker reports the keys
-        # removed as it reports evictions
-        async def gone() -> None:  # on the store's loop, as its eviction listener runs
-            keys = inner.lru_keys()
-            await inner.remove(keys)
-            worker._transfers.note_evicted(keys)
-
-        host.portal.call(gone)
-
-    restarts = RestartSchedule(faulty, empty, opts, stop_at)
     warm = False
     turn = 0
     while time.monotonic() < stop_at:
-        restarts.step()
-        counts["restarts"] = restarts.restarts
+        if served is not None:
+            served.restarts.step()
+            counts["restarts"] = served.restarts.restarts
         i = turn % CONVERSATIONS
         turn += 1
         new = [int(t) for t in rng.integers(10, 300, size=int(rng.integers(100, MAX_TURN)))]
@@ -148,14 +180,9 @@ def _serve(llm: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float) -> di
             sampler.warmed_up()
             warm = True
     sampler.take(counts["requests"], probe())
-    stats: dict[str, int] = {}
-    for side in (scheduler, worker):
-        for k, v in attrs.asdict(side.statistics()).items():
-            stats[k] = stats.get(k, 0) + v  # each counter lives on one side
     cached = counts["cached_tokens"] / max(1, counts["tokens"])
     return {**counts, "requests_per_s": round(counts["requests"] / opts.seconds, 2), "cached": round(cached, 4),
-            "evictions": inner.statistics().evictions, "eviction_memory_dropped": inner.evictions_memory.dropped,
-            "connector": {k: v for k, v in stats.items() if v}}
+            **(served.summary() if served is not None else {})}
 
 
 __all__ = ["vllm_front"]

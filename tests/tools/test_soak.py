@@ -137,3 +137,28 @@ def test_dataplane_soak_keeps_nothing_per_iteration(tmp_path: Path, capsys: pyte
 def test_iterations_apply_to_the_dataplane_front_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["soak", "--front", "linker", "--iterations", "10"]) == 2
     assert "--iterations applies to --front dataplane only" in capsys.readouterr().err
+
+
+def test_malloc_trim_tells_the_allocators_free_memory_from_live_objects() -> None:
+    """``malloc_trim_released_mib`` (the vLLM front's last figure): memory freed in the middle of
+    glibc's heap stays resident until trimmed; the function reports what the trim gave back."""
+    import ctypes
+    import ctypes.util
+
+    from hylinker.tools.soak_measure import malloc_trim_released_mib
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    malloc_trim_released_mib()  # start from a trimmed heap
+    blocks = [libc.malloc(16 << 10) for _ in range(4096)]  # 64 MiB in chunks below mmap's threshold
+    for b in blocks:
+        libc.memset(b, 1, 16 << 10)  # resident
+    for b in blocks[:-1]:
+        libc.free(b)  # the last block keeps the heap's top: nothing is returned on its own
+    try:
+        assert malloc_trim_released_mib() > 32
+    finally:
+        libc.free(blocks[-1])
+    assert malloc_trim_released_mib() < 32  # nothing left to give back
