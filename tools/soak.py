@@ -61,6 +61,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rss-tolerance-mib", type=positive_float, default=TOLERANCES["rss_mib"].absolute,
                         help="resident memory growth allowed after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--malloc-trim", action="store_true",
+                        help="give glibc's free memory back before each sample, so resident memory counts "
+                             "live objects (an engine's allocator may hold hundreds of MiB it freed)")
     parser.add_argument("--json", type=Path, default=None, help="write the samples and the verdict here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of every metric against time")
 
@@ -77,7 +80,7 @@ def options(args: argparse.Namespace) -> SoakOptions:
 def run(args: argparse.Namespace) -> int:
     opts = options(args)
     warmup_s = args.warmup_s if args.warmup_s is not None else opts.seconds / 5
-    sampler = Sampler(args.interval_s, trace_heap=args.tracemalloc)
+    sampler = Sampler(args.interval_s, trace_heap=args.tracemalloc, trim=args.malloc_trim)
     tolerances = dict(TOLERANCES)
     tolerances["rss_mib"] = Tolerance(args.rss_tolerance_mib, unit=" MiB")
     summary: dict[str, Any]

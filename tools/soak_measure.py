@@ -67,19 +67,38 @@ def resident_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
-def malloc_trim_released_mib() -> float:
-    """Resident memory given back by glibc's ``malloc_trim(0)`` (MiB): memory the allocator held
-    free, not live objects. 0.0 where the C library has no ``malloc_trim``."""
+def _malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: free memory the allocator holds goes back to the system.
+    False where the C library has none."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     if libc is None or not hasattr(libc, "malloc_trim"):
-        return 0.0
-    before = resident_mib()
+        return False
     libc.malloc_trim(0)
-    return before - resident_mib()
+    return True
+
+
+def malloc_trim_released_mib() -> float:
+    """Resident memory given back by glibc's ``malloc_trim(0)`` (MiB): memory the allocator held
+    free, not live objects. 0.0 where the C library has no ``malloc_trim``."""
+    before = resident_mib()
+    return before - resident_mib() if _malloc_trim() else 0.0
+
+
+def thread_names() -> dict[str, int]:
+    """The Python threads by name, digits dropped (``ThreadPoolExecutor-3_1`` counts as
+    ``ThreadPoolExecutor-_``): tells a pool that grew to its bound from a thread per event."""
+    import re
+    import threading
+
+    out: dict[str, int] = {}
+    for t in threading.enumerate():
+        name = re.sub(r"\d+", "", t.name)
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def os_threads() -> int:
@@ -105,9 +124,10 @@ class Sampler:
     """Samples the process and the front every ``interval_s``; the front calls :meth:`due` and
     :meth:`take` from its own loop (no sampling thread: it would be a thread to count)."""
 
-    def __init__(self, interval_s: float, *, trace_heap: bool = False) -> None:
+    def __init__(self, interval_s: float, *, trace_heap: bool = False, trim: bool = False) -> None:
         self.interval_s = interval_s
         self.trace_heap = trace_heap
+        self.trim = trim  # malloc_trim before each sample: resident memory counts live objects
         self.samples: list[Sample] = []
         self.t0 = time.monotonic()
         self._next = self.t0
@@ -126,6 +146,8 @@ class Sampler:
     def take(self, done: int, front: Mapping[str, float]) -> Sample:
         now = time.monotonic()
         self._next = now + self.interval_s
+        if self.trim:
+            _malloc_trim()
         values = {"rss_mib": resident_mib(), "threads": float(os_threads()), "fds": float(open_descriptors())}
         if self.trace_heap:
             values["heap_mib"] = tracemalloc.get_traced_memory()[0] / MIB

@@ -27,7 +27,7 @@ import numpy as np
 from ..stores.embedded import EmbeddedStore
 from ..stores.faulty import FaultyStore
 from .soak_fronts import RestartSchedule, SoakOptions
-from .soak_measure import Sampler, malloc_trim_released_mib
+from .soak_measure import Sampler, malloc_trim_released_mib, thread_names
 
 #: vLLM's block (tokens); the hybrid model's state is checkpointed at block boundaries
 BLOCK = 384
@@ -182,7 +182,7 @@ def _serve(llm: Any, opts: SoakOptions, sampler: Sampler, warmup_s: float,
     sampler.take(counts["requests"], probe())
     cached = counts["cached_tokens"] / max(1, counts["tokens"])
     return {**counts, "requests_per_s": round(counts["requests"] / opts.seconds, 2), "cached": round(cached, 4),
-            **(served.summary() if served is not None else {})}
+            "python_threads": thread_names(), **(served.summary() if served is not None else {})}
 
 
 __all__ = ["vllm_front"]

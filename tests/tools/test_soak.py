@@ -139,26 +139,48 @@ def test_iterations_apply_to_the_dataplane_front_only(capsys: pytest.CaptureFixt
     assert "--iterations applies to --front dataplane only" in capsys.readouterr().err
 
 
-def test_malloc_trim_tells_the_allocators_free_memory_from_live_objects() -> None:
-    """``malloc_trim_released_mib`` (the vLLM front's last figure): memory freed in the middle of
-    glibc's heap stays resident until trimmed; the function reports what the trim gave back."""
+def _fragmented_heap(mib: int) -> tuple[object, list[int]]:
+    """``mib`` MiB freed in the middle of glibc's heap (resident until trimmed), held up by one
+    live block at its top."""
     import ctypes
     import ctypes.util
-
-    from hylinker.tools.soak_measure import malloc_trim_released_mib
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
     libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    malloc_trim_released_mib()  # start from a trimmed heap
-    blocks = [libc.malloc(16 << 10) for _ in range(4096)]  # 64 MiB in chunks below mmap's threshold
+    blocks = [libc.malloc(16 << 10) for _ in range(mib * 64)]  # chunks below mmap's threshold
     for b in blocks:
         libc.memset(b, 1, 16 << 10)  # resident
     for b in blocks[:-1]:
         libc.free(b)  # the last block keeps the heap's top: nothing is returned on its own
+    return libc, blocks[-1:]
+
+
+def test_malloc_trim_tells_the_allocators_free_memory_from_live_objects() -> None:
+    """``malloc_trim_released_mib`` (the vLLM fronts' last figure) reports what the trim gave back."""
+    from hylinker.tools.soak_measure import malloc_trim_released_mib
+
+    malloc_trim_released_mib()  # start from a trimmed heap
+    libc, live = _fragmented_heap(64)
     try:
         assert malloc_trim_released_mib() > 32
     finally:
-        libc.free(blocks[-1])
+        libc.free(live[0])  # type: ignore[attr-defined]
     assert malloc_trim_released_mib() < 32  # nothing left to give back
+
+
+def test_a_trimming_sampler_counts_live_memory_only() -> None:
+    """``--malloc-trim``: the sample's resident memory leaves out what the allocator held free."""
+    from hylinker.tools.soak_measure import malloc_trim_released_mib, resident_mib
+
+    malloc_trim_released_mib()
+    libc, live = _fragmented_heap(64)
+    try:
+        untrimmed = resident_mib()
+        plain = Sampler(1.0).take(0, {}).values["rss_mib"]
+        trimmed = Sampler(1.0, trim=True).take(0, {}).values["rss_mib"]
+    finally:
+        libc.free(live[0])  # type: ignore[attr-defined]
+    assert plain > untrimmed - 8  # a plain sample sees the free memory
+    assert trimmed < untrimmed - 32
