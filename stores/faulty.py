@@ -60,8 +60,8 @@ from .base import (
     supports_rows,
     supports_scatter,
 )
+from .calls import InflightCalls, check_keys
 from .condemned import Condemned, ConditionalRemoveStore, compare_then_remove
-from .embedded import InflightCalls, check_keys
 from .fault_plan import _FAULT_COUNTERS, FaultPlan, FaultStatistics
 from .frame_copies import check_parts, check_sealed
 from .framing import HEADER_BYTES
