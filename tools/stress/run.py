@@ -35,13 +35,10 @@ from ...stores.resilient import ResiliencePolicy, ResilienceStatistics
 from ...testing.content import SyntheticContent, preset_layout
 from ..arguments import UsageError
 from ..eviction_returns import TraceClock, eviction_returns
+from ..prefix_bound import bound_hits_per_request, causal_parents
 from ..replay import Demand, QueueFullError, WaitingQueue, pages_for
 from ..report import percentiles, progress_bar
-from ..workloads import (
-    MOONCAKE_BLOCK_TOKENS,
-    bound_hits_per_request,
-    causal_parents,
-)
+from ..workloads import MOONCAKE_BLOCK_TOKENS
 from ..workloads import Request as WorkloadRequest
 from .inputs import load_workload, open_store
 
