@@ -29,13 +29,10 @@ Rules:
 from __future__ import annotations
 
 import functools
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import anyio
 import numpy as np
 import structlog
 import torch
@@ -47,8 +44,8 @@ from .base import (
     StoreClosedError,
     StoreStatistics,
     check_buffers,
-    new_counters,
 )
+from .calls import InflightCalls, check_keys
 from .condemned import Condemned
 from .embedded_rows import RowTransfers
 from .eviction_memory import DEFAULT_BUDGET_BYTES, EvictionMemory
@@ -64,70 +61,15 @@ from .frame_copies import (
 )
 from .framing import HEADER_BYTES
 from .rows import RowBatch, RowResults
-from .slabs import SizeClass
+from .slab_index import SLOT_ALIGN, Get, Put, SlabIndex
 from .worker_threads import WorkerThreads
 
 T = TypeVar("T")
-
-SLOT_ALIGN = 64
-"""Slot sizes are multiples of this many bytes (keeps every object 64-byte aligned)."""
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_THREAD_THRESHOLD_BYTES = 4 << 20
 
 _log = structlog.get_logger(__name__)
-
-# (size class, slot id, object bytes)
-_Loc = tuple[int, int, int]
-_Put = tuple[int, str, _Loc]  # (caller's index, key, slot) of a planned put
-_Get = tuple[int, _Loc]  # (caller's index, slot) of a planned get
-
-
-def check_keys(keys: Sequence[str]) -> None:
-    """Raise a clear ``ValueError`` unless every key is a non-empty string."""
-    for key in keys:
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"store keys must be non-empty strings, got {key!r}")
-
-
-class InflightCalls:
-    """Counts calls in flight so ``close`` can wait for them; refuses calls after close.
-
-    Used from the event loop thread only.
-    """
-
-    def __init__(self, store_name: str) -> None:
-        self._name = store_name
-        self._count = 0
-        self._idle: anyio.Event | None = None
-        self.closed = False
-
-    def enter(self) -> None:
-        if self.closed:
-            raise StoreClosedError(f"{self._name} store is closed")
-        self._count += 1
-
-    def exit(self) -> None:
-        self._count -= 1
-        if self._count == 0 and self._idle is not None:
-            self._idle.set()
-
-    def __enter__(self) -> None:
-        """``with calls:`` one call in flight (refused once closed)."""
-        self.enter()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.exit()
-
-    async def close(self) -> bool:
-        """Refuse new calls and wait for those in flight; False if already closed."""
-        first = not self.closed
-        self.closed = True
-        while self._count > 0:
-            self._idle = anyio.Event()
-            await self._idle.wait()
-        self._idle = None
-        return first
 
 
 class EmbeddedStore(RowTransfers):
@@ -160,28 +102,19 @@ class EmbeddedStore(RowTransfers):
             raise ValueError(f"thread_threshold_bytes must be >= 0, got {thread_threshold_bytes}")
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        self._capacity = capacity_bytes
-        self._chunk_bytes = min(chunk_bytes, max(SLOT_ALIGN, capacity_bytes))
         self._thread_threshold = thread_threshold_bytes
         self._max_workers = max_workers
         self._workers: WorkerThreads | None = None  # started with the first threaded copy
         self._capabilities = StoreCapabilities(name=name, touch=True, remove=True, zero_copy=False,
                                                scatter=True, checksums=True, rows=True)
-
-        self._lock = threading.Lock()
-        self._classes: list[SizeClass] = []
-        self._class_of: dict[int, int] = {}  # slot bytes -> size class number
-        self._index: OrderedDict[str, _Loc] = OrderedDict()  # LRU order: oldest first
-        self._pending: dict[str, _Loc] = {}  # puts still copying
-        self._pins: dict[tuple[int, int], int] = {}  # (class, slot) -> reads in flight
-        self._doomed: set[tuple[int, int]] = set()  # removed while pinned; free on unpin
-        self._used = 0
-        self._allocated = 0  # chunk memory held, all size classes
         self._calls = InflightCalls(name)
-        self._stats = new_counters()
-        self._on_evict: Callable[[list[str]], None] | None = None
         #: evicted keys asked for again (``evicted_probed_again`` / ``evicted_touched_again``)
         self.evictions_memory = EvictionMemory(clock, eviction_memory_bytes)
+        self._slabs = SlabIndex(capacity_bytes, min(chunk_bytes, max(SLOT_ALIGN, capacity_bytes)),
+                                self.evictions_memory)
+        # the index's state under the names the store's tests look at
+        self._classes, self._pins, self._pending = self._slabs.classes, self._slabs.pins, self._slabs.pending
+        self._plan_get, self._finish_get = self._slabs.plan_get, self._slabs.finish_get
 
     # ---- protocol -------------------------------------------------------------------------
 
@@ -193,7 +126,7 @@ class EmbeddedStore(RowTransfers):
         """Call ``listener`` with the keys of every eviction batch (under the store's lock, from
         the thread that put: it must only record them). A connector whose lookups run in another
         process reports them there (``integrations/vllm/index.py``)."""
-        self._on_evict = listener
+        self._slabs.on_evict = listener
 
     def register(self, region: torch.Tensor) -> None:
         """No-op: this store copies, so any host buffer will do."""
@@ -205,19 +138,19 @@ class EmbeddedStore(RowTransfers):
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         check_keys(keys)
-        with self._calls, self._lock:
-            self._stats["exists_calls"] += 1
-            present = [key in self._index for key in keys]
+        with self._calls, self._slabs.lock:
+            self._slabs.stats["exists_calls"] += 1
+            present = [key in self._slabs.index for key in keys]
             for key, held in zip(keys, present):
                 if not held:
-                    self._stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
+                    self._slabs.stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
             return present
 
     async def put(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[Outcome]:
         check_buffers(keys, buffers)
 
-        def copy(plan: list[_Put]) -> Callable[[], object]:
-            return functools.partial(copy_all, [self._view(loc) for _, _, loc in plan],
+        def copy(plan: list[Put]) -> Callable[[], object]:
+            return functools.partial(copy_all, [self._slabs.view(loc) for _, _, loc in plan],
                                      [buffers[i].numpy() for i, _, _ in plan])
 
         return await self._put_with(keys, buffers, copy)
@@ -225,9 +158,9 @@ class EmbeddedStore(RowTransfers):
     async def get(self, keys: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[GetResult]:
         check_buffers(keys, buffers)
 
-        def copy(plan: list[_Get]) -> Callable[[], None]:
+        def copy(plan: list[Get]) -> Callable[[], None]:
             return functools.partial(copy_all, [buffers[i].numpy()[: loc[2]] for i, loc in plan],
-                                     [self._view(loc) for _, loc in plan])
+                                     [self._slabs.view(loc) for _, loc in plan])
 
         return await self._get_with(keys, buffers, copy)
 
@@ -235,11 +168,11 @@ class EmbeddedStore(RowTransfers):
         """Store each object from its buffers (their concatenation), one copy per buffer."""
         sized = check_parts(keys, parts)
 
-        def copy(plan: list[_Put]) -> Callable[[], object]:
+        def copy(plan: list[Put]) -> Callable[[], object]:
             targets: list[np.ndarray] = []
             sources: list[np.ndarray] = []
             for i, _, loc in plan:
-                t, s = into_slot(self._view(loc), parts[i], 0)
+                t, s = into_slot(self._slabs.view(loc), parts[i], 0)
                 targets += t
                 sources += s
             return functools.partial(copy_all, targets, sources)
@@ -250,11 +183,11 @@ class EmbeddedStore(RowTransfers):
         """Read each object into its buffers in order (one copy per buffer, none staged)."""
         sized = check_parts(keys, parts)
 
-        def copy(plan: list[_Get]) -> Callable[[], None]:
+        def copy(plan: list[Get]) -> Callable[[], None]:
             targets: list[np.ndarray] = []
             sources: list[np.ndarray] = []
             for i, loc in plan:
-                t, s = out_of_slot(self._view(loc), loc[2], parts[i], 0)
+                t, s = out_of_slot(self._slabs.view(loc), loc[2], parts[i], 0)
                 targets += t
                 sources += s
             return functools.partial(copy_all, targets, sources)
@@ -268,10 +201,10 @@ class EmbeddedStore(RowTransfers):
         :class:`~hylinker.stores.base.ChecksumStore`)."""
         sized = check_sealed(keys, parts)
 
-        def copy(plan: list[_Put]) -> Callable[[], object]:
+        def copy(plan: list[Put]) -> Callable[[], object]:
             frames: list[Frame] = []
             for i, _, loc in plan:
-                dst = self._view(loc)
+                dst = self._slabs.view(loc)
                 frames.append((dst[:HEADER_BYTES], parts[i][0].numpy(),
                                *into_slot(dst, parts[i][1:], HEADER_BYTES)))
             return functools.partial(seal_all, frames)
@@ -283,10 +216,10 @@ class EmbeddedStore(RowTransfers):
         result carries the checksum of the payload bytes as they landed in the buffers."""
         sized = check_sealed(keys, parts)
 
-        def copy(plan: list[_Get]) -> Callable[[], list[int]]:
+        def copy(plan: list[Get]) -> Callable[[], list[int]]:
             frames: list[Frame] = []
             for i, loc in plan:
-                src = self._view(loc)
+                src = self._slabs.view(loc)
                 head = min(HEADER_BYTES, loc[2])
                 frames.append((parts[i][0].numpy()[:head], src[:head],
                                *out_of_slot(src, loc[2], parts[i][1:], HEADER_BYTES)))
@@ -304,36 +237,36 @@ class EmbeddedStore(RowTransfers):
         return await self._get_rows(batch, hashed)
 
     async def _put_with(self, keys: Sequence[str], sized: Sequence[Any],
-                        copy: Callable[[list[_Put]], Callable[[], object]]) -> list[Outcome]:
+                        copy: Callable[[list[Put]], Callable[[], object]]) -> list[Outcome]:
         """Every put: plan slots for ``sized`` (anything with ``numel()``), run ``copy(plan)()``
         (inline if small, else in a worker thread), publish what was copied, free the rest."""
         with self._calls:
-            outcomes, plan = self._plan_put(keys, sized)
+            outcomes, plan = self._slabs.plan_put(keys, sized)
             if not plan:
                 return outcomes
             copied = False
             try:
                 copied, _ = await self._run_copy(copy(plan), sum(loc[2] for _, _, loc in plan))
             finally:
-                self._finish_put(plan, copied)
+                self._slabs.finish_put(plan, copied)
             if not copied:
                 for i, _, _ in plan:
                     outcomes[i] = Outcome.FAILED
             return outcomes
 
     async def _get_with(self, keys: Sequence[str], sized: Sequence[Any],
-                        copy: Callable[[list[_Get]], Callable[[], list[int] | None]]) -> list[GetResult]:
+                        copy: Callable[[list[Get]], Callable[[], list[int] | None]]) -> list[GetResult]:
         """Every get: pin the objects that fit, run ``copy(plan)()``, unpin. A copy that
         returns checksums (one per planned object) puts each on its result."""
         with self._calls:
-            results, plan = self._plan_get(keys, sized)
+            results, plan = self._slabs.plan_get(keys, sized)
             if not plan:
                 return results
             copied, digests = False, None
             try:
                 copied, digests = await self._run_copy(copy(plan), sum(loc[2] for _, loc in plan))
             finally:
-                self._finish_get(plan, copied)
+                self._slabs.finish_get(plan, copied)
             for k, (i, loc) in enumerate(plan):
                 results[i] = (GetResult(Outcome.OK, loc[2], None if digests is None else digests[k])
                               if copied else GetResult(Outcome.FAILED))
@@ -341,13 +274,13 @@ class EmbeddedStore(RowTransfers):
 
     async def touch(self, keys: Sequence[str]) -> None:
         check_keys(keys)
-        with self._calls, self._lock:
+        with self._calls, self._slabs.lock:
             for key in keys:
-                if key in self._index:
-                    self._index.move_to_end(key)
-                    self._stats["touches"] += 1
+                if key in self._slabs.index:
+                    self._slabs.index.move_to_end(key)
+                    self._slabs.stats["touches"] += 1
                 else:
-                    self._stats["evicted_touched_again"] += self.evictions_memory.asked_again(key, touched=True)
+                    self._slabs.stats["evicted_touched_again"] += self.evictions_memory.asked_again(key, touched=True)
 
     async def remove(self, keys: Sequence[str]) -> int:
         return self._remove_where(keys, [None] * len(keys))
@@ -362,32 +295,27 @@ class EmbeddedStore(RowTransfers):
         check_keys(keys)
         with self._calls:
             removed = 0
-            with self._lock:
+            with self._slabs.lock:
                 for key, c in zip(keys, condemned, strict=True):
-                    loc = self._index.get(key)
-                    if loc is None or (c is not None and not c.matches(loc[2], self._view(loc)[:HEADER_BYTES].tobytes())):
+                    loc = self._slabs.index.get(key)
+                    if loc is None or (c is not None and not c.matches(loc[2], self._slabs.view(loc)[:HEADER_BYTES].tobytes())):
                         continue
-                    self._drop(self._index.pop(key))
+                    self._slabs.drop(self._slabs.index.pop(key))
                     removed += 1
-                self._stats["removes"] += removed
+                self._slabs.stats["removes"] += removed
             return removed
 
     def statistics(self) -> StoreStatistics:
-        with self._lock:
-            counters = dict(self._stats)
+        with self._slabs.lock:
+            counters = dict(self._slabs.stats)
             counters.update(
-                objects=len(self._index), used_bytes=self._used, capacity_bytes=self._capacity
+                objects=len(self._slabs.index), used_bytes=self._slabs.used, capacity_bytes=self._slabs.capacity
             )
         return StoreStatistics(**counters)
 
     async def close(self) -> None:
         if await self._calls.close():
-            with self._lock:
-                self._index.clear()
-                self._classes.clear()
-                self._class_of.clear()
-                self._used = 0
-                self._allocated = 0
+            self._slabs.clear()
             if self._workers is not None:
                 self._workers.close()
 
@@ -395,185 +323,18 @@ class EmbeddedStore(RowTransfers):
 
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        return self._slabs.capacity
 
     def allocated_bytes(self) -> int:
         """Bytes of slab chunk memory held now (>= used bytes; chunk granularity)."""
-        with self._lock:
-            held = sum(c.allocated_bytes() for c in self._classes)
-            assert held == self._allocated
-            return held
+        return self._slabs.allocated_bytes()
 
     def lru_keys(self) -> list[str]:
         """Keys held, least recently used first."""
-        with self._lock:
-            return list(self._index)
+        with self._slabs.lock:
+            return list(self._slabs.index)
 
-    # ---- internals ----------------------------------------------------------------------------
-
-    def _plan_put(
-        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
-    ) -> tuple[list[Outcome], list[tuple[int, str, _Loc]]]:
-        outcomes = [Outcome.FAILED] * len(keys)
-        plan: list[tuple[int, str, _Loc]] = []
-        seen: set[str] = set()
-        with self._lock:
-            for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-                if key in self._index or key in self._pending or key in seen:
-                    outcomes[i] = Outcome.EXISTS
-                    self._stats["put_exists"] += 1
-                    continue
-                seen.add(key)
-                nbytes = buf.numel()
-                slot_bytes = self._slot_bytes_of(nbytes)
-                if slot_bytes > self._capacity or not self._make_room(slot_bytes):
-                    outcomes[i] = Outcome.FULL
-                    self._stats["put_failures"] += 1
-                    continue
-                cls = self._class_for(slot_bytes)
-                loc = (cls, self._allocate(cls), nbytes)
-                self._used += slot_bytes
-                self._pending[key] = loc
-                plan.append((i, key, loc))
-                outcomes[i] = Outcome.OK
-        return outcomes, plan
-
-    def _finish_put(self, plan: list[tuple[int, str, _Loc]], copied: bool) -> None:
-        """Publish copied puts (most recently used); give back the slots of failed ones."""
-        with self._lock:
-            for _, key, loc in plan:
-                del self._pending[key]
-                if copied:
-                    self._index[key] = loc
-                    self.evictions_memory.stored(key)
-                    self._stats["puts"] += 1
-                    self._stats["put_bytes"] += loc[2]
-                else:
-                    self._drop(loc)
-                    self._stats["put_failures"] += 1
-
-    @staticmethod
-    def _slot_bytes_of(nbytes: int) -> int:
-        return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
-
-    def _class_for(self, slot_bytes: int) -> int:
-        cls = self._class_of.get(slot_bytes)
-        if cls is None:
-            cls = len(self._classes)
-            self._classes.append(SizeClass(slot_bytes, self._chunk_bytes))
-            self._class_of[slot_bytes] = cls
-        return cls
-
-    def _allocate(self, cls: int) -> int:
-        """A free slot of ``cls``; before growing, give back other classes' empty chunks."""
-        return self._allocate_many(cls, 1)[0]
-
-    def _allocate_many(self, cls: int, k: int) -> list[int]:
-        """``k`` free slots of ``cls``, a chunk at a time (``SizeClass.take``); before growing,
-        other classes' empty chunks are given back while the memory held would exceed the
-        capacity."""
-        size_class = self._classes[cls]
-        out: list[int] = []
-        while len(out) < k:
-            if not size_class.has_free_slot():
-                for other in self._classes:
-                    while self._allocated + size_class.chunk_bytes > self._capacity:
-                        freed = other.free_empty_chunk() if other is not size_class else 0
-                        if not freed:
-                            break
-                        self._allocated -= freed
-            got, grown = size_class.take(k - len(out))
-            self._allocated += grown
-            out += got
-        return out
-
-    def _release(self, cls: int, slot: int) -> None:
-        """Free a slot; keep its chunk if emptied, unless memory held exceeds the capacity."""
-        size_class = self._classes[cls]
-        size_class.release(slot)
-        self._used -= size_class.slot_bytes
-        while self._allocated > self._capacity:
-            freed = size_class.free_empty_chunk()
-            if not freed:
-                break
-            self._allocated -= freed
-
-    def _make_room(self, slot_bytes: int) -> bool:
-        """Evict LRU objects (never one being read) until ``slot_bytes`` more fit."""
-        excess = self._used + slot_bytes - self._capacity
-        if excess <= 0:
-            return True
-        victims: list[str] = []
-        freed = 0
-        for key, (cls, slot, _) in self._index.items():
-            if (cls, slot) in self._pins:
-                continue
-            victims.append(key)
-            freed += self._classes[cls].slot_bytes
-            if freed >= excess:
-                break
-        if freed < excess:
-            return False
-        for key in victims:
-            self._drop(self._index.pop(key))
-            self._stats["evictions"] += 1
-        self.evictions_memory.evicted(victims)
-        if self._on_evict is not None and victims:
-            self._on_evict(victims)
-        return True
-
-    def _drop(self, loc: _Loc) -> None:
-        """Free an object's slot now, or when the reads copying out of it finish."""
-        cls, slot, _ = loc
-        if (cls, slot) in self._pins:
-            self._doomed.add((cls, slot))
-            return
-        self._release(cls, slot)
-
-    def _view(self, loc: _Loc) -> np.ndarray:
-        # No lock needed: the slot is reserved (pending) or pinned, so its chunk stays put.
-        cls, slot, nbytes = loc
-        return self._classes[cls].view(slot, nbytes)
-
-    def _plan_get(
-        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
-    ) -> tuple[list[GetResult], list[tuple[int, _Loc]]]:
-        results = [GetResult(Outcome.MISSING)] * len(keys)
-        plan: list[tuple[int, _Loc]] = []
-        with self._lock:
-            for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-                loc = self._index.get(key)
-                if loc is None:
-                    self._stats["get_misses"] += 1
-                    self._stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
-                    continue
-                if loc[2] > buf.numel():
-                    results[i] = GetResult(Outcome.TOO_SMALL, 0)
-                    self._stats["get_failures"] += 1
-                    continue
-                self._index.move_to_end(key)
-                pin = (loc[0], loc[1])
-                self._pins[pin] = self._pins.get(pin, 0) + 1
-                plan.append((i, loc))
-        return results, plan
-
-    def _finish_get(self, plan: list[tuple[int, _Loc]], copied: bool) -> None:
-        with self._lock:
-            for _, (cls, slot, nbytes) in plan:
-                if copied:
-                    self._stats["gets"] += 1
-                    self._stats["get_bytes"] += nbytes
-                else:
-                    self._stats["get_failures"] += 1
-                pin = (cls, slot)
-                left = self._pins[pin] - 1
-                if left:
-                    self._pins[pin] = left
-                    continue
-                del self._pins[pin]
-                if pin in self._doomed:
-                    self._doomed.discard(pin)
-                    self._release(cls, slot)
+    # ---- copies -------------------------------------------------------------------------------
 
     async def _run_copy(self, copy: Callable[[], T], nbytes: int) -> tuple[bool, T | None]:
         """Run ``copy()`` inline if ``nbytes`` is small, else in a worker thread: (True, its

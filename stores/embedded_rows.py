@@ -10,8 +10,6 @@ thread like every other copy of the store (:meth:`EmbeddedStore._run_copy`).
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,13 +19,14 @@ from .base import Outcome
 from .eviction_memory import EvictionMemory
 from .framing import HEADER_BYTES
 from .rows import CODE, OK, RowBatch, RowResults, check_batch, gather, headers, scatter
+from .slab_index import Loc
 from .slabs import SizeClass
 
 if TYPE_CHECKING:
-    from .embedded import InflightCalls
+    from .calls import InflightCalls
+    from .slab_index import SlabIndex
 
 T = TypeVar("T")
-_Loc = tuple[int, int, int]
 _EXISTS, _FULL, _FAILED, _TOO_SMALL, _MISSING = (CODE[o] for o in (
     Outcome.EXISTS, Outcome.FULL, Outcome.FAILED, Outcome.TOO_SMALL, Outcome.MISSING))
 
@@ -37,27 +36,12 @@ class RowTransfers:
     names them itself, so :func:`~hylinker.stores.base.supports_rows` sees where they are defined)."""
 
     # the store's state (set by EmbeddedStore.__init__)
-    _lock: threading.Lock
-    _classes: list[SizeClass]
-    _index: OrderedDict[str, _Loc]
-    _pending: dict[str, _Loc]
-    _pins: dict[tuple[int, int], int]
-    _used: int
-    _capacity: int
-    _allocated: int
-    _stats: dict[str, int]
+    _slabs: SlabIndex
     _calls: InflightCalls
     evictions_memory: EvictionMemory
 
-    if TYPE_CHECKING:  # EmbeddedStore's own methods
-        def _class_for(self, slot_bytes: int) -> int: ...
-        def _make_room(self, slot_bytes: int) -> bool: ...
-        def _drop(self, loc: _Loc) -> None: ...
-        def _allocate_many(self, cls: int, k: int) -> list[int]: ...
-        def _finish_get(self, plan: list[tuple[int, _Loc]], copied: bool) -> None: ...
+    if TYPE_CHECKING:  # EmbeddedStore's own method
         async def _run_copy(self, copy: Callable[[], T], nbytes: int) -> tuple[bool, T | None]: ...
-        @staticmethod
-        def _slot_bytes_of(nbytes: int) -> int: ...
 
     async def _put_rows(self, batch: RowBatch, hashed: bool) -> np.ndarray:
         """Store each object of ``batch`` (see :class:`~hylinker.stores.base.RowStore`)."""
@@ -68,7 +52,7 @@ class RowTransfers:
             if not todo:
                 return codes
             sub = batch if len(todo) == len(batch.keys) else batch.select(todo)
-            size_class = self._classes[locs[0][0]]
+            size_class = self._slabs.classes[locs[0][0]]
             slots = [loc[1] for loc in locs]
 
             def copy() -> None:
@@ -104,18 +88,18 @@ class RowTransfers:
                     got: list[int] = []
                     if whole:
                         locs = [loc for _, loc in plan if loc[2] == size]
-                        size_class = self._classes[locs[0][0]]
+                        size_class = self._slabs.classes[locs[0][0]]
                         slots = [loc[1] for loc in locs]
                         got = scatter(sub, _slot_views(size_class, slots), hashed)
                         heads[whole] = _read_heads(size_class, slots)
                     for i, (cls, slot, nbytes) in short:  # a shorter object: its header tells why
                         if nbytes >= HEADER_BYTES:
-                            heads[i] = self._classes[cls].view(slot, HEADER_BYTES)
+                            heads[i] = self._slabs.classes[cls].view(slot, HEADER_BYTES)
                     return got
 
                 copied, sums = await self._run_copy(copy, len(whole) * batch.object_bytes)
             finally:
-                self._finish_get(plan, copied)
+                self._slabs.finish_get(plan, copied)
             if not copied:
                 res.codes[[i for i, _ in plan]] = _FAILED
                 return res
@@ -128,12 +112,12 @@ class RowTransfers:
 
     # ---- planning (under the index lock) -----------------------------------------------------
 
-    def _plan_rows_put(self, batch: RowBatch, codes: np.ndarray) -> tuple[list[int], list[_Loc]]:
+    def _plan_rows_put(self, batch: RowBatch, codes: np.ndarray) -> tuple[list[int], list[Loc]]:
         """Reserve slots for the new keys of ``batch`` in one step; codes for the rest."""
         size = batch.object_bytes
-        slot_bytes = self._slot_bytes_of(size)
-        index, pending = self._index, self._pending
-        with self._lock:
+        slot_bytes = self._slabs.slot_bytes_of(size)
+        index, pending = self._slabs.index, self._slabs.pending
+        with self._slabs.lock:
             keys = batch.keys
             if len(set(keys)) == len(keys):  # no key twice in the batch: one comprehension
                 todo = [i for i, key in enumerate(keys) if key not in index and key not in pending]
@@ -147,69 +131,69 @@ class RowTransfers:
             if len(todo) < len(keys):
                 codes[:] = _EXISTS
                 codes[todo] = _FAILED
-            self._stats["put_exists"] += len(batch.keys) - len(todo)
+            self._slabs.stats["put_exists"] += len(batch.keys) - len(todo)
             # room for all at once; where the LRU cannot make it, for as many as it can
             k = len(todo)
-            if slot_bytes > self._capacity:
+            if slot_bytes > self._slabs.capacity:
                 k = 0
-            elif not self._make_room(k * slot_bytes):
+            elif not self._slabs.make_room(k * slot_bytes):
                 # the most that fit: a failed try evicts nothing, a successful one evicts what a
                 # direct try of that many would (the LRU prefix), so a bisection is exact
                 lo, hi = 0, k  # lo fits, hi does not
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
-                    if self._make_room(mid * slot_bytes):
+                    if self._slabs.make_room(mid * slot_bytes):
                         lo = mid
                     else:
                         hi = mid
                 k = lo
             if k < len(todo):
                 codes[todo[k:]] = _FULL
-                self._stats["put_failures"] += len(todo) - k
+                self._slabs.stats["put_failures"] += len(todo) - k
                 todo = todo[:k]
             if not todo:
                 return [], []
-            cls = self._class_for(slot_bytes)
-            slots = self._allocate_many(cls, len(todo))
-            self._used += len(todo) * slot_bytes
+            cls = self._slabs.class_for(slot_bytes)
+            slots = self._slabs.allocate_many(cls, len(todo))
+            self._slabs.used += len(todo) * slot_bytes
             locs = [(cls, s, size) for s in slots]
             pending.update(zip([batch.keys[i] for i in todo], locs))
         return todo, locs
 
-    def _finish_rows_put(self, keys: list[str] | Any, locs: list[_Loc], copied: bool) -> None:
+    def _finish_rows_put(self, keys: list[str] | Any, locs: list[Loc], copied: bool) -> None:
         """Publish the copied batch in one step (most recently used), or free its slots."""
-        with self._lock:
-            pending = self._pending
+        with self._slabs.lock:
+            pending = self._slabs.pending
             for key in keys:
                 del pending[key]
             if copied:
-                self._index.update(zip(keys, locs))
+                self._slabs.index.update(zip(keys, locs))
                 for key in keys:
                     self.evictions_memory.stored(key)
-                self._stats["puts"] += len(locs)
-                self._stats["put_bytes"] += len(locs) * locs[0][2]
+                self._slabs.stats["puts"] += len(locs)
+                self._slabs.stats["put_bytes"] += len(locs) * locs[0][2]
                 return
             for loc in locs:
-                self._drop(loc)
-            self._stats["put_failures"] += len(locs)
+                self._slabs.drop(loc)
+            self._slabs.stats["put_failures"] += len(locs)
 
-    def _plan_rows_get(self, batch: RowBatch, codes: np.ndarray) -> list[tuple[int, _Loc]]:
+    def _plan_rows_get(self, batch: RowBatch, codes: np.ndarray) -> list[tuple[int, Loc]]:
         """Pin the stored objects of ``batch``; codes for the missing and the too large."""
-        plan: list[tuple[int, _Loc]] = []
+        plan: list[tuple[int, Loc]] = []
         size = batch.object_bytes
-        index, pins = self._index, self._pins
-        with self._lock:
+        index, pins = self._slabs.index, self._slabs.pins
+        with self._slabs.lock:
             misses = 0
             for i, key in enumerate(batch.keys):
                 try:
                     loc = index[key]
                 except KeyError:
                     misses += 1
-                    self._stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
+                    self._slabs.stats["evicted_probed_again"] += self.evictions_memory.asked_again(key)
                     continue
                 if loc[2] > size:
                     codes[i] = _TOO_SMALL
-                    self._stats["get_failures"] += 1
+                    self._slabs.stats["get_failures"] += 1
                     continue
                 index.move_to_end(key)
                 pin = (loc[0], loc[1])
@@ -218,7 +202,7 @@ class RowTransfers:
                 else:
                     pins[pin] = 1
                 plan += ((i, loc),)
-            self._stats["get_misses"] += misses
+            self._slabs.stats["get_misses"] += misses
         return plan
 
 

@@ -37,15 +37,12 @@ every rate 0 and no schedule the wrapper is transparent.
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 import attrs
 import numpy as np
 import torch
-import xxhash
 
 from .base import (
     GetResult,
@@ -60,9 +57,10 @@ from .base import (
     supports_rows,
     supports_scatter,
 )
+from .calls import InflightCalls, check_keys
 from .condemned import Condemned, ConditionalRemoveStore, compare_then_remove
-from .embedded import InflightCalls, check_keys
-from .fault_plan import _FAULT_COUNTERS, FaultPlan, FaultStatistics
+from .fault_draws import VERIFIED_HEADER, FaultDraws, landed_checksum, locate, prefix
+from .fault_plan import FaultPlan, FaultStatistics
 from .frame_copies import check_parts, check_sealed
 from .framing import HEADER_BYTES
 from .rows import (
@@ -76,11 +74,6 @@ from .rows import (
     payload_sums,
 )
 
-T = TypeVar("T")
-
-# Header bytes framing.verify checks: magic, version, flags, layout, key, length, checksum (0..48).
-_VERIFIED_HEADER = tuple(range(0, 48))
-
 
 class FaultyStore:
     """Wraps ``inner`` and injects the faults of ``plan``, deterministically from ``seed``.
@@ -92,15 +85,11 @@ class FaultyStore:
         if not isinstance(inner, Store):
             raise TypeError(f"inner must implement the Store protocol, got {type(inner).__name__}")
         self._inner = inner
-        self._plan = plan if plan is not None else FaultPlan()
-        self._seed = seed
-        self._rng = random.Random(seed)
-        self._call_number = 0
+        self._draws = FaultDraws(plan if plan is not None else FaultPlan(), seed)
         self._vanished: set[str] = set()  # grows only under a vanish fault (a test plan): put again, forgotten
         #: keys read since their last put; kept only under a corrupt_first_read plan (else every
         #: key ever read stayed here: issue 53)
         self._read: set[str] = set()
-        self._faults: dict[str, int] = dict.fromkeys(_FAULT_COUNTERS, 0)
         inner_caps = inner.capabilities
         # scatter-gather and checksumming calls only where the inner store has them
         self._capabilities = attrs.evolve(inner_caps, name=f"faulty({inner_caps.name})",
@@ -114,11 +103,20 @@ class FaultyStore:
 
     @property
     def plan(self) -> FaultPlan:
-        return self._plan
+        return self._draws.plan
 
     def replan(self, plan: FaultPlan) -> None:
         """Inject ``plan`` from the next call on (a soak's store outage, then its usual faults)."""
-        self._plan = plan
+        self._draws.plan = plan
+
+    @property
+    def _plan(self) -> FaultPlan:
+        """The plan in force (the name the reliability tests set it by: :meth:`replan`)."""
+        return self._draws.plan
+
+    @_plan.setter
+    def _plan(self, plan: FaultPlan) -> None:
+        self.replan(plan)
 
     # ---- protocol -------------------------------------------------------------------------
 
@@ -140,16 +138,16 @@ class FaultyStore:
         failure (plain ``exists`` reports those as absent)."""
         check_keys(keys)
         with self._calls:
-            scheduled = self._begin_call()
+            scheduled = self._draws.begin_call()
             if scheduled == "timeout":
-                await self._overrun()
+                await self._draws.overrun()
                 return [Outcome.UNREACHABLE] * len(keys)
             if scheduled == "failed":
                 return [Outcome.FAILED] * len(keys)
-            failed = self._draw_keys(len(keys), self._plan.fail, "failed_keys")
+            failed = self._draws.draw_keys(len(keys), self._draws.plan.fail, "failed_keys")
             present = [Outcome.FAILED if failed[i] else Outcome.MISSING for i in range(len(keys))]
             ask = [i for i in range(len(keys)) if not failed[i] and keys[i] not in self._vanished]
-            answer = await self._within_deadline(
+            answer = await self._draws.within_deadline(
                 lambda: self._inner.exists([keys[i] for i in ask])
             )
             if answer is None:
@@ -158,7 +156,7 @@ class FaultyStore:
                 return present
             gone: list[str] = []
             for i, here in zip(ask, answer, strict=True):
-                if here and self._plan.vanish and self._rng.random() < self._plan.vanish:
+                if here and self._draws.plan.vanish and self._draws.rng.random() < self._draws.plan.vanish:
                     gone.append(keys[i])
                 present[i] = Outcome.OK if here else Outcome.MISSING
             if gone:
@@ -206,7 +204,7 @@ class FaultyStore:
         description cannot carry a torn or flipped object); otherwise one ``put_rows`` of the
         objects that were not failed."""
         check_batch(batch)
-        damaging = bool(self._plan.torn or self._plan.corrupt)
+        damaging = bool(self._draws.plan.torn or self._draws.plan.corrupt)
         # an inner store that does not checksum (Mooncake): the damaged objects are sealed here,
         # from the rows before the damage, and go through put_parts
         own_sums = damaging and hashed and not supports_checksums(self._inner)
@@ -261,38 +259,38 @@ class FaultyStore:
         """Every put: object ``i`` is the concatenation of ``objects[i]``; ``sealed``: its
         first part is a header whose checksum field the inner store fills."""
         with self._calls:
-            scheduled = self._begin_call()
+            scheduled = self._draws.begin_call()
             if scheduled == "failed":
                 return [Outcome.FAILED] * len(keys)
             if scheduled == "timeout":
                 await send_to(list(keys), list(objects))  # it lands; the caller never hears
-                await self._overrun()
+                await self._draws.overrun()
                 return [Outcome.UNREACHABLE] * len(keys)
-            plan = self._plan
+            plan = self._draws.plan
             outcomes = [Outcome.FAILED] * len(keys)
-            failed = self._draw_keys(len(keys), plan.fail, "failed_keys")
+            failed = self._draws.draw_keys(len(keys), plan.fail, "failed_keys")
             send = [i for i in range(len(keys)) if not failed[i]]
             sent: list[Sequence[torch.Tensor]] = []
             flips: list[tuple[torch.Tensor, int, int]] = []  # (buffer, position, old byte)
             for i in send:
                 obj = objects[i]
                 n = sum(p.numel() for p in obj)
-                if plan.torn and n > 0 and self._rng.random() < plan.torn:
+                if plan.torn and n > 0 and self._draws.rng.random() < plan.torn:
                     # a sealed object keeps its whole header (the store needs one to seal)
-                    n = self._rng.randrange(HEADER_BYTES, n) if sealed and n > HEADER_BYTES else self._rng.randrange(0, n)
-                    obj = _prefix(obj, n)
-                    self._faults["torn_writes"] += 1
-                if plan.corrupt and n > 0 and self._rng.random() < plan.corrupt:
-                    pos = (self._rng.choice([p for p in _VERIFIED_HEADER if p < min(n, 40)] or [0]) if sealed
-                           else self._corrupt_position(n))
-                    buf, local = _locate(obj, pos)
+                    n = self._draws.rng.randrange(HEADER_BYTES, n) if sealed and n > HEADER_BYTES else self._draws.rng.randrange(0, n)
+                    obj = prefix(obj, n)
+                    self._draws.counts["torn_writes"] += 1
+                if plan.corrupt and n > 0 and self._draws.rng.random() < plan.corrupt:
+                    pos = (self._draws.rng.choice([p for p in VERIFIED_HEADER if p < min(n, 40)] or [0]) if sealed
+                           else self._draws.corrupt_position(n))
+                    buf, local = locate(obj, pos)
                     flips.append((buf, local, int(buf[local])))
-                    self._faults["corrupted_writes"] += 1
+                    self._draws.counts["corrupted_writes"] += 1
                 sent.append(obj)
             for buf, pos, old in flips:
-                buf[pos] = old ^ self._flip_mask()
+                buf[pos] = old ^ self._draws.flip_mask()
             try:
-                answer = await self._within_deadline(lambda: send_to([keys[i] for i in send], sent))
+                answer = await self._draws.within_deadline(lambda: send_to([keys[i] for i in send], sent))
             finally:
                 for buf, pos, old in reversed(flips):
                     buf[pos] = old
@@ -317,15 +315,15 @@ class FaultyStore:
         ``rehash``: a damaged object's result carries the checksum of its damaged payload
         (``objects[i][1:]``), as a checksumming store's would."""
         with self._calls:
-            scheduled = self._begin_call()
+            scheduled = self._draws.begin_call()
             if scheduled == "failed":
                 return [GetResult(Outcome.FAILED)] * len(keys)
             if scheduled == "timeout":
-                await self._overrun()
+                await self._draws.overrun()
                 return [GetResult(Outcome.UNREACHABLE)] * len(keys)
-            plan = self._plan
+            plan = self._draws.plan
             results = [GetResult(Outcome.FAILED)] * len(keys)
-            failed = self._draw_keys(len(keys), plan.fail, "failed_keys")
+            failed = self._draws.draw_keys(len(keys), plan.fail, "failed_keys")
             send: list[int] = []
             for i, key in enumerate(keys):
                 if failed[i]:
@@ -334,7 +332,7 @@ class FaultyStore:
                     results[i] = GetResult(Outcome.MISSING)
                     continue
                 send.append(i)
-            answer = await self._within_deadline(
+            answer = await self._draws.within_deadline(
                 lambda: send_to([keys[i] for i in send], [objects[i] for i in send])
             )
             for j, i in enumerate(send):
@@ -347,33 +345,33 @@ class FaultyStore:
                     result.outcome is Outcome.OK
                     and result.nbytes > 0
                     and plan.corrupt
-                    and self._rng.random() < plan.corrupt
+                    and self._draws.rng.random() < plan.corrupt
                 ):
-                    self._flip(objects[i], result.nbytes, "corrupted_reads")
+                    self._draws.flip(objects[i], result.nbytes, "corrupted_reads")
                     damaged = True
                 elif (plan.corrupt_first_read and result.outcome is Outcome.OK and result.nbytes > 0
                       and keys[i] not in self._read):
                     self._read.add(keys[i])
-                    damaged = bool(plan.corrupt_first_read and self._rng.random() < plan.corrupt_first_read)
+                    damaged = bool(plan.corrupt_first_read and self._draws.rng.random() < plan.corrupt_first_read)
                     if damaged:
-                        self._flip(objects[i], result.nbytes, "corrupted_first_reads")
+                        self._draws.flip(objects[i], result.nbytes, "corrupted_first_reads")
                 else:
                     damaged = False
                 if damaged and rehash and result.checksum is not None:
-                    results[i] = attrs.evolve(result, checksum=_landed_checksum(objects[i][1:],
+                    results[i] = attrs.evolve(result, checksum=landed_checksum(objects[i][1:],
                                                                                 result.nbytes - HEADER_BYTES))
             return results
 
     async def touch(self, keys: Sequence[str]) -> None:
         check_keys(keys)
         with self._calls:
-            scheduled = self._begin_call()
+            scheduled = self._draws.begin_call()
             if scheduled == "timeout":
-                await self._overrun()
+                await self._draws.overrun()
                 return
             if scheduled == "failed":
                 return
-            await self._within_deadline(
+            await self._draws.within_deadline(
                 lambda: self._inner.touch([k for k in keys if k not in self._vanished])
             )
 
@@ -390,16 +388,16 @@ class FaultyStore:
     async def _remove_where(self, keys: Sequence[str], condemned: list[Condemned] | None) -> int:
         check_keys(keys)
         with self._calls:
-            scheduled = self._begin_call()
+            scheduled = self._draws.begin_call()
             if scheduled is not None:
                 if scheduled == "timeout":
-                    await self._overrun()
+                    await self._draws.overrun()
                 raise StoreUnavailableError(f"injected {scheduled} failure of remove")
             masked = {k for k in keys if k in self._vanished}
             self._vanished.difference_update(masked)
             kept = [i for i, k in enumerate(keys) if k not in masked]
             inner = self._inner
-            answer = await self._within_deadline(
+            answer = await self._draws.within_deadline(
                 (lambda: inner.remove([keys[i] for i in kept])) if condemned is None else
                 (lambda: inner.remove_if([keys[i] for i in kept],  # type: ignore[attr-defined]
                                          [condemned[i] for i in kept]))
@@ -412,130 +410,18 @@ class FaultyStore:
         inner = attrs.asdict(self._inner.statistics(), recurse=False)
         base_names = {f.name for f in attrs.fields(StoreStatistics)}
         fields = {name: value for name, value in inner.items() if name in base_names}
-        return FaultStatistics(**fields, **self._faults)
+        return FaultStatistics(**fields, **self._draws.counts)
 
     async def close(self) -> None:
         await self._calls.close()
         await self._inner.close()
 
-    # ---- injection ----------------------------------------------------------------------------
-
-    def _begin_call(self) -> str | None:
-        """Number the call; raise or return how it fails as a whole (None: it does not)."""
-        self._call_number += 1
-        n = self._call_number
-        plan = self._plan
-        self._faults["calls"] += 1
-        scheduled = (plan.fail_every > 0 and n % plan.fail_every == 0) or any(
-            first <= n <= last for first, last in plan.fail_calls
-        )
-        mode: str | None = None
-        if scheduled:
-            self._faults["scheduled_failures"] += 1
-            mode = plan.scheduled
-        elif plan.unavailable and self._rng.random() < plan.unavailable:
-            mode = "unavailable"
-        elif plan.timeout and self._rng.random() < plan.timeout:
-            mode = "timeout"
-        if mode == "unavailable":
-            self._faults["unavailable_calls"] += 1
-            raise StoreUnavailableError(
-                f"injected unavailable store (call {n}, plan {plan.describe()!r})"
-            )
-        if mode == "timeout":
-            self._faults["timeouts"] += 1
-        return mode
-
-    def _draw_keys(self, n: int, rate: float, counter: str) -> list[bool]:
-        if not rate:
-            return [False] * n
-        hits = [self._rng.random() < rate for _ in range(n)]
-        self._faults[counter] += sum(hits)
-        return hits
-
-    def _delay_s(self) -> float:
-        plan = self._plan
-        delay = plan.latency_ms
-        if plan.jitter_ms:
-            delay += self._rng.random() * plan.jitter_ms
-        return delay / 1000.0
-
-    async def _within_deadline(self, call: Callable[[], Awaitable[T]]) -> T | None:
-        """Await ``call()`` after the injected latency; None if it ran past the deadline."""
-        delay = self._delay_s()
-        if delay > 0:
-            self._faults["delayed_calls"] += 1
-        deadline = self._plan.deadline_ms
-        if deadline is None:
-            if delay > 0:
-                await anyio.sleep(delay)
-            return await call()
-        with anyio.move_on_after(deadline / 1000.0) as scope:
-            if delay > 0:
-                await anyio.sleep(delay)
-            return await call()
-        if scope.cancelled_caught:
-            self._faults["timeouts"] += 1
-        return None
-
-    async def _overrun(self) -> None:
-        """An injected timeout: wait out the deadline (if any), then give up."""
-        deadline = self._plan.deadline_ms
-        await anyio.sleep(deadline / 1000.0 if deadline else 0)
-
     async def _vanish(self, keys: list[str]) -> None:
-        self._faults["vanished"] += len(keys)
+        self._draws.counts["vanished"] += len(keys)
         self._vanished.update(keys)
         if self._inner.capabilities.remove:
             with contextlib.suppress(StoreError):  # the mask hides them anyway
                 await self._inner.remove(keys)
-
-    def _flip(self, obj: Sequence[torch.Tensor], nbytes: int, counter: str) -> None:
-        """Flip bits of one verified byte among the first ``nbytes`` a get wrote into ``obj``."""
-        buf, pos = _locate(obj, self._corrupt_position(nbytes))
-        buf[pos] = int(buf[pos]) ^ self._flip_mask()
-        self._faults[counter] += 1
-
-    def _corrupt_position(self, nbytes: int) -> int:
-        """A byte that framing verifies, among the first ``nbytes``."""
-        if nbytes > HEADER_BYTES and self._rng.random() < 0.5:
-            return self._rng.randrange(HEADER_BYTES, nbytes)
-        candidates = [p for p in _VERIFIED_HEADER if p < nbytes] or [0]
-        return self._rng.choice(candidates)
-
-    def _flip_mask(self) -> int:
-        return self._rng.randrange(1, 256)
-
-
-def _prefix(obj: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
-    """The first ``n`` bytes of the object ``obj`` (views of its buffers; a torn write)."""
-    out: list[torch.Tensor] = []
-    for p in obj:
-        if n <= 0:
-            break
-        out.append(p[:n])
-        n -= p.numel()
-    return out or [obj[0][:0]]
-
-
-def _locate(obj: Sequence[torch.Tensor], pos: int) -> tuple[torch.Tensor, int]:
-    """The buffer of ``obj`` holding byte ``pos`` of the object, and the byte's place in it."""
-    for p in obj:
-        if pos < p.numel():
-            return p, pos
-        pos -= p.numel()
-    raise IndexError("position past the object's end")
-
-
-def _landed_checksum(payload: Sequence[torch.Tensor], nbytes: int) -> int:
-    """XXH3-64 of the first ``nbytes`` of the payload buffers, as they are now."""
-    h = xxhash.xxh3_64()
-    for p in payload:
-        if nbytes <= 0:
-            break
-        h.update(p[:nbytes].numpy().data)
-        nbytes -= p.numel()
-    return h.intdigest()
 
 
 def _row_objects(batch: RowBatch, checksum_unset: bool,

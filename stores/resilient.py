@@ -59,74 +59,12 @@ from .base import (
     supports_rows,
     supports_scatter,
 )
+from .breaker import CircuitBreaker
 from .condemned import Condemned, ConditionalRemoveStore, compare_then_remove
-from .config_rules import non_negative, number_rule, positive
+from .retry_policy import NO_ANSWER, TRANSIENT, NoAnswer, ResiliencePolicy, ResilienceStatistics
 from .rows import CODE, OUTCOMES, RowBatch, RowResults, check_batch
 
 T = TypeVar("T")
-
-
-class _NoAnswer:
-    """An attempt that got no answer (timed out, raised, cancelled by shutdown)."""
-
-
-NO_ANSWER = _NoAnswer()
-
-#: per-key outcomes worth another try: the store did not say anything about the object
-TRANSIENT = frozenset({Outcome.FAILED, Outcome.UNREACHABLE, Outcome.LEASED})
-
-
-_positive = positive()
-_non_negative = non_negative()
-
-
-@attrs.frozen
-class ResiliencePolicy:
-    """How hard to try, and when to stop trying. Every field has a production default."""
-
-    #: tries per key per transfer (1: no retry)
-    attempts: int = attrs.field(default=6, validator=_positive)
-    #: backoff before a retry; doubles per retry while the store answers nothing, up to
-    #: ``backoff_max_s`` (keys that failed in a call the store answered retry after
-    #: ``backoff_s``); +- ``jitter`` share at random
-    backoff_s: float = attrs.field(default=0.001, validator=_non_negative)
-    backoff_max_s: float = attrs.field(default=0.1, validator=_non_negative)  # the longest backoff
-    jitter: float = attrs.field(default=0.5, validator=number_rule(at_least=0, at_most=1))  # share of a backoff drawn at random, in [0, 1]
-    #: one call to the inner store may take this long; past it its keys are UNREACHABLE
-    call_timeout_s: float = attrs.field(default=5.0, validator=_positive)
-    #: one transfer (a wrapper call, all its attempts and backoffs) ends by this deadline
-    deadline_s: float = attrs.field(default=10.0, validator=_positive)
-    #: consecutive attempts with no answer that open the breaker (0: never open it)
-    failure_threshold: int = attrs.field(default=5, validator=_non_negative)
-    #: while open, let one call through as a probe this often
-    probe_interval_s: float = attrs.field(default=0.5, validator=_positive)
-    #: on shutdown, how long calls in flight may still run before they are cancelled
-    close_grace_s: float = attrs.field(default=1.0, validator=_non_negative)
-
-    def __attrs_post_init__(self) -> None:
-        if not isinstance(self.attempts, int) or not isinstance(self.failure_threshold, int):
-            raise ValueError("ResiliencePolicy.attempts and failure_threshold are integers")
-
-
-@attrs.frozen
-class ResilienceStatistics:
-    """What the wrapper did, as counts (a snapshot)."""
-
-    calls: int  # wrapper calls (transfers)
-    attempts: int  # calls that reached the inner store
-    retries: int  # attempts beyond the first
-    retried_keys: int  # key-attempts repeated after a transient outcome
-    recovered_keys: int  # keys that succeeded on a retry
-    exhausted_keys: int  # keys still transient after every attempt or past the deadline
-    timeouts: int  # inner calls cut at call_timeout_s
-    unavailable: int  # inner calls that raised StoreUnavailableError (or another StoreError)
-    cancelled: int  # inner calls their caller cancelled before an answer (count toward the breaker)
-    breaker_trips: int  # closed -> open
-    rejected_calls: int  # answered by the open breaker without reaching the store
-    probes: int  # calls let through while open
-    resumes: int  # open -> closed after a probe answered
-    cancelled_on_shutdown: int  # inner calls cancelled by shutdown after the grace period
-    breaker: str  # "closed", "open" or "half_open" now
 
 
 @runtime_checkable
@@ -136,62 +74,6 @@ class ReportsExistence(Protocol):
     async def exists_outcomes(self, keys: Sequence[str]) -> list[Outcome]:
         """``OK`` present, ``MISSING`` absent, anything else: the store could not tell."""
         ...
-
-
-class CircuitBreaker:
-    """Closed -> open after ``threshold`` consecutive failed attempts; one probe per interval."""
-
-    def __init__(self, threshold: int, probe_interval_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.threshold = threshold
-        self.interval = probe_interval_s
-        self.clock = clock
-        self.state = "closed"
-        self.failures = 0
-        self.opened_at = 0.0
-        self.probing = False
-        self.counts = {"breaker_trips": 0, "rejected_calls": 0, "probes": 0, "resumes": 0}
-
-    def admit(self) -> bool:
-        """Whether a call may reach the store now (a probe when the breaker is open)."""
-        if self.state == "closed":
-            return True
-        if not self.probing and self.clock() - self.opened_at >= self.interval:
-            self.probing = True
-            self.state = "half_open"
-            self.counts["probes"] += 1
-            return True
-        self.counts["rejected_calls"] += 1
-        return False
-
-    def probe_due(self) -> bool:
-        """Whether the next call would be let through as a probe (read-only; ``admit`` decides)."""
-        return self.state == "open" and not self.probing and self.clock() - self.opened_at >= self.interval
-
-    def success(self) -> None:
-        self.failures = 0
-        if self.state != "closed":
-            self.state = "closed"
-            self.probing = False
-            self.counts["resumes"] += 1
-
-    def failure(self) -> None:
-        self.failures += 1
-        if self.state == "half_open":
-            self._open()
-        elif self.state == "closed" and self.threshold and self.failures >= self.threshold:
-            self.counts["breaker_trips"] += 1
-            self._open()
-
-    def abandon_probe(self) -> None:
-        """A probe that ended without an answer either way (cancelled): let another try."""
-        if self.state == "half_open":
-            self._open()
-
-    def _open(self) -> None:
-        self.state = "open"
-        self.probing = False
-        self.opened_at = self.clock()
 
 
 class ResilientStore:
@@ -406,7 +288,7 @@ class ResilientStore:
             raise StoreUnavailableError("the store's circuit breaker is open")
         self._c["calls"] += 1
         answer = await self._probe_guard(self._attempt(call))
-        if isinstance(answer, _NoAnswer):
+        if isinstance(answer, NoAnswer):
             self._settle_breaker(False)
             raise StoreUnavailableError("remove got no answer from the store")
         self._settle_breaker(True)
@@ -475,7 +357,7 @@ class ResilientStore:
                 break
             answer = await self._probe_guard(
                 self._attempt(functools.partial(call, list(todo)), min(pol.call_timeout_s, left)))
-            if isinstance(answer, _NoAnswer) or len(answer) != len(todo):
+            if isinstance(answer, NoAnswer) or len(answer) != len(todo):
                 self._settle_breaker(False)
                 silent += 1
                 continue
@@ -496,7 +378,7 @@ class ResilientStore:
         return outcomes
 
     async def _attempt(self, call: Callable[[], Awaitable[T]],
-                       timeout: float | None = None) -> T | _NoAnswer:
+                       timeout: float | None = None) -> T | NoAnswer:
         """One inner call under the call timeout; ``NO_ANSWER`` when it gave none."""
         self._c["attempts"] += 1
         scope = anyio.CancelScope(deadline=anyio.current_time() + (timeout or self.policy.call_timeout_s))

@@ -75,7 +75,7 @@ from .base import (
     count_puts,
     new_counters,
 )
-from .embedded import InflightCalls, check_keys
+from .calls import InflightCalls, check_keys
 
 _log = structlog.get_logger(__name__)
 

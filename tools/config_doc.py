@@ -39,7 +39,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("Data plane", "`hl.DataPlane(views, store, config=hl.DataPlaneConfig(...))` (also `SyncDataPlane`)",
      "hylinker.runtime.dataplane.plane.DataPlaneConfig"),
     ("Store retries and breaker", "`LinkerConfig(resilience=hl.ResiliencePolicy(...))`",
-     "hylinker.stores.resilient.ResiliencePolicy"),
+     "hylinker.stores.retry_policy.ResiliencePolicy"),
 )
 
 _UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))

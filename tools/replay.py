@@ -10,7 +10,7 @@
   is bounded: an arrival that finds ``max_waiting`` requests waiting is rejected (counted).
   A request that could never fit, even alone, is known before the run starts
   (:meth:`WaitingQueue.never_fits`).
-* Causal order (:func:`~.workloads.causal_parents`): a request that continues an earlier one
+* Causal order (:func:`~.prefix_bound.causal_parents`): a request that continues an earlier one
   (the next turn of a conversation) joins the queue only once that request has completed, the
   way a real client sends turn N+1 only after it has read the answer to turn N.
 """

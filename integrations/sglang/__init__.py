@@ -6,6 +6,9 @@ dynamic linker factory (``"linker_module_path": "hylinker.integrations.sglang"``
 * :mod:`.config`: its ``linker_extra_config`` keys (no SGLang import);
 * :mod:`.pools`: SGLang's device pools as the data plane's pool views;
 * :mod:`.loads`: a load batch's device events;
+* :mod:`.load_ends`: how a load ends (restored keys remembered, bad objects condemned and removed);
+* :mod:`.transfers`: SGLang's transfers as object keys and rows of this rank's pools;
+* :mod:`.store_probe`: a lookup's store calls within its time budget, and the touch of a hit;
 * :mod:`.metrics`: its Prometheus families under SGLang's ``sglang:`` prefix.
 
 ``HylinkerLinker`` is resolved on first access, so the SGLang-free modules import without SGLang.

@@ -56,7 +56,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import anyio
 import torch
 
 from ...components.layout import PoolKind
@@ -69,23 +68,22 @@ from ...runtime.dataplane.metrics import (
     store_figures,
     store_identity_figures,
 )
-from ...runtime.dataplane.plane import DataPlaneConfig, Transfer
+from ...runtime.dataplane.plane import DataPlaneConfig
 from ...runtime.dataplane.sync_plane import SyncDataPlane, SyncLoad
 from ...runtime.dataplane.tickets import TransferOutcome
 from ...runtime.dataplane.tracing import trace
-from ...stores.base import Store, StoreError
-from ...stores.condemned import Condemned, remove_condemned
+from ...stores.base import Store
 from ...stores.resilient import ResilientStore
 from .config import SGLangLinkerConfig
 from .identity import deployment_term
-from .loads import AllEvents, LoadBatch, LoadBatchHooks
-from .metrics import create_metrics
+from .load_ends import LoadEnds, LoadFailedError
+from .loads import AllEvents, LoadBatch
+from .metrics import METRIC_OF, create_metrics
 from .offloads import OffloadBound, named_bytes
 from .placement import engine_pools, key_suffix, writes
-from .pools import (
-    PoolLayoutError,
-)
 from .statistics import COUNTERS, POOL_SUMS, STORE_COUNTS, SGLangLinkerStatistics
+from .store_probe import StoreProbe
+from .transfers import TransferNames
 
 try:  # the plugin is loaded inside SGLang's worker; the rest of hylinker never imports it
     import sglang
@@ -101,33 +99,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
-_RESTORED_MEMORY = 1 << 17  # object keys remembered as just restored (not re-offloaded)
-_CONDEMNED_MEMORY = 1 << 14  # object keys this plugin proved bad, kept out of its lookups
-_KINDS = {kind.value: kind for kind in PoolKind}  # SGLang's PoolName values are ours: kv, swa, mamba, draft
-#: the linker's counters that are also Prometheus metrics: counter -> (family, labels)
-_METRIC_OF: dict[str, tuple[str, ...]] = {
-    "lookup_hits": ("lookups", "hit"),
-    "lookup_misses": ("lookups", "miss"),
-    "lookup_errors": ("lookups", "error"),
-    "hit_tokens": ("hit_tokens", "store"),
-    "loads_ok": ("loads", "ok"),
-    "loads_failed": ("loads", "failed"),
-    "loads_cancelled": ("loads", "cancelled"),
-    "loads_refused": ("loads", "refused"),
-    "offloads_ok": ("offloads", "ok"),
-    "offloads_failed": ("offloads", "failed"),
-    "offloads_refused": ("offloads", "refused"),
-    "objects_skipped_restored": ("objects_skipped", "restored"),
-    "bad_objects_removed": ("bad_objects_removed",),
-    "bad_objects_rewritten": ("bad_objects_kept", "rewritten"),
-    "failed_objects_kept": ("bad_objects_kept", "unproven"),
-}
-#: the order a load's objects (and their keys) are listed in: pages, then the state
-_ORDER = (PoolKind.FULL, PoolKind.DRAFT, PoolKind.SWA, PoolKind.MAMBA)
-
-
-class LoadFailedError(RuntimeError):
-    """A load could not restore its objects; SGLang aborts the request (503)."""
 
 
 class HylinkerLinker(UnifiedCacheLinker):
@@ -163,21 +134,14 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._suffix = {kind: key_suffix(kind, p, ns, tp_rank, self.dcp_rank, cp_rank, pp_rank)
                         for kind, p in pools.items()}
         self._writes = {kind: writes(p, tp_rank, self.dcp_size) for kind, p in pools.items()}
-        self._pools = pools
         self._payload = {kind: p.view.payload_bytes for kind, p in pools.items()}
         self.tp_rank = tp_rank
         # SGLang's own switch: with --enable-metrics these appear on the server's /metrics
         self.metrics = create_metrics(bool(getattr(server_args, "enable_metrics", False)), tp_rank,
                                       self._metric_totals)
 
-        self._lock = threading.Lock()  # counters and the restored set: scheduler and loop threads
+        self._lock = threading.Lock()  # the counters: scheduler and loop threads
         self._c: collections.Counter[str] = collections.Counter()  # bounded: the names in COUNTERS
-        #: bounded: the last _RESTORED_MEMORY keys restored, oldest dropped first
-        self._restored: collections.OrderedDict[str, None] = collections.OrderedDict()
-        #: objects a load of this plugin proved bad, by the key lookups probe: a lookup never
-        #: offers them again, even where the store cannot remove them (UMBP) or the removal
-        #: failed or found a rewrite, so one bad object aborts at most one batch (docs/design.md)
-        self._condemned: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending: dict[str, tuple[SyncLoad, list[str]]] = {}  # bounded: held loads until started or cancelled
         # accepted offloads' results, in order, and the bound on them (offloads.py); an offload
         # that carries a state keeps a state slot locked: at most half the slots are
@@ -185,10 +149,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         if PoolKind.MAMBA in pools:
             limit = min(limit, max(1, pools[PoolKind.MAMBA].view.capacity // 2))
         self._offloads = OffloadBound(limit, self.config.offload_max_inflight_mb << 20)
-        self._load_hooks = LoadBatchHooks(complete=self._complete, landed=self._remember,
-                                          ended=self._load_ended, observe_seconds=self._observe_load)
         self._closed = False
-        self._lookup_budget = self.config.lookup_budget_s  # what this scheduler round has left
         self._device = views.device
         self._on_device = views.device.type != "cpu"
         # staging_mb per pool, for each direction and for the frames a whole load is verified
@@ -202,6 +163,13 @@ class HylinkerLinker(UnifiedCacheLinker):
         store = self.data.store
         assert isinstance(store, ResilientStore)
         self.store: ResilientStore = store
+        #: how loads end: layers completed, restored keys remembered, bad objects condemned (load_ends.py)
+        self._ends = LoadEnds(self.layer_done_counter, self.data, store, self.config.store_timeout_s,
+                              self._count, self._observe_load)
+        self._condemned = self._ends.condemned  # kept out of lookups (test_blast_radius.py)
+        #: object keys and rows of SGLang's transfers (transfers.py); the lookup's store calls (store_probe.py)
+        self._names = TransferNames(pools, self._suffix, self._writes, self.data, self._ends.restored, self._count)
+        self._probe = StoreProbe(self.config, self.data, store, self._names, self._count)
         log.info("HylinkerLinker: store=%s pools=%s tp_rank=%d layers=%d", self.config.store,
                  {k.value: v.payload_bytes for k, v in views.items()}, tp_rank, self.num_layers)
 
@@ -212,19 +180,18 @@ class HylinkerLinker(UnifiedCacheLinker):
     # ---- keys -------------------------------------------------------------------------
     def object_keys(self, pool: str, page_keys: Sequence[str]) -> list[str]:
         """Store keys of ``pool``'s objects for SGLang's page keys (on this rank)."""
-        suffix = self._suffix[_KINDS[pool]]
-        return [k + suffix for k in page_keys]
+        return self._names.object_keys(pool, page_keys)
 
     def rows(self, pool: str, indices: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``pool`` for SGLang's transfer indices: the indices themselves, or
         under DCP the rows this DCP rank holds of the widened KV locs (``pools.DcpShare``)."""
-        return self._pools[_KINDS[pool]].rows(indices)
+        return self._names.rows(pool, indices)
 
     def _count(self, name: str, n: int = 1) -> None:
         assert name in COUNTERS, name
         with self._lock:
             self._c[name] += n
-        metric = _METRIC_OF.get(name)
+        metric = METRIC_OF.get(name)
         if metric is not None and self.metrics is not None:
             self.metrics.count(metric[0], n, *metric[1:])
 
@@ -255,13 +222,12 @@ class HylinkerLinker(UnifiedCacheLinker):
         if with_state:
             probe[PoolKind.MAMBA] = self.object_keys("mamba", pages)
         self._count("lookups")
-        present = self._ask_store(rid, probe)
+        present = self._probe.ask(rid, probe)
         if present is None:  # a miss (every rank's MIN agrees)
             return []
-        if self._condemned:  # read without the lock first: most lookups find nothing remembered
-            with self._lock:
-                for kind, names in probe.items():
-                    present[kind] = [ok and k not in self._condemned for ok, k in zip(present[kind], names)]
+        if len(self._condemned):  # most lookups find nothing remembered
+            for kind, names in probe.items():
+                present[kind] = [ok and fresh for ok, fresh in zip(present[kind], self._condemned.absent(names))]
         needs = [(ALL_PAGES, present[PoolKind.FULL])]
         if PoolKind.DRAFT in present:
             needs.append((ALL_PAGES, present[PoolKind.DRAFT]))
@@ -279,102 +245,19 @@ class HylinkerLinker(UnifiedCacheLinker):
         if counts:
             self._count("lookup_hits")
             self._count("hit_tokens", counts[-1] * self.page_size)
-            self._touch(pages[:counts[-1]], with_state, trailing)
+            self._probe.touch(pages[:counts[-1]], with_state, trailing)
         else:
             self._count("lookup_misses")
         return counts
 
-    def _ask_store(self, rid: str, probe: dict[PoolKind, list[str]]) -> dict[PoolKind, list[bool]] | None:
-        """Which of ``probe``'s objects the store holds, or None (a miss): at once while the
-        store's breaker is open or this round's ``lookup_budget_s`` is spent, else within
-        ``lookup_timeout_s`` and the budget left. A lookup given up on cancels its store call,
-        which counts toward the breaker (``stores/resilient.py``)."""
-        if self.store.breaker_open:
-            # when a probe is due the call goes out in the background (bounded by
-            # store_timeout_s), and the breaker closes when the store answers it
-            if self.store.breaker.probe_due():
-                self.data.exists(probe).add_done_callback(_retrieve)
-            self._count("lookups_breaker_open")
-            return None
-        wait = min(self.config.lookup_timeout_s, self._lookup_budget)
-        if wait <= 0:
-            self._count("lookups_over_budget")
-            return None
-        t0 = time.perf_counter()
-        future = self.data.exists(probe)
-        try:
-            return future.result(timeout=wait)
-        except Exception as exc:  # a store that fails or hangs
-            future.cancel()
-            self._count("lookup_errors")
-            log.warning("HylinkerLinker lookup failed (a miss): %r", exc)
-            trace("sglang.lookup.error", request_id=rid, error=repr(exc))
-            return None
-        finally:
-            self._lookup_budget -= time.perf_counter() - t0
-
-    def _touch(self, pages: list[str], with_state: bool, swa_pages: int = 0) -> None:
-        if not self.config.touch or not self.store.capabilities.touch:
-            return
-        keys = self.object_keys("kv", pages)
-        if PoolKind.DRAFT in self._kinds:
-            keys += self.object_keys("draft", pages)
-        if swa_pages:
-            keys += self.object_keys("swa", pages[-swa_pages:])
-        if with_state:
-            keys += self.object_keys("mamba", pages[-1:])
-        future = self.data.call_store(self.store.touch, keys)  # fire and forget: recency only
-        future.add_done_callback(_retrieve)
-        self._count("touches")
-
     # ---- load -------------------------------------------------------------------------
-    def _transfers(self, transfers: Sequence[PoolTransfer], *, offload: bool
-                   ) -> tuple[list[Transfer], list[str]]:
-        """SGLang's transfers as the data plane's (DRAFT derived from the KV rows), and every
-        object key they name. Raises :class:`PoolViewError` for malformed transfers."""
-        by_name = {str(getattr(t.name, "value", t.name)): t for t in transfers}
-        unknown = set(by_name) - {k.value for k in self._kinds}
-        if unknown:
-            raise PoolLayoutError(f"transfers for pools this linker does not hold: {sorted(unknown)}")
-        named: list[tuple[PoolKind, list[str], Any]] = []
-        kv = by_name.get("kv")
-        if kv is not None and kv.keys:  # a load may lack it: the pages are on the device already
-            if kv.device_indices is None:
-                raise PoolLayoutError("a KV transfer without rows")
-            pages = list(kv.keys)
-            named.append((PoolKind.FULL, self.object_keys("kv", pages), kv.device_indices))
-            if PoolKind.DRAFT in self._kinds:
-                named.append((PoolKind.DRAFT, self.object_keys("draft", pages), kv.device_indices))
-        for kind in (PoolKind.SWA, PoolKind.MAMBA):  # SWA pages on their own rows; the state's slot
-            side = by_name.get(kind.value)
-            if side is not None and side.keys:
-                if side.device_indices is None:
-                    raise PoolLayoutError(f"a {kind.value} transfer without rows")
-                named.append((kind, self.object_keys(kind.value, list(side.keys)), side.device_indices))
-        out: list[Transfer] = []
-        every: list[str] = []
-        for kind, keys, indices in named:
-            index = self.data.plane.pools[kind].objects(self.rows(kind.value, indices))
-            every += keys
-            if offload:  # a rank-replicated pool is written by rank 0; restored objects not again
-                if not self._writes[kind]:
-                    continue
-                with self._lock:
-                    keep = [i for i, k in enumerate(keys) if k not in self._restored]
-                self._count("objects_skipped_restored", len(keys) - len(keep))
-                if len(keep) < len(keys):
-                    keys, index = [keys[i] for i in keep], index[keep]
-            if keys:
-                out.append(Transfer(kind, keys, index))
-        return out, every
-
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         if self._closed:
             return False
         if rid in self._pending:
             raise RuntimeError(f"HylinkerLinker: a load for rid={rid} is already queued")
         try:
-            trs, keys = self._transfers(transfers, offload=False)
+            trs, keys = self._names.transfers(transfers, offload=False)
             if not trs:
                 self._count("loads_refused")
                 trace("sglang.load.refused", request_id=rid, reason="no objects")
@@ -397,7 +280,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         index: int = self.layer_done_counter.update_producer()
         self._count("load_batches")
         trace("sglang.load.start", counter_index=index, request_ids=rids)
-        LoadBatch(self._load_hooks, index, self.num_layers, loads)
+        LoadBatch(self._ends.hooks, index, self.num_layers, loads)
         # on a device: no row is written before the forward stream is past the rows' last use
         fence = record_fence(self._device) if self._on_device else None
         self.data.start(*(load for load, _ in loads), fence=fence)
@@ -415,81 +298,9 @@ class HylinkerLinker(UnifiedCacheLinker):
         self._count("loads_cancelled")
         return True
 
-    def _remember(self, keys: list[str]) -> None:
-        """Objects a load restored: the request's insert does not write them again."""
-        with self._lock:
-            for k in keys:
-                self._restored[k] = None
-                self._restored.move_to_end(k)
-            while len(self._restored) > _RESTORED_MEMORY:
-                self._restored.popitem(last=False)
-
     def _observe_load(self, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.observe("load_seconds", seconds)
-
-    def _complete(self, index: int, layer: int) -> None:
-        # reset may have dropped the index, or the load already failed it
-        with contextlib.suppress(KeyError, concurrent.futures.InvalidStateError):
-            self.layer_done_counter.complete(index, layer)
-
-    def _load_ended(self, index: int, outcome: TransferOutcome | None, keys: list[str]) -> None:
-        """On the data plane's loop: remember what landed, or remove what did not and fail."""
-        trace("sglang.load.end", counter_index=index, ok=bool(outcome is not None and outcome.ok),
-              objects=len(keys), faults=outcome.faults if outcome is not None else "error")
-        if outcome is not None and outcome.ok:
-            self._count("loads_ok")
-            return
-        self._count("loads_failed")
-        error = LoadFailedError(f"load failed: {outcome.faults if outcome is not None else 'error'}")
-        log.error("HylinkerLinker load batch %d: %s", index, error)
-        # only what this load proved bad is removed, as it was read (stores/condemned.py); an
-        # object that failed to arrive proves nothing and stays for every other engine
-        condemned = dict(outcome.condemned) if outcome is not None else {}
-        self._remember_condemned(keys, outcome)
-        if outcome is not None:
-            verified = [ok for kind in _ORDER for ok in outcome.objects.get(kind, [])]
-            self._count("failed_objects_kept",
-                        sum(1 for k, ok in zip(keys, verified) if not ok and k not in condemned))
-        if not condemned or not self.store.capabilities.remove:
-            self._fail(index, error)
-            return
-        # gone before the failure reports: the next lookup misses it (a recompute, not a second 503)
-        self.data.call_store(self._remove_then_fail, condemned, index, error).add_done_callback(_retrieve)
-
-    async def _remove_then_fail(self, condemned: dict[str, Condemned], index: int, error: BaseException) -> None:
-        try:
-            with anyio.move_on_after(self.config.store_timeout_s):
-                removed = await remove_condemned(self.store, condemned)
-                self._count("bad_objects_removed", removed)
-                self._count("bad_objects_rewritten", len(condemned) - removed)
-        except StoreError as exc:
-            log.warning("HylinkerLinker could not remove %d damaged objects: %s", len(condemned), exc)
-        finally:
-            self._fail(index, error)
-
-    def _remember_condemned(self, keys: list[str], outcome: TransferOutcome | None) -> None:
-        """Keep out of later lookups the objects of ``keys`` (in ``_ORDER``) that ``outcome``
-        proved bad (any of their layer groups)."""
-        if outcome is None or not outcome.condemned:
-            return
-        bad: list[str] = []
-        at = 0
-        for kind in _ORDER:
-            n = len(outcome.objects.get(kind, []))
-            for key in keys[at:at + n]:
-                if any(name in outcome.condemned for name in self.data.plane.store_keys(kind, key)):
-                    bad.append(key)
-            at += n
-        with self._lock:
-            for key in bad:
-                self._condemned[key] = None
-                self._condemned.move_to_end(key)
-            while len(self._condemned) > _CONDEMNED_MEMORY:
-                self._condemned.popitem(last=False)
-
-    def _fail(self, index: int, error: BaseException) -> None:
-        self.layer_done_counter.fail(index, error)
 
     # ---- offload ----------------------------------------------------------------------
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
@@ -505,7 +316,7 @@ class HylinkerLinker(UnifiedCacheLinker):
             result.set_result(False)
             return True
         try:
-            trs, keys = self._transfers(transfers, offload=True)
+            trs, keys = self._names.transfers(transfers, offload=True)
         except PoolViewError as exc:
             log.error("HylinkerLinker offload with malformed transfers: %s", exc)
             trs, keys = [], []
@@ -527,7 +338,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         result.set_result(ok)
 
     def num_completed_offloads(self) -> int:
-        self._lookup_budget = self.config.lookup_budget_s  # called once per scheduler round
+        self._probe.new_round()  # called once per scheduler round
         self._publish_metrics()  # called every scheduler round; publishes at most once a second
         return self._offloads.completed()
 
@@ -547,8 +358,7 @@ class HylinkerLinker(UnifiedCacheLinker):
         concurrent.futures.wait(list(self._offloads.results), timeout=wait_s)
         self._offloads.clear()
         self.layer_done_counter.reset()
-        with self._lock:
-            self._restored.clear()
+        self._ends.restored.clear()
 
     def close(self) -> None:
         if self._closed:
@@ -602,11 +412,6 @@ def _ok(future: concurrent.futures.Future[TransferOutcome]) -> bool:
         return bool(future.result().ok)
     except Exception:
         return False
-
-
-def _retrieve(future: concurrent.futures.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved: never logged as unhandled
 
 
 def _tp_rank(params: Any) -> int:

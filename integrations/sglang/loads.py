@@ -92,4 +92,11 @@ class LoadBatch:
         self.hooks.ended(self.index, outcome, keys)
 
 
-__all__ = ["AllEvents", "LoadBatch", "LoadBatchHooks"]
+def retrieve(future: concurrent.futures.Future[Any]) -> None:
+    """A done callback for a future nobody awaits: its exception is retrieved, never logged as
+    unhandled."""
+    if not future.cancelled():
+        future.exception()
+
+
+__all__ = ["AllEvents", "LoadBatch", "LoadBatchHooks", "retrieve"]

@@ -31,6 +31,24 @@ SGLANG = Naming("sglang:hylinker_", ("tp_rank",))
 #: the families the plugin records (the Linker's agreement, decline and stored-token figures are not its)
 SGLANG_KEYS = tuple(f.key for f in FAMILIES if f.key not in (
     "agreement_rounds", "rank_disagreements", "declined_hit_tokens", "stored_tokens"))
+#: the plugin's counters that are also Prometheus metrics: counter -> (family, labels)
+METRIC_OF: dict[str, tuple[str, ...]] = {
+    "lookup_hits": ("lookups", "hit"),
+    "lookup_misses": ("lookups", "miss"),
+    "lookup_errors": ("lookups", "error"),
+    "hit_tokens": ("hit_tokens", "store"),
+    "loads_ok": ("loads", "ok"),
+    "loads_failed": ("loads", "failed"),
+    "loads_cancelled": ("loads", "cancelled"),
+    "loads_refused": ("loads", "refused"),
+    "offloads_ok": ("offloads", "ok"),
+    "offloads_failed": ("offloads", "failed"),
+    "offloads_refused": ("offloads", "refused"),
+    "objects_skipped_restored": ("objects_skipped", "restored"),
+    "bad_objects_removed": ("bad_objects_removed",),
+    "bad_objects_rewritten": ("bad_objects_kept", "rewritten"),
+    "failed_objects_kept": ("bad_objects_kept", "unproven"),
+}
 
 
 def create_metrics(enabled: bool, tp_rank: int, figures: Callable[[], Mapping[tuple[str, ...], float]],
@@ -52,4 +70,4 @@ def create_metrics(enabled: bool, tp_rank: int, figures: Callable[[], Mapping[tu
                            figures=figures, shared=True)
 
 
-__all__ = ["SGLANG", "SGLANG_KEYS", "create_metrics"]
+__all__ = ["METRIC_OF", "SGLANG", "SGLANG_KEYS", "create_metrics"]

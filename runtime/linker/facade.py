@@ -21,7 +21,8 @@ order or a linker that is not running (``PhaseError``).
 
 The rules of each phase live in its own room: :mod:`.lookup_room` (LOOKUP),
 :mod:`.touch_room` (TOUCH), :mod:`.restore_room` (LOAD, COMMIT, ABORT, partial restores) and
-:mod:`.offload_room` (offload planning, backpressure, settlement); this class validates, holds
+:mod:`.offload_room` (offload planning, backpressure, settlement) and :mod:`.forward_room` (rows,
+slots and checkpoint depths for the forward, the insert's checks); this class validates, holds
 the open requests and delegates.
 """
 
@@ -36,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ...components.admission import CheckpointPolicy, EndOfPrefill, Prefill
+from ...components.admission import CheckpointPolicy, EndOfPrefill
 from ...components.eviction import EvictionPolicy
 from ...components.identity import model_identity, namespace_term
 from ...components.keys import (
@@ -47,7 +48,7 @@ from ...components.keys import (
     request_seed,
 )
 from ...components.layout import ModelLayout, PoolKind
-from ...components.mamba import checkpoint_depth, restorable_ceiling
+from ...components.mamba import restorable_ceiling
 from ...components.pool_rules import pool_rules
 from ...components.pools import HybridPools
 from ...components.radix import Node
@@ -60,9 +61,11 @@ from ..dataplane.pool_actor import PoolActor
 from ..dataplane.restore_cost import Rate
 from ..dataplane.statistics import PoolActorStatistics
 from ..dataplane.tracing import trace
+from . import holdings
 from .agreement import Agreement, SingleRank
 from .config import LinkerConfig
 from .context import LinkerContext
+from .forward_room import ForwardRoom
 from .lookup_room import LookupRoom
 from .offload_room import OffloadRoom
 from .request import LookupResult, PhaseError, Request
@@ -157,6 +160,8 @@ class Linker:
         self.restores = RestoreRoom(self.context)  # LOAD, COMMIT, ABORT, partial restores (runtime/linker/restore_room.py)
         #: offload planning, backpressure and settlement (runtime/linker/offload_room.py)
         self.offloads = OffloadRoom(self.context, self.toucher)
+        #: rows, slots and checkpoint depths for the forward; the insert's checks (runtime/linker/forward_room.py)
+        self.forward = ForwardRoom(self.context, self.offloads, self.checkpoints)
 
     @property
     def actors(self) -> dict[PoolKind, PoolActor]:
@@ -332,57 +337,27 @@ class Linker:
         Raises :class:`PoolExhaustedError` when no pages can be freed.
         """
         self._check_open(req)
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 0:
-            raise ValueError(f"extend takes a token count >= 0, got {n_tokens!r}")
-        self._check_looked_up(req, "extend")
-        have = req.rows.numel() // self.page
-        need = -(-int(n_tokens) // self.page)
-        if need > have:
-            req.rows = torch.cat([req.rows, self.tree.alloc_rows(need - have)])
-            self.offloads.largest_request_pages = max(self.offloads.largest_request_pages, need)
-        return req.rows
+        return self.forward.extend(req, n_tokens)
 
     def working_slot(self, req: Request) -> int:
         """The request's writable state slot, initialised from the prefix's state (COW)."""
         self._check_open(req)
-        self._check_looked_up(req, "working_slot")
-        if self.pools.mamba is None:
-            raise PhaseError("the layout has no mamba pool")
-        if req.working is None:
-            req.working = self.tree.alloc_slot()
-            if req.state_source is not None:
-                self.pools.mamba.copy_slot(req.state_source, req.working)
-            else:
-                for t in self.pools.mamba.tensors():
-                    t[req.working].zero_()
-        return req.working
+        return self.forward.working_slot(req)
 
     def checkpoint_slot(self, req: Request) -> int:
         """A fresh slot the forward copies the state at the checkpoint depth into."""
         self._check_open(req)
-        self._check_looked_up(req, "checkpoint_slot")
-        slot = self.tree.alloc_slot()
-        req.checkpoints.append(slot)
-        return slot
-
-    @staticmethod
-    def _check_looked_up(req: Request, what: str) -> None:
-        # before lookup the request stands on no prefix yet: rows taken now would be dropped
-        # by lookup (a leak) and a working state would start from zeros under a restored prefix
-        if not req.looked_up:
-            raise PhaseError(f"{what} before lookup: look the request up first")
+        return self.forward.checkpoint_slot(req)
 
     def checkpoint_depth(self, req: Request, extend_len: int) -> int | None:
         """Where this request's prefill (after its cached prefix) donates a state."""
-        return checkpoint_depth(req.prefix_tokens, extend_len, self.grid, self.layout.chunk_size)
+        return self.forward.checkpoint_depth(req, extend_len)
 
     def checkpoint_depths(self, req: Request) -> list[int]:
         """Where this request's prefill of the whole prompt donates states, by the linker's
         checkpoint policy (sorted; insert them in this order). Call once per prefill."""
         self._check_open(req)
-        keys = req.page_keys()
-        return self.checkpoints.place(Prefill(req.prefix_tokens, len(req.tokens), keys, self.page,
-                                              self.grid, self.layout.chunk_size))
+        return self.forward.checkpoint_depths(req)
 
     # ---- INSERT + OFFLOAD ------------------------------------------------------------
     async def insert(self, req: Request, n_tokens: int, *, checkpoint_slot: int | None = None,
@@ -393,23 +368,7 @@ class Linker:
         not-yet-stored ancestors are queued for offload once ``fence`` completes.
         """
         self._check_open(req)
-        if req.load is not None and not req.load.finished:
-            raise PhaseError("insert while a load is in flight: commit or abort it first")
-        if n_tokens % self.page or n_tokens <= 0:
-            raise ValueError(f"insert takes whole pages: {n_tokens} is not a positive multiple of {self.page}")
-        if n_tokens > len(req.tokens):
-            raise ValueError(f"insert of {n_tokens} tokens exceeds the request's {len(req.tokens)}")
-        if n_tokens > req.rows.numel():
-            raise PhaseError(f"insert of {n_tokens} tokens but only {req.rows.numel()} rows were extended")
-        if n_tokens < req.prefix_tokens:
-            raise ValueError(f"insert of {n_tokens} tokens is inside the cached prefix ({req.prefix_tokens})")
-        if checkpoint_slot is not None:
-            if checkpoint_slot not in req.checkpoints:
-                raise PhaseError("checkpoint_slot must come from checkpoint_slot(req)")
-            if n_tokens % self.grid:
-                raise ValueError(f"a checkpoint must sit on the grid ({self.grid} tokens), got depth {n_tokens}")
-        elif self.layout.is_hybrid and n_tokens > req.prefix_tokens:
-            raise ValueError("a hybrid insert needs the checkpoint at its depth (checkpoint_slot)")
+        self.forward.check_insert(req, n_tokens, checkpoint_slot)
         n_pages = n_tokens // self.page
         keys = req.page_keys(n_pages)
         rows = req.rows[:n_tokens]
@@ -484,38 +443,16 @@ class Linker:
 
     def leaked(self) -> tuple[int, int]:
         """``(KV pages, state slots)`` allocated but held by neither the tree nor an open
-        request; both zero when nothing leaked."""
-        stats = self.tree.statistics()
-        owned_pages = sum(req.rows.numel() // self.page - req.prefix_pages for req in self._requests.values())
-        owned_slots = sum(len(req.checkpoints) + (req.working is not None) for req in self._requests.values())
-        for req in self._requests.values():
-            if req.load is not None and not req.load.finished:
-                owned_pages += req.load.rows.numel() // self.page
-                owned_slots += len(req.load.states)
-        used_pages = self.pools.kv.pages.capacity - self.pools.kv.num_free_pages
-        used_slots = 0 if self.pools.mamba is None else self.pools.mamba.slots.capacity - self.pools.mamba.num_free
-        return used_pages - stats.pages - owned_pages, used_slots - stats.states - owned_slots
+        request; both zero when nothing leaked (``runtime/linker/holdings.py``)."""
+        return holdings.leaked(self.tree, self.pools, list(self._requests.values()), self.page)
 
     def check_idle(self) -> None:
         """Raise unless no request is open, nothing is locked and the tree matches the pools."""
-        from ...components.pools import PoolError
-
-        if self._requests:
-            raise PoolError(f"{len(self._requests)} requests are still open")
-        locked = self.tree.locked_nodes()
-        if locked:
-            raise PoolError(f"{len(locked)} nodes are still locked: {locked[:3]}")
-        self.tree.check_consistent()
-        pages, slots = self.leaked()
-        if pages:
-            raise PoolError(f"{pages} KV pages leaked (allocated but not in the tree)")
-        if slots:
-            raise PoolError(f"{slots} mamba slots leaked")
+        holdings.check_idle(self.tree, self.pools, list(self._requests.values()), self.page)
 
     def flush_device(self) -> None:
         """Evict the whole device tree (nothing may be locked)."""
         self.tree.reset()
-
 
 
 __all__ = ["Linker", "LoadHandle", "LookupResult", "PhaseError", "PoolExhaustedError", "Request"]

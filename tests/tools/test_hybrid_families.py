@@ -371,7 +371,7 @@ def test_several_conv_states_travel_as_one_conv_tensor() -> None:
 def test_conv_states_that_cannot_be_concatenated_are_refused() -> None:
     from types import SimpleNamespace
 
-    from hylinker.tools.harness.reference.engine import _several_conv_states
+    from hylinker.tools.harness.reference.geometry import _several_conv_states
 
     def layer(second: torch.Tensor) -> SimpleNamespace:
         return SimpleNamespace(conv_states={0: torch.zeros(1, 8, 4), 1: second},

@@ -26,11 +26,8 @@ request's own namespace would have written (:attr:`Served.restore_mismatches`).
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
 import math
-import sys
 import time
-import types
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -39,120 +36,10 @@ import attrs
 import numpy as np
 import torch
 
-SGLANG_VERSION = "0.5.23"
-
-
-def install_cpu_shims() -> None:
-    """Make SGLang importable on a CPU-only machine.
-
-    The registry's torchvision wheels are CUDA builds that fail to load next to the CPU torch;
-    only SGLang's multimodal code imports torchvision, never the cache. A placeholder module
-    (registered after transformers has decided torchvision is absent) is enough.
-    """
-    if "torchvision" in sys.modules:
-        return
-    try:
-        from transformers.utils import import_utils
-
-        import_utils.is_torchvision_available()
-    except Exception:  # pragma: no cover - transformers missing or changed
-        pass
-
-    class _Placeholder(types.ModuleType):
-        def __getattr__(self, name: str) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            sub = _Placeholder(f"{self.__name__}.{name}")
-            sub.__spec__ = importlib.machinery.ModuleSpec(sub.__name__, None)
-            setattr(self, name, sub)
-            return sub
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError("torchvision is a placeholder on this CPU-only setup")
-
-    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-                 "torchvision.io", "torchvision.ops"):
-        module = _Placeholder(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        module.__path__ = []
-        sys.modules[name] = module
-    sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]  # type: ignore[attr-defined]
-
-
-def page_keys(tokens: Sequence[int], page_size: int = 1, *, extra_key: str | None = None,
-              cache_salt: str | None = None) -> list[str]:
-    """SGLang's page keys (the chained hashes its tree gives the linker) of ``tokens`` in the
-    namespace ``extra_key``/``cache_salt`` (SGLang's own ``get_storage_hash_str``)."""
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    key = RadixKey(array("q", list(tokens)), extra_key=extra_key, cache_salt=cache_salt)
-    return list(get_storage_hash_str(key, None, page_size=page_size))
-
-
-class _Overlay:
-    """``inner`` (SGLang's read-only ServerArgs) with some attributes answered otherwise."""
-
-    def __init__(self, inner: Any, **values: Any) -> None:
-        self._inner, self._values = inner, values
-
-    def __getattr__(self, name: str) -> Any:
-        values = self.__dict__["_values"]
-        return values[name] if name in values else getattr(self.__dict__["_inner"], name)
-
-
-@attrs.frozen
-class CacheSpec:
-    """Geometry of the SGLang cache the harness builds."""
-
-    page_size: int = 1
-    kv: str = "mla"  # "mla" (latent, rank-replicated) or "mha" (separate K and V)
-    #: "hybrid": FULL + MAMBA (a HybridLinearKVPool over the full layers, a Mamba2 state pool);
-    #: "dense": component FULL alone, SGLang's plain MHA/MLA pool over every layer
-    #: (``full_layers`` is then ignored); "swa_mamba": FULL + SWA + MAMBA as SGLang's own fixture
-    #: builds it (an ``SWAKVPool``, MHA; every non-full layer has sliding-window KV and a Mamba
-    #: state; page size 1, which SGLang's Mamba component needs without the extra buffer)
-    model: str = "hybrid"
-    sliding_window: int = 8  # tokens ("swa_mamba")
-    #: SGLang's ``--mamba-radix-cache-strategy extra_buffer`` ("hybrid"): the forward keeps the
-    #: state at the last checkpoint boundary in the request's ping-pong track buffer, and the
-    #: tree caches that one (page sizes above 1 need it)
-    mamba_extra_buffer: bool = False
-    enable_metrics: bool = False  # SGLang's --enable-metrics (the plugin then registers its metrics)
-    model_path: str = "dummy"  # SGLang's --model-path as the plugin sees it (it fingerprints a local checkpoint)
-    #: SGLang's resolved --lora-paths as (name, path): the start-up adapters the plugin digests
-    lora_paths: tuple[tuple[str, str], ...] = ()
-    #: decode-context parallelism as SGLang runs it: ``get_parallel()`` publishes
-    #: ``attn_dcp_size``/``attn_dcp_rank``, the paged allocator's pages (the tree page) are
-    #: ``page_size * dcp_size`` widened locs over ``dcp_size`` times the pool's rows, and this
-    #: rank's forward writes only the locs it owns (``loc % dcp_size == dcp_rank``) at
-    #: ``KVIndexTranslator.translate_dcp_read_ids(loc)`` (``loc // dcp_size``). With
-    #: ``model="swa_mamba"`` the allocator stays unwidened, as SGLang builds it under DCP (for
-    #: the plugin's refusal; the synthetic forward does not shard it)
-    dcp_size: int = 1
-    dcp_rank: int = 0
-    #: packed MTP draft KV (SGLang's ``mtp_draft_device_pools``): one NextN draft runner's KV pool
-    #: per draft depth, one layer each, the target's kind (MLA or MHA), on the target's KV locs
-    draft_layers: int = 0
-    num_layers: int = 6
-    full_layers: tuple[int, ...] = (2, 5)
-    kv_pages: int = 2048
-    mamba_slots: int = 32
-    max_reqs: int = 8
-    max_context: int = 1024
-    tree_core: str = "python"  # SGLang's tree core: "python" or "rust"
-    kv_lora_rank: int = 32  # MLA
-    qk_rope_head_dim: int = 8  # MLA
-    head_num: int = 2  # MHA
-    head_dim: int = 16  # MHA
-    mamba_heads: int = 2
-    mamba_head_dim: int = 8
-    mamba_state: int = 8
-    mamba_intermediate: int = 16
-    mamba_conv_kernel: int = 4
-    mamba_groups: int = 1  # n_groups (Qwen3-Next: linear_num_key_heads)
-    mamba_ssm_dtype: str = "bfloat16"  # SGLANG_MAMBA_SSM_DTYPE (real checkpoints: float32)
-    dtype: torch.dtype = torch.bfloat16
+from .sglang_pools import SGLANG_VERSION, ServerArgsOverlay, build_pools
+from .sglang_pools import CacheSpec as CacheSpec
+from .sglang_pools import install_cpu_shims as install_cpu_shims
+from .sglang_pools import page_keys as page_keys
 
 
 @attrs.define
@@ -179,23 +66,8 @@ class SGLangCache:
         SGLang then reduces lookups and load/offload results over it, as its scheduler does."""
         install_cpu_shims()
         import sglang
-        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         from sglang.srt.environ import envs
-        from sglang.srt.mem_cache.allocator import (
-            PagedTokenToKVPoolAllocator,
-            TokenToKVPoolAllocator,
-        )
-        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import (
-            HybridLinearKVPool,
-            HybridReqToTokenPool,
-            MHATokenToKVPool,
-            MLATokenToKVPool,
-            ReqToTokenPool,
-        )
-        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
@@ -233,71 +105,9 @@ class SGLangCache:
         set_global_server_args_for_scheduler(server_args)
         self.server_args = server_args
         self.publish_dcp()
-        size = spec.kv_pages * P
-        mla = spec.kv == "mla"
-        self.req_to_token_pool: Any
-        self.kvcache: Any
-        if self.dense:
-            self.req_to_token_pool = ReqToTokenPool(
-                size=spec.max_reqs, max_context_len=spec.max_context, device="cpu", enable_memory_saver=False)
-            if mla:
-                self.kvcache = MLATokenToKVPool(
-                    size=size, page_size=P, dtype=spec.dtype, kv_lora_rank=spec.kv_lora_rank,
-                    qk_rope_head_dim=spec.qk_rope_head_dim, layer_num=spec.num_layers, device="cpu",
-                    enable_memory_saver=False)
-            else:
-                self.kvcache = MHATokenToKVPool(
-                    size=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num, head_dim=spec.head_dim,
-                    layer_num=spec.num_layers, device="cpu", enable_memory_saver=False)
-            components: tuple[Any, ...] = (ComponentType.FULL,)
-        else:
-            with envs.SGLANG_MAMBA_SSM_DTYPE.override(spec.mamba_ssm_dtype):
-                shape = Mamba2StateShape.create(
-                    tp_world_size=1, intermediate_size=spec.mamba_intermediate, n_groups=spec.mamba_groups,
-                    num_heads=spec.mamba_heads, head_dim=spec.mamba_head_dim, state_size=spec.mamba_state,
-                    conv_kernel=spec.mamba_conv_kernel)
-                cache_params = Mamba2CacheParams(shape=shape, layers=self.mamba_layers)
-            self.req_to_token_pool = HybridReqToTokenPool(
-                size=spec.max_reqs, mamba_size=spec.mamba_slots, mamba_spec_state_size=spec.max_reqs,
-                max_context_len=spec.max_context, device="cpu", enable_memory_saver=False,
-                cache_params=cache_params, mamba_layer_ids=self.mamba_layers,
-                enable_mamba_extra_buffer=spec.mamba_extra_buffer, speculative_num_draft_tokens=3)
-            if self.swa:
-                self.kvcache = SWAKVPool(
-                    size=size, size_swa=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num,
-                    head_dim=spec.head_dim, swa_attention_layer_ids=self.swa_layers,
-                    full_attention_layer_ids=list(spec.full_layers), device="cpu")
-                components = (ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA)
-            else:
-                self.kvcache = HybridLinearKVPool(
-                    size=size, dtype=spec.dtype, page_size=P, head_num=spec.head_num, head_dim=spec.head_dim,
-                    full_attention_layer_ids=list(spec.full_layers), device="cpu", enable_memory_saver=False,
-                    mamba_pool=self.req_to_token_pool.mamba_pool, use_mla=mla,
-                    kv_lora_rank=spec.kv_lora_rank if mla else None,
-                    qk_rope_head_dim=spec.qk_rope_head_dim if mla else None)
-                components = (ComponentType.FULL, ComponentType.MAMBA)
-        self.draft_pools: list[Any] = []
-        for _ in range(spec.draft_layers):
-            if mla:
-                self.draft_pools.append(MLATokenToKVPool(
-                    size=size, page_size=P, dtype=spec.dtype, kv_lora_rank=spec.kv_lora_rank,
-                    qk_rope_head_dim=spec.qk_rope_head_dim, layer_num=1, device="cpu", enable_memory_saver=False))
-            else:
-                self.draft_pools.append(MHATokenToKVPool(
-                    size=size, page_size=P, dtype=spec.dtype, head_num=spec.head_num, head_dim=spec.head_dim,
-                    layer_num=1, device="cpu", enable_memory_saver=False))
-        self.allocator: Any
-        if D > 1 and not self.swa:  # SGLang's DCP allocator: widened on both axes (kv_cache_configurator)
-            self.allocator = PagedTokenToKVPoolAllocator(size * D, page_size=W, dtype=spec.dtype, device="cpu",
-                                                         kvcache=self.kvcache, need_sort=False)
-        elif self.swa:
-            self.allocator = SWATokenToKVPoolAllocator(size=size, size_swa=size, page_size=P, dtype=spec.dtype,
-                                                       device="cpu", kvcache=self.kvcache, need_sort=False)
-        else:
-            alloc_cls = PagedTokenToKVPoolAllocator if P > 1 else TokenToKVPoolAllocator
-            kwargs: dict[str, Any] = {"page_size": P} if P > 1 else {}
-            self.allocator = alloc_cls(size=size, dtype=spec.dtype, device="cpu", kvcache=self.kvcache,
-                                       need_sort=False, **kwargs)
+        built = build_pools(spec, W, self.mamba_layers, self.swa_layers)
+        self.req_to_token_pool, self.kvcache, self.allocator = built.req_to_token_pool, built.kvcache, built.allocator
+        self.draft_pools, components = built.draft_pools, built.components
         self.params = CacheInitParams(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
             page_size=W, disable=False, tree_components=components,
@@ -316,7 +126,7 @@ class SGLangCache:
 
             # the plugin sees spec.model_path (SGLang itself would read a real model's config there)
             self.cache.init_cache_linker(create_unified_cache_linker(
-                _Overlay(server_args, model_path=spec.model_path), self.params, backend=backend, config=get_startup_linker_config(),
+                ServerArgsOverlay(server_args, model_path=spec.model_path), self.params, backend=backend, config=get_startup_linker_config(),
                 components=set(self.cache.components), forward_stream=None))
             self.linker = self.cache.linker.cache_linker
             self.kvcache.register_layer_transfer_counter(self.cache.linker.layer_done_counter)

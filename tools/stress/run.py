@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 import anyio
 import attrs
-import numpy as np
 
 from ...components.admission import CHECKPOINT_POLICIES, checkpoint_policy
 from ...components.eviction import eviction_policy
@@ -34,16 +33,14 @@ from ...stores.base import Store
 from ...stores.resilient import ResiliencePolicy, ResilienceStatistics
 from ...testing.content import SyntheticContent, preset_layout
 from ..arguments import UsageError
-from ..eviction_returns import TraceClock, eviction_returns
+from ..eviction_returns import TraceClock
+from ..prefix_bound import bound_hits_per_request, causal_parents
 from ..replay import Demand, QueueFullError, WaitingQueue, pages_for
-from ..report import percentiles, progress_bar
-from ..workloads import (
-    MOONCAKE_BLOCK_TOKENS,
-    bound_hits_per_request,
-    causal_parents,
-)
+from ..report import progress_bar
+from ..workloads import MOONCAKE_BLOCK_TOKENS
 from ..workloads import Request as WorkloadRequest
 from .inputs import load_workload, open_store
+from .summary import summarize
 
 MIB = 1 << 20
 POLICIES = CHECKPOINT_POLICIES
@@ -249,7 +246,7 @@ class StressRun:
             leaks = self._leaks(lk)
         elapsed = time.perf_counter() - t_start
         bound_hits = bound_hits_per_request(self.requests, page_size=self.layout.page_size, grid=self.layout.grid)
-        return StressResult(self._summary(stats, pool_stats, locked, leaks, elapsed, sum(bound_hits)),
+        return StressResult(summarize(self, stats, pool_stats, locked, leaks, elapsed, sum(bound_hits)),
                             self._hits_over_time(bound_hits), self.lat)
 
     def _finished(self, index: int, seconds: float) -> None:
@@ -380,98 +377,6 @@ class StressRun:
             await lk.insert(req, depth, checkpoint_slot=slot)
             attempts.donated = True
             self.c["checkpoints_donated"] += 1
-
-    def _summary(self, stats: Any, pool_stats: dict[str, Any], locked: int, leaks: dict[str, int],
-                 elapsed: float, bound_hit_tokens: int) -> dict[str, Any]:
-        prompt = self.c["prompt_tokens"]
-        hit = self.c["device_hit_tokens"] + self.c["store_hit_tokens"]
-        grid = self.layout.grid
-        workload_tokens = sum(r.prompt_length for r in self.requests)
-        bound = bound_hit_tokens / workload_tokens if workload_tokens else 0.0
-
-        def ms(values: list[float]) -> dict[str, float]:
-            if not values:
-                return {"p50": 0.0, "p99": 0.0}
-            p = percentiles([v * 1e3 for v in values], (50, 99))
-            return {k: round(v, 3) for k, v in p.items()}
-
-        def per_pool(attr: str) -> dict[str, int]:
-            return {k: getattr(pool_stats[v.value], attr) if v.value in pool_stats else 0
-                    for k, v in (("kv", PoolKind.FULL), ("mamba", PoolKind.MAMBA), ("draft", PoolKind.DRAFT))}
-
-        sstats = self.store.statistics()
-        hit_rate = hit / prompt if prompt else 0.0
-        return {
-            "requests": len(self.requests),
-            "completed": self.c["completed"],
-            "preset": self.cfg.preset,
-            "policy": self.cfg.policy,
-            "eviction": self.cfg.eviction,
-            "page_size": self.layout.page_size,
-            "grid": grid,
-            "kv_pages": self.kv_pages,
-            "mamba_slots": self.mamba_slots,
-            "concurrency": self.cfg.concurrency,
-            "causal": self.cfg.causal,
-            "prompt_tokens": prompt,
-            "device_hit_tokens": self.c["device_hit_tokens"],
-            "store_hit_tokens": self.c["store_hit_tokens"],
-            "hit_rate": round(hit_rate, 4),
-            "bound_hit_rate": round(bound, 4),
-            "of_bound": round(hit_rate / bound, 3) if bound else None,
-            "restores_verified": self.c["restores_verified"],
-            "restore_mismatches": self.c["restore_mismatches"],
-            "recomputed_loads": self.c["recomputed_loads"],
-            # admission: waits are not losses; retries cost work; the rest lose a request's hits
-            "causal_waits": self.c["causal_waits"],
-            "alloc_waits": self.queue.waited,
-            "max_waiting": self.queue.max_depth,
-            "alloc_retries": self.c["alloc_retries"],
-            "alloc_failures": self.c["alloc_failures"],
-            "states_pending_offload_peak": self.states_pending_peak,
-            "never_fit": self.c["never_fit"],
-            "rejected": self.c["rejected"],
-            "load_misses": stats.load_misses,
-            # loads that found no pages and waited for them (LinkerConfig.load_wait_s); those that
-            # still found none are in load_misses too
-            "load_waits": stats.load_waits,
-            "load_waits_recomputed": stats.load_waits_recomputed,
-            "checkpoints_donated": self.c["checkpoints_donated"],
-            "states_stored": pool_stats[PoolKind.MAMBA.value].objects_offloaded if PoolKind.MAMBA.value in pool_stats else 0,
-            "leaked_rows": leaks["leaked_rows"],
-            "leaked_slots": leaks["leaked_slots"],
-            "idle_check_failed": leaks.get("idle_check_failed", 0),
-            "locked_nodes_at_end": locked,
-            "offloads": stats.offloads,
-            "offloads_skipped_mamba": stats.offloads_skipped_mamba,
-            "offloads_dropped": stats.offloads_dropped,
-            "offload_failures": stats.offload_failures,
-            "dropped_loads": stats.dropped_loads,
-            "verify_failures": stats.verify_failures,
-            "touches": stats.touches,
-            "offloads_skipped_kv": stats.offloads_skipped_kv,
-            "offloads_skipped_breaker": stats.offloads_skipped_breaker,
-            "bad_objects_removed": stats.bad_objects_removed,
-            "partial_loads": stats.partial_loads,
-            "partial_pages_lost": stats.partial_pages_lost,
-            "store_hit_requests": len(self.lat["ttft_store"]),  # requests with a store hit, taken or declined
-            "declined_lookups": stats.declined_lookups,
-            "declined_hit_tokens": stats.declined_hit_tokens,
-            "decline_probes": stats.decline_probes,
-            "resilience": attrs.asdict(self.resilience) if self.resilience is not None else None,
-            "bytes_offloaded": per_pool("bytes_offloaded"),
-            "bytes_loaded": per_pool("bytes_loaded"),
-            "store": {"name": self.store.capabilities.name, "used_bytes": sstats.used_bytes,
-                      "capacity_bytes": sstats.capacity_bytes, "evictions": sstats.evictions,
-                      "put_bytes": sstats.put_bytes, "evicted_probed_again": sstats.evicted_probed_again,
-                      "evicted_touched_again": sstats.evicted_touched_again},
-            "eviction_returns": eviction_returns(self.store, sstats.evictions),
-            "latency_ms": {"lookup": ms(self.lat["lookup"]), "load": ms(self.lat["load"]),
-                           "commit": ms(self.lat["commit"]), "ttft": ms(self.lat["ttft"]),
-                           "ttft_store": ms(self.lat["ttft_store"])},
-            "loop_lag_ms": {"p99": round(float(np.percentile(self.lags, 99)), 3) if self.lags else 0.0},
-            "seconds": round(elapsed, 2),
-        }
 
 
 # ---- CLI ----------------------------------------------------------------------------------
