@@ -21,7 +21,7 @@ import anyio
 from ..stores.eviction_memory import DEFAULT_BUDGET_BYTES
 from .arguments import UsageError, fault_plan, non_negative_float, positive_float, positive_int
 from .soak_fronts import SoakOptions
-from .soak_measure import TOLERANCES, Sampler, Tolerance, plot, report
+from .soak_measure import TOLERANCES, Sample, Sampler, Tolerance, plot, report
 
 HELP = "run a runtime for MINUTES under constant traffic with faults; exit 1 if memory, threads, fds or tasks grow"
 FRONTS = ("linker", "dataplane", "sglang", "vllm", "vllm-engine")
@@ -66,6 +66,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "live objects (an engine's allocator may hold hundreds of MiB it freed)")
     parser.add_argument("--json", type=Path, default=None, help="write the samples and the verdict here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of every metric against time")
+    parser.add_argument("--plot-from", type=Path, default=None,
+                        help="no run: draw --plot from an earlier run's --json (an engine's environment may "
+                             "lack matplotlib)")
 
 
 def options(args: argparse.Namespace) -> SoakOptions:
@@ -77,7 +80,27 @@ def options(args: argparse.Namespace) -> SoakOptions:
                        outage_s=args.outage_s, seed=args.seed, rate=args.rate)
 
 
+def redraw(source: Path, target: Path) -> int:
+    """``--plot-from``: the plot of an earlier run, from its JSON."""
+    try:
+        saved = json.loads(source.read_text())
+        samples = [Sample(float(x["t_s"]), int(x["done"]),
+                          {k: float(v) for k, v in x.items() if k not in ("t_s", "done")})
+                   for x in saved["samples"]]
+        front, warmup_s = str(saved["front"]), float(saved["warmup_s"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--plot-from {source}: not a soak's --json ({exc})") from exc
+    minutes = samples[-1].t_s / 60 if samples else 0.0
+    plot(target, samples, warmup_s, f"hylinker soak --front {front} ({minutes:.0f} min; warm-up shaded)")
+    print(f"wrote {target}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.plot_from is not None:
+        if args.plot is None:
+            raise UsageError("--plot-from needs --plot (the PNG to write)")
+        return redraw(args.plot_from, args.plot)
     opts = options(args)
     warmup_s = args.warmup_s if args.warmup_s is not None else opts.seconds / 5
     sampler = Sampler(args.interval_s, trace_heap=args.tracemalloc, trim=args.malloc_trim)

@@ -127,6 +127,8 @@ def test_every_stress_option_has_help_with_its_default() -> None:
 #: run does its work
 SUBCOMMAND_MISTAKES: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
     "plan trace missing": (["plan", "--trace", "DIR/none.jsonl"], "--trace", ()),
+    "soak plot-from not a soak's json": (["soak", "--plot-from", "BROKEN", "--plot", "DIR/x.png"], "--plot-from", ()),
+    "soak plot-from without plot": (["soak", "--plot-from", "DIR/none.json"], "--plot", ()),
     "plan broken trace line": (["plan", "--trace", "BROKEN"], "broken.jsonl:2", ()),
     "plan misspelled workload field": (["plan", "--workload-param", "hors=1"], "did you mean 'hours'", ()),
     "plan workload param without =": (["plan", "--workload-param", "hours"], "--workload-param", ()),

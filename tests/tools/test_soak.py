@@ -184,3 +184,15 @@ def test_a_trimming_sampler_counts_live_memory_only() -> None:
         libc.free(live[0])  # type: ignore[attr-defined]
     assert plain > untrimmed - 8  # a plain sample sees the free memory
     assert trimmed < untrimmed - 32
+
+
+def test_plot_from_redraws_an_earlier_runs_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--plot-from``: a run in an engine's environment (no matplotlib) is drawn from its JSON."""
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"front": "vllm", "warmup_s": 60.0, "grew": False, "summary": {},
+                                 "samples": [{"t_s": 10.0 * i, "done": i, "rss_mib": 100.0 + i, "threads": 3.0}
+                                             for i in range(12)]}))
+    png = tmp_path / "run.png"
+    assert cli.main(["soak", "--plot-from", str(saved), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
