@@ -122,6 +122,9 @@ class TransferJob:
     #: objects this load proved bad (verification failed after the re-read), by store key:
     #: what its reader may remove (``stores/condemned.py``)
     condemned: dict[str, Condemned] = attrs.field(factory=dict)
+    #: a two-stage offload: set when its objects were copied out of its rows into sealed host
+    #: frames (stage 1; ``runtime/dataplane/drain_route.py``): its rows may be reused from then on
+    copied: Completion[object] = attrs.field(factory=Completion)
 
 
 def cancel_job(job: TransferJob) -> None:
