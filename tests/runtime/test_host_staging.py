@@ -20,7 +20,7 @@ from hylinker.runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfe
 from hylinker.runtime.linker.config import LinkerConfig
 from hylinker.stores.base import Store
 from hylinker.stores.embedded import EmbeddedStore
-from hylinker.testing.fakes import GatedStore
+from hylinker.testing.fakes import FakeDeviceCopies, FakeDeviceEvent, GatedStore
 
 SHAPES = [(1, 1), (2, 64), (8, 64), (8, 1)]  # (KV layers, rows per page)
 
@@ -191,3 +191,55 @@ def test_the_default_budget_is_twice_the_pools_capped_and_at_least_one_offload()
     views = pools.views()
     want = sum(2 * (v.capacity // v.unit) * dp.actors[k].arena.stride for k, v in views.items())
     assert dp.host_staging.capacity == min(want, derive_budget(want, 0))
+
+
+async def test_on_a_device_pool_the_rows_are_free_only_once_the_device_copy_completed() -> None:
+    pools = Pools(2, 4)
+    store = GatedStore(EmbeddedStore(8 << 20))
+    fake = FakeDeviceCopies()
+    fence = FakeDeviceEvent(polls=None)
+    before = pools.page_bytes(1)
+    # at integrity "header" a device pool moves through host frames (at "checksum" it is summed
+    # on the device, device_transfers.py, and stays one stage)
+    async with DataPlane(pools.views(), store, staged(integrity="header"), copies={PoolKind.FULL: fake}) as dp:
+        assert not dp.actors[PoolKind.FULL].device.takes(dp._jobs([kv(["x"], pools, [0])], None, "")[0][0][2])
+        store.hold(puts=True)
+        ticket = await dp.offload([kv(["a"], pools, [1])], fence=fence)
+        await anyio.sleep(0.02)
+        assert fake.log == []  # the forward's fence first
+        fence.set()
+        with anyio.fail_after(5):
+            while not fake.events:
+                await anyio.sleep(0.001)
+        await anyio.sleep(0.02)
+        assert not ticket._copied.is_set()  # the copy into host frames has not completed
+        assert store.calls["put"] == 0  # nothing sealed, nothing put
+        fake.complete()
+        with anyio.fail_after(5):
+            await ticket.copied()
+        for t in (*pools.k, *pools.v):
+            t.fill_(0x5A)  # the rows are reused before the store answered
+        store.open()
+        with anyio.fail_after(5):
+            assert (await ticket.wait()).ok
+        back = await dp.load([kv(["a"], pools, [3])])
+        fake.auto = True
+        fake.complete()
+        with anyio.fail_after(5):
+            assert (await back.wait()).ok
+    for want, got in zip(before, pools.page_bytes(3), strict=True):
+        assert torch.equal(want, got)
+
+
+async def test_a_failed_fence_fails_the_offload_and_copies_nothing() -> None:
+    pools = Pools(1, 1)
+    store = GatedStore(EmbeddedStore(8 << 20))
+    fence = FakeDeviceEvent(polls=None)
+    async with plane(pools, store, staged()) as dp:
+        ticket = await dp.offload([kv(["a"], pools, [0])], fence=fence)
+        fence.fail(RuntimeError("device lost"))
+        with anyio.fail_after(5):
+            out = await ticket.wait()
+        await ticket.copied()  # ended: the rows are no longer read
+        assert not out.ok and out.objects[PoolKind.FULL] == [False] and sum(out.faults.values()) == 1
+        assert store.calls["put"] == 0
