@@ -127,7 +127,10 @@ class OffloadRoom(LinkerRoom):
         new_pages = sum(len(n.keys) for n in {n.id: n for ns in plan.values() for n in ns}.values())
         kv_limit = self.config.kv_backpressure_share * self.pools.kv.pages.capacity
         reserve = max(kv_limit, self.largest_request_pages)
-        if (self.locked_pages and self.locked_pages + new_pages > kv_limit
+        # Two stages: the locks last one copy, so only a copy backlog already past the share
+        # skips (the new offload's own pages are free again a copy later)
+        backlog = self.locked_pages if self.config.two_stage_offload else self.locked_pages + new_pages
+        if (self.locked_pages and backlog > kv_limit
                 and self.tree.kv_headroom_pages() < reserve):
             self._c["offloads_skipped_kv"] += 1
             trace("offload.skipped", request_id=req.id, reason="kv_backpressure",

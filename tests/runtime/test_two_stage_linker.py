@@ -189,3 +189,23 @@ async def test_an_ancestor_of_an_offload_evicted_after_its_copy_is_settled() -> 
         assert all(not n.pending for n in tree.nodes())  # nothing waits for a settlement forever
         assert a.stored == ALL_POOLS  # its objects reached the store
         await lk.release(holder)
+
+
+async def test_a_stuck_store_fills_host_staging_not_the_device_pool() -> None:
+    """Long prompts against a store that answers nothing: the pages are free once copied, so
+    extend never fails and KV backpressure skips nothing; host staging bounds the backlog
+    instead (the one-stage side is tests/runtime/test_reliability.py)."""
+    config = LinkerConfig(staging_bytes_per_pool=1 << 16, resilience=None, mamba_backpressure=False,
+                          close_timeout_s=0.05)
+    async with harness(config, kv_pages=64) as env:
+        env.store.hold(puts=True)
+        staging = env.linker.data.host_staging
+        assert staging is not None
+        for i in range(12):
+            assert await insert_prompt(env, prompt(65, seed=100 + i)) == 64  # 16 pages each
+            await wait_until(lambda: env.linker.tree.locked_nodes() == [])
+            assert staging.used <= staging.capacity
+        stats = env.linker.statistics()
+        assert stats.offloads_skipped_kv == 0
+        assert stats.offloads_skipped_staging > 0  # 12 x 16 pages pass twice the 64-page pool
+        assert stats.offloads == 12 and env.linker.offloads.in_flight == 12 - stats.offloads_skipped_staging
