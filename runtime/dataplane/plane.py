@@ -77,7 +77,7 @@ import torch
 
 from ...components.layout import PoolKind
 from ...components.pool_view import PoolSet, PoolView, PoolViewError
-from ...stores.base import Store, StoreError, bad_key
+from ...stores.base import Store, StoreError
 from ...stores.resilient import ResilientStore
 from ...stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
@@ -101,7 +101,7 @@ from .store_calls import LatencyMonitor
 from .tickets import LoadTicket, OffloadTicket, TransferOutcome, _Ticket
 from .tracing import trace
 from .transfer_codec import PoolCodec
-from .transfer_jobs import TransferJob, cancel_job
+from .transfer_jobs import TransferJob, cancel_job, check_keys
 
 
 class DataPlaneClosedError(RuntimeError):
@@ -263,7 +263,7 @@ class DataPlane:
         for pool, ks in keys.items():
             if pool not in self.actors:
                 raise PoolViewError(f"no {pool.value} pool in this data plane")
-            _check_keys(ks, pool)
+            check_keys(ks, pool)
             spans[pool] = (len(names), len(ks))
             g = len(self.codecs[pool])
             names.extend(group_key(k, j, g) for k in ks for j in range(g))
@@ -303,7 +303,7 @@ class DataPlane:
             if tr.pool in seen:
                 raise PoolViewError(f"two transfers for pool {tr.pool.value} in one submission")
             seen.add(tr.pool)
-            keys = _check_keys(tr.keys, tr.pool)
+            keys = check_keys(tr.keys, tr.pool)
             index = self.pools[tr.pool].objects(tr.index)
             if index.shape[0] != len(keys):
                 raise PoolViewError(f"{tr.pool.value}: {len(keys)} keys for {index.shape[0]} objects")
@@ -484,18 +484,6 @@ class DataPlane:
 
 def _job_ended(ticket: _Ticket, pool: PoolKind, group: int, job: TransferJob, _done: object) -> None:
     ticket._job_ended(pool, group, job)
-
-
-def _check_keys(keys: Sequence[str], pool: PoolKind) -> list[str]:
-    if isinstance(keys, (str, bytes)):
-        raise PoolViewError(f"{pool.value}: keys must be a sequence of strings, not one {type(keys).__name__}")
-    out = list(keys)
-    bad, k = bad_key(out)
-    if bad:
-        raise PoolViewError(f"{pool.value}: store keys must be non-empty strings, got {k!r}")
-    if len(set(out)) != len(out):
-        raise PoolViewError(f"{pool.value}: repeated keys in one transfer")
-    return out
 
 
 __all__ = [
