@@ -1,13 +1,14 @@
 """``hylinker study device-pool``: the hit rate against the device KV pool's size (issue 52).
 
-A tight device pool loses hits the store could have served: an offload keeps its pages locked
-until the store acknowledges them, so the KV backpressure rule skips offloads (those prefixes
-never reach the store) and loads find no pages (they wait, ``LinkerConfig.load_wait_s``, or
-recompute). Each point is one ``hylinker stress`` run at ``--kv-pages N`` of one workload and
+A tight device pool loses hits the store could have served: an offload that keeps its pages
+locked until the store acknowledges them (one stage) makes the KV backpressure rule skip offloads
+(those prefixes never reach the store) and loads find no pages (they wait,
+``LinkerConfig.load_wait_s``, or recompute); the two-stage offload (the default,
+docs/design/host-staging.md) frees the pages once they are copied into host staging. Each point is one ``hylinker stress`` run at ``--kv-pages N`` of one workload and
 seed; the table and the plot show the share of the infinite-cache bound each point reached,
 beside the losses that explain it: offloads skipped by KV backpressure, loads with no pages,
-loads that waited for pages, and offloads skipped because host staging was full (``n/a`` until
-the two-stage offload exists, docs/design/host-staging.md).
+loads that waited for pages, and offloads skipped because host staging was full (``n/a`` for a
+run without the two-stage offload's counter).
 
 Why a study and not ``hylinker plan``: the plan is a model of two LRU caches with no concurrency
 and no offload in flight, and these losses exist only because offloads and requests overlap in
@@ -34,7 +35,7 @@ LOSSES: tuple[tuple[str, str], ...] = (
     ("load_waits_recomputed", "wait miss"),
     ("host_staging_full", "stg full"),
 )
-#: the summary key the two-stage offload will count its skips under (absent: ``n/a``)
+#: the summary key the two-stage offload counts its skips under (absent: ``n/a``)
 STAGING_FULL_KEY = "offloads_skipped_staging"
 
 
@@ -110,7 +111,7 @@ def plot_pool_sweep(path: str, rows: Sequence[Mapping[str, Any]], *, title: str 
     left.set_ylim(0, 1.08)
     left.set_title("share of the bound against the device pool")
     right.set_ylabel("count per run (mean over seeds)")
-    right.set_title("losses per point (staging full: n/a until host staging)")
+    right.set_title("losses per point")
     legend_below(left, columns=2)
     # the right panel's key: a colour per loss, a marker per workload, a line style per series
     from matplotlib.lines import Line2D

@@ -77,11 +77,12 @@ import torch
 
 from ...components.layout import PoolKind
 from ...components.pool_view import PoolSet, PoolView, PoolViewError
-from ...stores.base import Store, StoreError, bad_key
+from ...stores.base import Store, StoreError
 from ...stores.resilient import ResilientStore
 from ...stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
 from .events import DeviceEvent
+from .host_staging import HostStaging, HostStagingFullError, staging_for
 from .metrics import (
     LIBRARY,
     PLANE_KEYS,
@@ -100,7 +101,7 @@ from .store_calls import LatencyMonitor
 from .tickets import LoadTicket, OffloadTicket, TransferOutcome, _Ticket
 from .tracing import trace
 from .transfer_codec import PoolCodec
-from .transfer_jobs import TransferJob, cancel_job
+from .transfer_jobs import TransferJob, cancel_job, check_keys
 
 
 class DataPlaneClosedError(RuntimeError):
@@ -165,6 +166,14 @@ class DataPlane:
                 in_place_min_bytes=self.config.in_place_min_bytes, copies=None if copies is None else copies.get(kind),
                 held_bytes=self.config.verify_all_staging_bytes,
                 held_max_bytes=self.config.verify_all_staging_max_bytes, integrity=self.config.integrity)
+        #: the two-stage offload's byte budget, shared by the actors (None: offloads in one stage)
+        self.host_staging: HostStaging | None = None
+        if self.config.two_stage_offload:
+            self.host_staging = staging_for(
+                "DataPlaneConfig.host_staging_bytes", self.config.host_staging_bytes,
+                [(v.capacity // v.unit, len(self.codecs[k]) * self.actors[k].arena.stride) for k, v in self.pools.items()])
+            for actor in self.actors.values():
+                actor.host_staging = self.host_staging
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)
@@ -174,7 +183,7 @@ class DataPlane:
         self._submit_lock = {"load": anyio.Lock(), "offload": anyio.Lock()}
         self._c: dict[str, int] = dict.fromkeys(
             ("loads", "loads_ok", "loads_failed", "loads_cancelled", "offloads", "offloads_ok",
-             "offloads_failed", "exists_calls", "exists_errors"), 0)
+             "offloads_failed", "exists_calls", "exists_errors", "offloads_refused_staging"), 0)
         #: ``fn(direction, seconds, ok)`` when a load or offload ends (not cancelled), on the loop
         self.observers: list[Callable[[str, float, bool], None]] = []
         #: the data path's metrics (None: no registry, or it could not take them: logged once)
@@ -195,6 +204,8 @@ class DataPlane:
         for actor in self.actors.values():
             self._tg.start_soon(actor.run_offloads)
             self._tg.start_soon(actor.run_loads)
+            if actor.host_staging is not None:
+                self._tg.start_soon(actor.run_drain)
         return self
 
     async def __aexit__(self, *exc: Any) -> bool | None:
@@ -252,7 +263,7 @@ class DataPlane:
         for pool, ks in keys.items():
             if pool not in self.actors:
                 raise PoolViewError(f"no {pool.value} pool in this data plane")
-            _check_keys(ks, pool)
+            check_keys(ks, pool)
             spans[pool] = (len(names), len(ks))
             g = len(self.codecs[pool])
             names.extend(group_key(k, j, g) for k in ks for j in range(g))
@@ -292,7 +303,7 @@ class DataPlane:
             if tr.pool in seen:
                 raise PoolViewError(f"two transfers for pool {tr.pool.value} in one submission")
             seen.add(tr.pool)
-            keys = _check_keys(tr.keys, tr.pool)
+            keys = check_keys(tr.keys, tr.pool)
             index = self.pools[tr.pool].objects(tr.index)
             if index.shape[0] != len(keys):
                 raise PoolViewError(f"{tr.pool.value}: {len(keys)} keys for {index.shape[0]} objects")
@@ -338,11 +349,27 @@ class DataPlane:
 
     def prepare_offload(self, transfers: Sequence[Transfer], *, fence: DeviceEvent | None = None,
                         request_id: str = "") -> OffloadTicket:
-        """Like :meth:`prepare_load`, for an offload."""
+        """Like :meth:`prepare_load`, for an offload. In two stages its frames' bytes are
+        charged to host staging now (released when it ends); a full budget raises
+        :class:`HostStagingFullError` and nothing is queued (``offloads_refused_staging``)."""
         self._check_running()
         jobs, sizes = self._jobs(transfers, fence, request_id)
+        staged = 0
+        if self.host_staging is not None:
+            staged = sum(self.actors[pool].drain.frame_bytes(len(job.keys)) for pool, _group, job in jobs)
+            if not self.host_staging.try_charge(staged):
+                self._c["offloads_refused_staging"] += 1
+                raise HostStagingFullError(f"host staging holds {self.host_staging.used} of "
+                                           f"{self.host_staging.capacity} bytes; this offload needs {staged}")
         self._c["offloads"] += 1
-        return OffloadTicket(self, next(self._ids), request_id, jobs, sizes)
+        return OffloadTicket(self, next(self._ids), request_id, jobs, sizes, staged_bytes=staged)
+
+    def drop_staged(self) -> None:
+        """Stop putting staged frames: every offload still waiting for stage 2 ends failed, its
+        frames released and counted (``HostStaging.dropped_objects``). For a close that gave up
+        waiting on the store; a no-op in one stage."""
+        if self.host_staging is not None:
+            self.host_staging.dropping = True
 
     async def submit(self, ticket: LoadTicket | OffloadTicket) -> None:
         """Queue a prepared ticket's jobs (waits while a queue is full). If this is cancelled
@@ -400,6 +427,8 @@ class DataPlane:
 
     def _ticket_ended(self, ticket: _Ticket) -> None:
         self._open.discard(ticket)
+        if isinstance(ticket, OffloadTicket) and self.host_staging is not None:
+            self.host_staging.release(ticket.staged_bytes)
         assert ticket.outcome is not None
         kind = "loads" if isinstance(ticket, LoadTicket) else "offloads"
         if ticket.outcome.ok:
@@ -455,18 +484,6 @@ class DataPlane:
 
 def _job_ended(ticket: _Ticket, pool: PoolKind, group: int, job: TransferJob, _done: object) -> None:
     ticket._job_ended(pool, group, job)
-
-
-def _check_keys(keys: Sequence[str], pool: PoolKind) -> list[str]:
-    if isinstance(keys, (str, bytes)):
-        raise PoolViewError(f"{pool.value}: keys must be a sequence of strings, not one {type(keys).__name__}")
-    out = list(keys)
-    bad, k = bad_key(out)
-    if bad:
-        raise PoolViewError(f"{pool.value}: store keys must be non-empty strings, got {k!r}")
-    if len(set(out)) != len(out):
-        raise PoolViewError(f"{pool.value}: repeated keys in one transfer")
-    return out
 
 
 __all__ = [

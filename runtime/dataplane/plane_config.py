@@ -6,6 +6,7 @@ import attrs
 
 from ...stores import framing
 from ...stores.config_rules import positive
+from .host_staging import check_optional_budget
 
 
 def _integrity(value: framing.Integrity | str) -> framing.Integrity:
@@ -44,10 +45,20 @@ class DataPlaneConfig:
     #: payload) or ``"header"`` (header only: key, layout, length; no pass over the payload).
     #: Objects are read by what their header says (``stores/framing.py``, "Integrity levels")
     integrity: framing.Integrity = attrs.field(default=framing.Integrity.CHECKSUM, converter=_integrity)
+    #: offload in two stages (docs/design/host-staging.md): rows → sealed host frames, then
+    #: frames → store; the rows are free once copied (``OffloadTicket.copied``). Off: an offload
+    #: reads its rows until the store answered
+    two_stage_offload: bool = False
+    #: the byte budget of those frames (None: twice the pools' bytes, at most a quarter of the
+    #: host's memory; ``runtime/dataplane/host_staging.py``); a full budget refuses an offload
+    host_staging_bytes: int | None = None
 
     def __attrs_post_init__(self) -> None:
         for f in attrs.fields(DataPlaneConfig):
-            if f.name in ("in_place", "integrity"):
+            if f.name in ("in_place", "integrity", "two_stage_offload"):
+                continue
+            if f.name == "host_staging_bytes":
+                check_optional_budget("DataPlaneConfig.host_staging_bytes", self.host_staging_bytes)
                 continue
             if f.name in ("in_place_min_bytes", "verify_all_staging_bytes", "verify_all_staging_max_bytes"):
                 v = getattr(self, f.name)

@@ -12,6 +12,12 @@ job gets exactly one result, in submission order. Per job it
    (``runtime/dataplane/device_transfers.py``);
 3. reports per-object outcomes.
 
+With host staging (``runtime/dataplane/host_staging.py``, a two-stage offload) the offload
+direction has two workers: the first copies each job's objects into sealed host frames of its own
+(``runtime/dataplane/drain_route.py``) and marks the job copied, its rows free from then on; the
+second puts those frames to the store in the same FIFO order and ends the job with the store's
+answer.
+
 Every route is built over two objects the actor shares with all of them: the staging arena
 (``runtime/dataplane/staging_arena.py``: codecs, arenas, frame sizes, the route decisions, the
 held arena) and the store-call wrapper (``runtime/dataplane/store_calls.py``: calls, the landed
@@ -23,17 +29,23 @@ waiter still writes into live memory. The jobs and their results are in
 
 from __future__ import annotations
 
+import functools
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ...components.layout import PoolKind
-from ...stores.base import Store
+from ...stores.base import Outcome, Store
 from .device_transfers import DeviceRoute
+from .drain_route import DrainRoute
 from .events import wait_fence
 from .held_load import HeldRoute
+from .host_staging import HostStaging
 from .in_place import InPlaceRoute
 from .route import LoadRoute, TransferRoute
 from .rows_route import RowsRoute
@@ -43,6 +55,9 @@ from .statistics import PoolActorStatistics, QueueStatistics
 from .store_calls import LatencyMonitor, StoreCalls
 from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, OffloadResult, TransferJob, cancel_job
+
+#: a copied job on its way to the store: its sealed frames (None: moved on the device in one stage)
+_Drained = tuple[TransferJob, torch.Tensor | None]
 
 
 class _Queue:
@@ -92,6 +107,13 @@ class PoolActor:
         self.offload_q = _Queue(queue_depth)
         self.load_q = _Queue(queue_depth)
         self.pending_states = 0
+        self.drain = DrainRoute(arena, self.staged)
+        #: the data plane's host staging budget: offloads in two stages (None: one stage)
+        self.host_staging: HostStaging | None = None
+        # copied jobs, FIFO, from the copy worker to the drain worker (the budget bounds them)
+        self._drain_tx: MemoryObjectSendStream[_Drained]
+        self._drain_rx: MemoryObjectReceiveStream[_Drained]
+        self._drain_tx, self._drain_rx = anyio.create_memory_object_stream[_Drained](math.inf)
 
     @property
     def latency(self) -> LatencyMonitor:
@@ -145,7 +167,61 @@ class PoolActor:
 
     # ---- workers -------------------------------------------------------------------
     async def run_offloads(self) -> None:
+        if self.host_staging is not None:
+            await self._copy_offloads()
+            return
         await self._serve(self.offload_q, self._offload, counts_states=self.kind is PoolKind.MAMBA)
+
+    def _states_released(self, job: TransferJob) -> None:
+        if self.kind is PoolKind.MAMBA:
+            self.pending_states -= len(job.keys)
+
+    async def _copy_offloads(self) -> None:
+        """Two stages, the first: per job in FIFO order, await its fence, copy its objects
+        into sealed frames (its rows are free from then on: ``job.copied``) and pass
+        it to :meth:`run_drain`. A job moved on the device passes uncopied (one stage)."""
+        queue = self.offload_q
+        async with queue.rx, self._drain_tx:
+            async for job in queue.rx:
+                job.started = True
+                frames: torch.Tensor | None = None
+                try:
+                    with anyio.CancelScope(shield=True):  # a copy is never abandoned mid-flight
+                        await wait_fence(job.fence, timeout_s=self.arena.fence_timeout_s)
+                        if not self.device.takes(job):
+                            frames = await self.drain.copy(job)
+                except Exception as exc:  # a failed fence or copy: the job fails, never put
+                    queue.failed += 1
+                    queue.depth -= 1
+                    self._states_released(job)
+                    job.completion.fail(exc)
+                    continue
+                if frames is not None:
+                    job.copied.set(None)
+                await self._drain_tx.send((job, frames))
+
+    async def run_drain(self) -> None:
+        """Two stages, the second: put each copied job's frames to the store, FIFO; the job
+        ends with the store's answer (frames dropped unput, as failed, once the plane drops
+        staging: ``HostStaging.dropping``)."""
+        queue = self.offload_q
+        async with self._drain_rx:
+            async for job, frames in self._drain_rx:
+                # a state stays counted until the store answers: the tree keeps a state whose
+                # offload is pending from eviction until then (RadixTree.evict_states)
+                await self._end_job(queue, job, functools.partial(self._drain_one, job, frames), counts_states=True)
+
+    async def _drain_one(self, job: TransferJob, frames: torch.Tensor | None) -> OffloadResult:
+        if frames is None:
+            return await self.device.offload(job)
+        t0 = time.perf_counter()
+        size = self.arena.frame_sizes[job.group]
+        staging = self.host_staging
+        assert staging is not None
+        if staging.dropping:
+            staging.dropped_objects += len(job.keys)
+            return self.calls.offloaded(job, [Outcome.FAILED] * len(job.keys), size, t0)
+        return self.calls.offloaded(job, await self.drain.put(job, frames), size, t0)
 
     async def run_loads(self) -> None:
         await self._serve(self.load_q, self._load, counts_states=False)
@@ -159,20 +235,26 @@ class PoolActor:
                     queue.depth -= 1
                     cancel_job(job)
                     continue
-                try:
-                    job.started = True
-                    with anyio.CancelScope(shield=True):  # never abandon a store call mid-flight
-                        result = await work(job)
-                except Exception as exc:
-                    queue.failed += 1
-                    job.completion.fail(exc)
-                else:
-                    queue.completed += 1
-                    job.completion.set(result)
-                finally:
-                    queue.depth -= 1
-                    if counts_states:
-                        self.pending_states -= len(job.keys)
+                job.started = True
+                await self._end_job(queue, job, functools.partial(work, job), counts_states=counts_states)
+
+    async def _end_job(self, queue: _Queue, job: TransferJob, work: Callable[[], Awaitable[object]], *,
+                       counts_states: bool) -> None:
+        """Run ``work`` (shielded: a store call is never abandoned mid-flight) and end ``job``
+        with its result or its error: exactly one result."""
+        try:
+            with anyio.CancelScope(shield=True):
+                result = await work()
+        except Exception as exc:
+            queue.failed += 1
+            job.completion.fail(exc)
+        else:
+            queue.completed += 1
+            job.completion.set(result)
+        finally:
+            queue.depth -= 1
+            if counts_states:
+                self._states_released(job)
 
     async def _offload(self, job: TransferJob) -> OffloadResult:
         await wait_fence(job.fence, timeout_s=self.arena.fence_timeout_s)

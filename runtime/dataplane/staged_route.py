@@ -13,6 +13,7 @@ import contextlib
 import time
 from functools import partial
 
+import numpy as np
 import torch
 
 from ...stores import framing
@@ -95,11 +96,7 @@ class StagedRoute:
         size = a.frame_sizes[job.group]
         payload = size - framing.HEADER_BYTES
         _, frames = a.views("offload", k % 2, hi - lo, size)
-        for key, f in zip(job.keys[lo:hi], a.np_frames("offload", k % 2, hi - lo, size)):
-            if self.calls.checksums:  # the store sets the checksum as it copies the frame
-                framing.seal_header(f, key, a.fingerprint, payload)
-            else:
-                framing.seal_array(f, key, a.fingerprint, a.integrity)
+        seal_frames(a, self.calls, job.keys[lo:hi], a.np_frames("offload", k % 2, hi - lo, size), payload)
         return frames
 
     # ---- load -----------------------------------------------------------------------------
@@ -189,3 +186,14 @@ class StagedRoute:
                 ev = a.copies.record() if a.copies is not None else None
             await wait_fence(ev, timeout_s=a.fence_timeout_s)
         return verified
+
+
+def seal_frames(arena: StagingArena, calls: StoreCalls, keys: list[str], frames: list[np.ndarray],
+                payload: int) -> None:
+    """Seal ``frames`` (gathered payloads behind room for a header) as the objects ``keys``:
+    the whole header, or every field but the checksum where the store sets it as it copies."""
+    for key, f in zip(keys, frames):
+        if calls.checksums:  # the store sets the checksum as it copies the frame
+            framing.seal_header(f, key, arena.fingerprint, payload)
+        else:
+            framing.seal_array(f, key, arena.fingerprint, arena.integrity)

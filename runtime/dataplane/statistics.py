@@ -52,6 +52,7 @@ class DataPlaneStatistics:
     offloads_failed: int
     exists_calls: int
     exists_errors: int  # existence checks the store could not answer (a lookup that misses)
+    offloads_refused_staging: int = 0  # offloads refused: the host staging budget was full
 
 
 @attrs.frozen

@@ -9,6 +9,7 @@ verified). The contract is the data plane's (``runtime/dataplane/plane.py``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -231,7 +232,37 @@ class LoadTicket(_Ticket):
 
 
 class OffloadTicket(_Ticket):
-    """A submitted offload; :meth:`wait` gives which objects reached the store."""
+    """A submitted offload; :meth:`wait` gives which objects reached the store. In two stages
+    (``DataPlaneConfig.two_stage_offload``) :meth:`copied` returns once its rows are free."""
+
+    def __init__(self, plane: DataPlane, ticket_id: int, request_id: str,
+                 jobs: list[tuple[PoolKind, int, TransferJob]], sizes: dict[PoolKind, int], *,
+                 staged_bytes: int = 0) -> None:
+        super().__init__(plane, ticket_id, request_id, jobs, sizes)
+        self.staged_bytes = staged_bytes  # host staging charged for its frames, released when it ends
+        self._copying = {id(job) for _, _, job in jobs}  # jobs whose rows are still read
+        self._copied = anyio.Event()
+        if not self._copying:
+            self._copied.set()
+        for _, _, job in jobs:
+            job.copied.add_callback(functools.partial(self._job_copied, job))
+            job.completion.add_callback(functools.partial(self._job_copied, job))
+
+    @property
+    def two_stage(self) -> bool:
+        """Whether its rows are freed before the store answers (:meth:`copied`)."""
+        return self.plane.host_staging is not None
+
+    async def copied(self) -> None:
+        """Return once no job of this offload reads its rows any more: each copied them into
+        sealed host frames (stage 1) or ended. The rows and states may be reused from then on;
+        the store's answer is still :meth:`wait`'s."""
+        await self._copied.wait()
+
+    def _job_copied(self, job: TransferJob, _done: object) -> None:
+        self._copying.discard(id(job))
+        if not self._copying:
+            self._copied.set()
 
     def _per_object(self, pool: PoolKind, job: TransferJob) -> tuple[list[bool], dict[str, int]]:
         res = job.completion.value

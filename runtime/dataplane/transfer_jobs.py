@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import anyio
 import attrs
 import torch
 
-from ...stores.base import Outcome
+from ...components.layout import PoolKind
+from ...components.pool_view import PoolViewError
+from ...stores.base import Outcome, bad_key
 from ...stores.condemned import Condemned
 from .events import DeviceEvent
 
@@ -122,9 +124,25 @@ class TransferJob:
     #: objects this load proved bad (verification failed after the re-read), by store key:
     #: what its reader may remove (``stores/condemned.py``)
     condemned: dict[str, Condemned] = attrs.field(factory=dict)
+    #: a two-stage offload: set when its objects were copied out of its rows into sealed host
+    #: frames (stage 1; ``runtime/dataplane/drain_route.py``): its rows may be reused from then on
+    copied: Completion[object] = attrs.field(factory=Completion)
 
 
 def cancel_job(job: TransferJob) -> None:
     """End a load job that has not started: no row is touched, every object reads cancelled."""
     job.cancelled = True
     job.completion.set(LoadResult([False] * len(job.keys), {CANCELLED: len(job.keys)}))
+
+
+def check_keys(keys: Sequence[str], pool: PoolKind) -> list[str]:
+    """A transfer's keys as a list, or ``PoolViewError``: not one string, none empty, none repeated."""
+    if isinstance(keys, (str, bytes)):
+        raise PoolViewError(f"{pool.value}: keys must be a sequence of strings, not one {type(keys).__name__}")
+    out = list(keys)
+    bad, k = bad_key(out)
+    if bad:
+        raise PoolViewError(f"{pool.value}: store keys must be non-empty strings, got {k!r}")
+    if len(set(out)) != len(out):
+        raise PoolViewError(f"{pool.value}: repeated keys in one transfer")
+    return out

@@ -9,6 +9,7 @@ import attrs
 from ...stores.config_rules import non_negative, positive, share
 from ...stores.framing import Integrity
 from ...stores.resilient import ResiliencePolicy
+from ..dataplane.host_staging import check_optional_budget
 
 _positive = positive()
 _share = share()
@@ -17,6 +18,10 @@ _share = share()
 def _size(inst: Any, attr: Any, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"LinkerConfig.{attr.name} must be an int >= 0, got {value!r}")
+
+
+def _budget(inst: Any, attr: Any, value: Any) -> None:
+    check_optional_budget(f"LinkerConfig.{attr.name}", value)
 
 
 def _integrity(value: Integrity | str) -> Integrity:
@@ -78,6 +83,14 @@ class LinkerConfig:
     #: a hybrid load also reads up to this many states at shallower boundaries the probe found,
     #: so a failed object above one of them still leaves that prefix restorable
     fallback_states: int = attrs.field(default=2, validator=attrs.validators.ge(0))
+    #: offload in two stages (docs/design/host-staging.md): a node's rows are unlocked once
+    #: copied into sealed host frames, and the node is marked stored at the store's answer;
+    #: off: the node stays locked until the store answers
+    two_stage_offload: bool = True
+    #: the byte budget of those host frames (None: twice the bytes of the pools, at most a
+    #: quarter of the host's memory; ``runtime/dataplane/host_staging.py``). A full budget skips
+    #: the offload (``offloads_skipped_staging``)
+    host_staging_bytes: int | None = attrs.field(default=None, validator=_budget)
     #: TOUCH batches: how long the toucher waits to gather touches into one call
     touch_batch_s: float = attrs.field(default=0.005, validator=_positive)
     #: what a stored object's frame proves: ``"checksum"`` (header and a payload checksum) or

@@ -140,7 +140,8 @@ class Linker:
             copy_threads=c.copy_threads, inline_copy_bytes=c.inline_copy_bytes,
             fence_timeout_s=c.fence_timeout_s, latency_high_ms=c.latency_high_ms,
             latency_low_ms=c.latency_low_ms, layer_groups=c.layer_groups, in_place=c.in_place,
-            in_place_min_bytes=c.in_place_min_bytes, integrity=c.integrity),
+            in_place_min_bytes=c.in_place_min_bytes, integrity=c.integrity,
+            two_stage_offload=c.two_stage_offload, host_staging_bytes=c.host_staging_bytes),
             fingerprint=layout.fingerprint, registry=registry if self.metrics is not None else None)
         self._requests: dict[str, Request] = {}  # bounded: the live requests; release() drops each
         self._tg: anyio.abc.TaskGroup | None = None
@@ -212,6 +213,7 @@ class Linker:
         if scope.cancelled_caught:
             self._c["close_timeouts"] += 1
             trace("close.timeout", in_flight=self.offloads.in_flight)
+            self.data.drop_staged()  # frames still waiting for the store: dropped, counted
         if isinstance(self.store, ResilientStore):
             await self.store.shutdown()
         await self.drain()

@@ -1,6 +1,8 @@
 """The offload room: which nodes an insert sends to the store, when it sends nothing
 (the backpressure rules), and the one settlement per offload that marks what reached the store
-and drops the locks. :class:`OffloadRoom` owns every piece of offload bookkeeping: the jobs in
+and drops the locks. In two stages (``LinkerConfig.two_stage_offload``, docs/design/host-staging.md)
+the locks drop once the data plane copied the nodes' rows into host staging, and the nodes are
+marked stored only at the store's answer; a full host staging budget skips the offload. :class:`OffloadRoom` owns every piece of offload bookkeeping: the jobs in
 flight, the KV pages they lock, and the idle event :meth:`drain` waits on.
 """
 
@@ -15,6 +17,7 @@ from ...components.layout import PoolKind
 from ...components.radix import Node
 from ...stores.base import StoreError
 from ..dataplane.events import DeviceEvent
+from ..dataplane.host_staging import HostStagingFullError
 from ..dataplane.plane import Transfer
 from ..dataplane.tickets import OffloadTicket
 from ..dataplane.tracing import trace
@@ -49,7 +52,8 @@ class OffloadRoom(LinkerRoom):
         self.pools = ctx.pools
         self._spawn = ctx.spawn
         self.in_flight = 0  # offloads submitted and not yet settled
-        self.locked_pages = 0  # KV pages of nodes locked by offloads in flight
+        #: KV pages of nodes locked by offloads in flight (two stages: until their rows were copied)
+        self.locked_pages = 0
         self.locked_nodes = 0  # node locks the offloads in flight hold (one per node sent)
         self.largest_request_pages = 0  # the most KV pages one request has held (extend)
         self._idle = anyio.Event()
@@ -114,7 +118,8 @@ class OffloadRoom(LinkerRoom):
                 trace("offload.skipped", request_id=req.id, reason="mamba_backpressure",
                       pending=pressure.pending_states)
                 return
-        # KV backpressure: nodes stay locked until their offload settles, so a slow store and
+        # KV backpressure: nodes stay locked until their offload settles (two stages: until
+        # their rows were copied into host staging, one copy, not one store round trip), so a slow store and
         # long prompts could otherwise lock the whole KV pool and make `extend` fail. Skip only
         # while the backlog is large *and* the pool is short of headroom (pages free or
         # evictable) for the largest request seen; a large backlog in a roomy pool threatens no
@@ -122,7 +127,10 @@ class OffloadRoom(LinkerRoom):
         new_pages = sum(len(n.keys) for n in {n.id: n for ns in plan.values() for n in ns}.values())
         kv_limit = self.config.kv_backpressure_share * self.pools.kv.pages.capacity
         reserve = max(kv_limit, self.largest_request_pages)
-        if (self.locked_pages and self.locked_pages + new_pages > kv_limit
+        # Two stages: the locks last one copy, so only a copy backlog already past the share
+        # skips (the new offload's own pages are free again a copy later)
+        backlog = self.locked_pages if self.config.two_stage_offload else self.locked_pages + new_pages
+        if (self.locked_pages and backlog > kv_limit
                 and self.tree.kv_headroom_pages() < reserve):
             self._c["offloads_skipped_kv"] += 1
             trace("offload.skipped", request_id=req.id, reason="kv_backpressure",
@@ -132,18 +140,12 @@ class OffloadRoom(LinkerRoom):
             self._c["offloads_dropped"] += 1
             trace("offload.dropped", request_id=req.id, reason="latency", ema_ms=pressure.latency_ema_ms)
             return
-        job_id = next(self._job_ids)
         jobs: dict[PoolKind, _OffloadPlan] = {}
         transfers: list[Transfer] = []
-        locked: dict[int, Node] = {}  # node id -> node, locked once per offload
         for kind, nodes in plan.items():
             # absolute page -> position of its object in the job (MAMBA: the state's key page)
             where: dict[int, int] = {}
             for n in nodes:
-                n.pending[kind] = job_id
-                if n.id not in locked:
-                    self.tree.lock(n)
-                    locked[n.id] = n
                 for j in self.rules[kind].pages(n):
                     where[j] = len(where)
             names, index = self.rules[kind].node_objects(nodes)
@@ -153,16 +155,29 @@ class OffloadRoom(LinkerRoom):
                 continue
             jobs[kind] = (True, where, names)
             transfers.append(Transfer(kind, names, index))
+        # MAMBA first: the data plane counts its states as pending before its first await,
+        # so no other task passes the backpressure check above on a stale count
+        transfers.sort(key=lambda t: t.pool is not PoolKind.MAMBA)
+        try:  # two stages: the frames' bytes are charged here, or the budget is full
+            ticket: OffloadTicket | None = self.data.prepare_offload(transfers, fence=fence, request_id=req.id)
+        except HostStagingFullError as exc:
+            self._c["offloads_skipped_staging"] += 1
+            trace("offload.skipped", request_id=req.id, reason="host_staging_full", error=str(exc))
+            return
+        job_id = next(self._job_ids)
+        locked: dict[int, Node] = {}  # node id -> node, locked once per offload
+        for kind, nodes in plan.items():
+            for n in nodes:
+                n.pending[kind] = job_id
+                if n.id not in locked:
+                    self.tree.lock(n)
+                    locked[n.id] = n
         locked_pages = sum(len(n.keys) for n in locked.values())
         self.locked_pages += locked_pages
         self.locked_nodes += len(locked)
         self._begin()
-        ticket: OffloadTicket | None = None
         try:
-            # MAMBA first: the data plane counts its states as pending before its first await,
-            # so no other task passes the backpressure check above on a stale count
-            transfers.sort(key=lambda t: t.pool is not PoolKind.MAMBA)
-            ticket = self.data.prepare_offload(transfers, fence=fence, request_id=req.id)
+            assert ticket is not None
             await self.data.submit(ticket)
         finally:
             spawned[0] = True
@@ -172,12 +187,17 @@ class OffloadRoom(LinkerRoom):
     async def _finish(self, job_id: int, request_id: str, end: Node, jobs: dict[PoolKind, _OffloadPlan],
                       ticket: OffloadTicket | None, locked: list[Node], locked_pages: int,
                       turn: int | None = None) -> None:
-        """Exactly one settlement per offload: mark what reached the store, then unlock."""
+        """Exactly one settlement per offload: mark what reached the store, then unlock (in two
+        stages: unlock once the rows were copied into host staging, then mark at the store's answer)."""
         failed = False
+        held = [True]  # the locks are still held
         try:
             outcome = None
             local: dict[PoolKind, list[bool] | None] = {}
             try:
+                if ticket is not None and ticket.two_stage:
+                    await ticket.copied()  # stage 1 ended: no job reads the rows any more
+                    self._unlock(locked, locked_pages, held)
                 outcome = None if ticket is None else await ticket.wait()
                 for kind, (written, where, names) in jobs.items():
                     if not written:
@@ -192,24 +212,32 @@ class OffloadRoom(LinkerRoom):
                 outcome, local = None, {kind: None for kind in jobs}
             if turn is not None:
                 local = await self._agree(turn, request_id, end, jobs, local)
+            settled = self._settled_nodes(end, locked)
             for kind, (_written, where, _names) in jobs.items():
                 stored = local[kind]
                 if stored is None or not all(stored):
                     failed = True
-                self._settle(kind, job_id, end, where, stored)
+                self._settle(kind, job_id, settled, where, stored)
             if outcome is not None and outcome.faults:
                 trace("offload.error", request_id=request_id, faults=outcome.faults)
             self._touch_path(end)
         finally:
             if failed:
                 self._c["offload_failures"] += 1  # one result per offload, not one per pool
-            for n in locked:
-                self.tree.unlock(n)
-            self.locked_pages -= locked_pages
-            self.locked_nodes -= len(locked)
+            self._unlock(locked, locked_pages, held)
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+    def _unlock(self, locked: list[Node], locked_pages: int, held: list[bool]) -> None:
+        """Drop an offload's node locks once (``held[0]`` says whether they are still held)."""
+        if not held[0]:
+            return
+        held[0] = False
+        for n in locked:
+            self.tree.unlock(n)
+        self.locked_pages -= locked_pages
+        self.locked_nodes -= len(locked)
 
     async def _agree(self, turn: int, request_id: str, end: Node, jobs: dict[PoolKind, _OffloadPlan],
                      local: dict[PoolKind, list[bool] | None]) -> dict[PoolKind, list[bool] | None]:
@@ -299,13 +327,25 @@ class OffloadRoom(LinkerRoom):
             self._c["touch_keys"] += len(names)
             self.toucher.add(names)
 
-    def _settle(self, kind: PoolKind, job_id: int, end: Node, where: dict[int, int],
-                stored: list[bool] | None) -> None:
-        """Clear this job's pending marks along ``end``'s path (split fragments included);
-        mark ``stored`` where every object of the node reached the store. A failure never
-        clears a ``stored`` flag an earlier success set."""
+    def _settled_nodes(self, end: Node, planned: list[Node]) -> list[Node]:
+        """The nodes that may carry an offload's pending marks: the paths of ``end`` and of
+        every node it planned (split fragments sit on them). In two stages a planned node may
+        have been evicted after its copy (detached: its path is itself), so a fragment split
+        off it may be anywhere in the tree: then every node is looked at."""
+        nodes = {n.id: n for n in (*end.path(), *planned)}
+        for p in planned:
+            nodes.update((n.id, n) for n in p.path())
+        if any(p.parent is None for p in planned):
+            nodes.update((n.id, n) for n in self.tree.tree.nodes())
+        return list(nodes.values())
 
-        for n in end.path():
+    def _settle(self, kind: PoolKind, job_id: int, nodes: list[Node], where: dict[int, int],
+                stored: list[bool] | None) -> None:
+        """Clear this job's pending marks on ``nodes`` (:meth:`_settled_nodes`); mark
+        ``stored`` where every object of the node reached the store. A failure never clears a
+        ``stored`` flag an earlier success set."""
+
+        for n in nodes:
             if n.pending.get(kind) != job_id:
                 continue
             del n.pending[kind]

@@ -50,6 +50,7 @@ class LinkerStatistics:
     stored_tokens: int = 0  # prompt tokens whose KV pages an offload settled as stored
     load_waits: int = 0  # loads that found no free pages and waited for them (LinkerConfig.load_wait_s)
     load_waits_recomputed: int = 0  # of those, the wait ended without pages (limit, nothing left to free): a miss
+    offloads_skipped_staging: int = 0  # two-stage offload: the host staging budget was full
 
 
 #: the fields the Linker reads elsewhere than from its counters (the data plane's latency
@@ -74,6 +75,7 @@ def linker_figures(s: LinkerStatistics, agreement_rounds: int) -> Figures:
         ("objects_skipped", "kv_backpressure"): s.offloads_skipped_kv,
         ("objects_skipped", "store_latency"): s.offloads_dropped,
         ("objects_skipped", "breaker_open"): s.offloads_skipped_breaker,
+        ("objects_skipped", "host_staging_full"): s.offloads_skipped_staging,
         ("bad_objects_removed",): s.bad_objects_removed,
         ("bad_objects_kept", "rewritten"): s.bad_objects_rewritten,
         ("bad_objects_kept", "unproven"): s.failed_objects_kept,

@@ -324,7 +324,9 @@ async def test_extend_rejects_a_bad_token_count(bad: object) -> None:
 async def test_kv_backpressure_keeps_extend_alive_under_a_stuck_store(share: float) -> None:
     """Long prompts against a store that acknowledges nothing: without the rule, offload
     locks take the whole KV pool and extend fails; with it, offloads are skipped (counted)."""
-    config = LinkerConfig(staging_bytes_per_pool=SMALL, kv_backpressure_share=share,
+    # one stage: the rule is about offloads that hold their pages until the store answers
+    # (in two stages the pages are free once copied: tests/runtime/test_two_stage_linker.py)
+    config = LinkerConfig(staging_bytes_per_pool=SMALL, kv_backpressure_share=share, two_stage_offload=False,
                           mamba_backpressure=False, close_timeout_s=0.05,
                           resilience=attrs.evolve(FAST, call_timeout_s=600, close_grace_s=0.05))
     failures = 0

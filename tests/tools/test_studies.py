@@ -62,7 +62,8 @@ def test_the_device_pool_sweep_runs_each_workload_pool_and_seed(tmp_path: Path,
         ("agentic", 4096, 0), ("agentic", 512, 0), ("mooncake", 4096, 0), ("mooncake", 512, 0)]
     for row in data["rows"]:
         assert {"of_bound", "offloads_skipped_kv", "load_misses", "load_waits", "load_waits_recomputed"} <= set(row)
-        assert row["host_staging_full"] == "n/a"  # no host staging yet
+        # the two-stage offload's count (it was "n/a" before host staging existed)
+        assert isinstance(row["host_staging_full"], int) and row["host_staging_full"] >= 0
         assert row["mismatches"] == 0 and row["leaks"] == 0
     assert [(p["workload"], p["kv_pages"], p["runs"]) for p in data["points"]] == [
         ("agentic", 4096, 1), ("agentic", 512, 1), ("mooncake", 4096, 1), ("mooncake", 512, 1)]

@@ -89,6 +89,7 @@ def summarize(run: StressRun, stats: Any, pool_stats: dict[str, Any], locked: in
         "touches": stats.touches,
         "offloads_skipped_kv": stats.offloads_skipped_kv,
         "offloads_skipped_breaker": stats.offloads_skipped_breaker,
+        "offloads_skipped_staging": stats.offloads_skipped_staging,  # host staging full (two stages)
         "bad_objects_removed": stats.bad_objects_removed,
         "partial_loads": stats.partial_loads,
         "partial_pages_lost": stats.partial_pages_lost,

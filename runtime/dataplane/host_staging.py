@@ -1,0 +1,113 @@
+"""Host staging: the byte budget of the two-stage offload and the frames it holds while they drain.
+
+An offload in two stages (``docs/design/host-staging.md`` §4e) first copies its objects from the
+pool's rows into sealed frames of its own in host memory (stage 1, ``runtime/dataplane/drain_route.py``),
+after which the rows are free again, then puts those frames to the store at the store's pace
+(stage 2). :class:`HostStaging` is the one budget every pool actor of a data plane shares: a
+submission's frames are charged when it is planned (``DataPlane.prepare_offload``) and released
+when the store answered or the frames were dropped. A submission the budget cannot take is
+refused (:class:`HostStagingFullError`), so the caller skips the offload and counts it.
+
+The budget's default (:func:`derive_budget`) is twice the bytes of the pools the data plane
+offloads (SGLang HiCache's ``--hicache-ratio 2``), capped at a quarter of the host's physical
+memory, and never below one object of every pool (the smallest offload there is).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+
+class HostStagingFullError(RuntimeError):
+    """The host staging budget cannot take this offload's frames now: skip it."""
+
+
+def physical_memory_bytes() -> int:
+    """The host's physical memory in bytes (0 where the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def derive_budget(pool_bytes: int, smallest: int, physical: int | None = None) -> int:
+    """The default budget: ``2 × pool_bytes``, at most a quarter of ``physical`` memory (the
+    host's when None), at least ``smallest`` (one object of every pool)."""
+    physical = physical_memory_bytes() if physical is None else physical
+    budget = 2 * pool_bytes
+    if physical > 0:
+        budget = min(budget, physical // 4)
+    return max(budget, smallest)
+
+
+def check_budget(field: str, value: Any, smallest: int, physical: int | None = None) -> int:
+    """``value`` as a budget in bytes, or ``ValueError`` naming ``field``: an int (not a bool,
+    NaN or a float), at least ``smallest`` (one object of every pool: a budget below it could
+    take no offload at all) and at most the host's physical memory."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{field} must be a finite int of bytes, got {value!r}")
+        raise ValueError(f"{field} must be an int of bytes, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{field} must be > 0 bytes, got {value!r}")
+    if value < smallest:
+        raise ValueError(f"{field} must be at least {smallest} bytes (one object of every pool), got {value!r}")
+    physical = physical_memory_bytes() if physical is None else physical
+    if physical > 0 and value > physical:
+        raise ValueError(f"{field}={value} exceeds the host's physical memory ({physical} bytes)")
+    return value
+
+
+def check_optional_budget(field: str, value: Any) -> None:
+    """The part of :func:`check_budget` a config can check before it knows the pools: None, or
+    a positive int no larger than the host's memory."""
+    if value is not None:
+        check_budget(field, value, 1)
+
+
+def staging_for(field: str, value: Any, pools: Sequence[tuple[int, int]]) -> HostStaging:
+    """The budget of a data plane whose pools hold ``pools[i] = (objects, staged bytes per
+    object)``: ``value`` checked (:func:`check_budget`, naming ``field``), or derived when None."""
+    smallest = sum(per for _, per in pools)
+    total = sum(n * per for n, per in pools)
+    return HostStaging(derive_budget(total, smallest) if value is None else check_budget(field, value, smallest))
+
+
+class HostStaging:
+    """The byte budget of host staging and what it has seen. See the module doc."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0  # bytes charged by submissions whose store answer has not come
+        self.peak = 0
+        self.charged = 0  # submissions charged
+        self.refused = 0  # submissions the budget could not take
+        self.dropped_objects = 0  # frames dropped unput (the plane was told to drop them)
+        #: stage 2 stops putting: queued frames end as failed, counted (``DataPlane.drop_staged``)
+        self.dropping = False
+
+    def try_charge(self, nbytes: int) -> bool:
+        """Charge ``nbytes`` if the budget has room for them (False: it has not; nothing charged)."""
+        if self.used + nbytes > self.capacity:
+            self.refused += 1
+            return False
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        self.charged += 1
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        assert self.used >= 0, "host staging released more bytes than it charged"
+
+    def figures(self) -> dict[str, int]:
+        return {"host_staging_capacity_bytes": self.capacity, "host_staging_used_bytes": self.used,
+                "host_staging_peak_bytes": self.peak, "host_staging_refused": self.refused,
+                "host_staging_dropped_objects": self.dropped_objects}
+
+
+__all__ = ["HostStaging", "HostStagingFullError", "check_budget", "check_optional_budget", "derive_budget",
+           "physical_memory_bytes", "staging_for"]
