@@ -159,7 +159,7 @@ class OffloadRoom(LinkerRoom):
         # so no other task passes the backpressure check above on a stale count
         transfers.sort(key=lambda t: t.pool is not PoolKind.MAMBA)
         try:  # two stages: the frames' bytes are charged here, or the budget is full
-            ticket: OffloadTicket | None = self.data.prepare_offload(transfers, fence=fence, request_id=req.id)
+            ticket = self.data.prepare_offload(transfers, fence=fence, request_id=req.id)
         except HostStagingFullError as exc:
             self._c["offloads_skipped_staging"] += 1
             trace("offload.skipped", request_id=req.id, reason="host_staging_full", error=str(exc))
@@ -177,7 +177,6 @@ class OffloadRoom(LinkerRoom):
         self.locked_nodes += len(locked)
         self._begin()
         try:
-            assert ticket is not None
             await self.data.submit(ticket)
         finally:
             spawned[0] = True
@@ -332,9 +331,11 @@ class OffloadRoom(LinkerRoom):
         every node it planned (split fragments sit on them). In two stages a planned node may
         have been evicted after its copy (detached: its path is itself), so a fragment split
         off it may be anywhere in the tree: then every node is looked at."""
-        nodes = {n.id: n for n in (*end.path(), *planned)}
+        on_path = {n.id: n for n in end.path()}
+        nodes = {**on_path, **{n.id: n for n in planned}}
         for p in planned:
-            nodes.update((n.id, n) for n in p.path())
+            if p.id not in on_path:  # on end's path, its own path is a part of end's
+                nodes.update((n.id, n) for n in p.path())
         if any(p.parent is None for p in planned):
             nodes.update((n.id, n) for n in self.tree.tree.nodes())
         return list(nodes.values())
