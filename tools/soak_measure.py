@@ -14,6 +14,7 @@ only history: a long soak halves them (every other one dropped) when they reach
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -67,17 +68,24 @@ def resident_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
-def _malloc_trim() -> bool:
-    """glibc's ``malloc_trim(0)``: free memory the allocator holds goes back to the system.
-    False where the C library has none."""
+@functools.cache
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once; None where the C library has none."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "malloc_trim"):
+    return getattr(libc, "malloc_trim", None)
+
+
+def _malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: free memory the allocator holds goes back to the system.
+    False where the C library has none."""
+    trim = _libc_malloc_trim()
+    if trim is None:
         return False
-    libc.malloc_trim(0)
+    trim(0)
     return True
 
 
