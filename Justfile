@@ -14,18 +14,23 @@ run *ARGS: setup
 
 # the whole test suite, slow suites and the real Mooncake master included, then the fleet suite,
 # the SGLang plugin's suites (SGLang's cache, SGLang's real server) and the vLLM connector's,
-# then the wheel installed into a fresh virtualenv (.ci/wheel-check.sh, ~2 minutes); the engine
-# virtualenvs build in the background while the main suite runs (.ci/engine-venvs.sh)
+# the wheel installed into a fresh virtualenv (.ci/wheel-check.sh, ~2 minutes), then UMBP's; the
+# engine virtualenvs build in the background while the main suite runs, or one at a time beside
+# their suites where the disk is short (.ci/engine-venvs.sh says which)
 test *ARGS: setup
     bash .ci/engine-venvs.sh start
     {{py}} -m pytest -q -ra {{ARGS}}
     just test-fleet
     bash .ci/engine-venvs.sh wait
-    .venv-sglang/bin/python -m pytest -c tests/engines/sglang/pytest.ini -q -ra tests/engines/sglang
+    just test-sglang
+    bash .ci/engine-venvs.sh release sglang
     just test-sglang-server
+    bash .ci/engine-venvs.sh release sglang-server
     just test-vllm
-    just test-umbp
     bash .ci/wheel-check.sh
+    bash .ci/engine-venvs.sh release vllm
+    just test-umbp
+    bash .ci/engine-venvs.sh release umbp
 
 # the fleet suite: a Mooncake master and engine hosts in network namespaces (needs root and `ip`;
 # without them it fails saying so)
