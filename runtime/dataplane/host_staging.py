@@ -15,10 +15,13 @@ memory, and never below one object of every pool (the smallest offload there is)
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
+
+import attrs
+
+from ...stores.config_rules import number_check, owner_field
 
 
 class HostStagingFullError(RuntimeError):
@@ -45,20 +48,21 @@ def derive_budget(pool_bytes: int, smallest: int, physical: int | None = None) -
 
 def check_budget(field: str, value: Any, smallest: int, physical: int | None = None) -> int:
     """``value`` as a budget in bytes, or ``ValueError`` naming ``field``: an int (not a bool,
-    NaN or a float), at least ``smallest`` (one object of every pool: a budget below it could
-    take no offload at all) and at most the host's physical memory."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{field} must be a finite int of bytes, got {value!r}")
-        raise ValueError(f"{field} must be an int of bytes, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{field} must be > 0 bytes, got {value!r}")
+    NaN or a float) > 0 (``stores/config_rules.number_check``), at least ``smallest`` (one object
+    of every pool: a budget below it could take no offload at all) and at most the host's
+    physical memory."""
+    wrong = _bytes_rule(value)
+    if wrong is not None:
+        raise ValueError(f"{field} {wrong}")
     if value < smallest:
         raise ValueError(f"{field} must be at least {smallest} bytes (one object of every pool), got {value!r}")
     physical = physical_memory_bytes() if physical is None else physical
     if physical > 0 and value > physical:
         raise ValueError(f"{field}={value} exceeds the host's physical memory ({physical} bytes)")
-    return value
+    return int(value)
+
+
+_bytes_rule = number_check(above=0, integer=True)
 
 
 def check_optional_budget(field: str, value: Any) -> None:
@@ -66,6 +70,12 @@ def check_optional_budget(field: str, value: Any) -> None:
     a positive int no larger than the host's memory."""
     if value is not None:
         check_budget(field, value, 1)
+
+
+def optional_budget(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """:func:`check_optional_budget` as an attrs validator naming ``Owner.field`` (the
+    ``host_staging_bytes`` of ``LinkerConfig``, ``DataPlaneConfig`` and the plugins' configs)."""
+    check_optional_budget(owner_field(instance, attribute), value)
 
 
 def staging_for(field: str, value: Any, pools: Sequence[tuple[int, int]]) -> HostStaging:

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
-from ...stores.config_rules import non_negative, positive, share
+from ...stores.config_rules import non_negative, number_rule, positive, share
 from ...stores.framing import Integrity
 from ...stores.resilient import ResiliencePolicy
-from ..dataplane.host_staging import check_optional_budget
+from ..dataplane.host_staging import optional_budget
 
 _positive = positive()
 _share = share()
 
 
-def _size(inst: Any, attr: Any, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"LinkerConfig.{attr.name} must be an int >= 0, got {value!r}")
-
-
-def _budget(inst: Any, attr: Any, value: Any) -> None:
-    check_optional_budget(f"LinkerConfig.{attr.name}", value)
+_size = number_rule(at_least=0, integer=True)
 
 
 def _integrity(value: Integrity | str) -> Integrity:
@@ -90,7 +82,7 @@ class LinkerConfig:
     #: the byte budget of those host frames (None: twice the bytes of the pools, at most a
     #: quarter of the host's memory; ``runtime/dataplane/host_staging.py``). A full budget skips
     #: the offload (``offloads_skipped_staging``)
-    host_staging_bytes: int | None = attrs.field(default=None, validator=_budget)
+    host_staging_bytes: int | None = attrs.field(default=None, validator=optional_budget)
     #: TOUCH batches: how long the toucher waits to gather touches into one call
     touch_batch_s: float = attrs.field(default=0.005, validator=_positive)
     #: what a stored object's frame proves: ``"checksum"`` (header and a payload checksum) or

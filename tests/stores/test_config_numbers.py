@@ -102,3 +102,18 @@ def test_int_settings_refuse_non_finite_too() -> None:
 def test_fault_plan_from_the_faults_key() -> None:
     with pytest.raises(PluginConfigError, match="latency_ms"):
         SGLangLinkerConfig.from_extra_config({"faults": "latency_ms=nan"})
+
+
+@pytest.mark.parametrize(("build", "named"), [
+    (lambda v: LinkerConfig(in_place_min_bytes=v), r"LinkerConfig\.in_place_min_bytes must be an int >= 0"),
+    (lambda v: DataPlaneConfig(in_place_min_bytes=v), r"DataPlaneConfig\.in_place_min_bytes must be an int >= 0"),
+    (lambda v: DataPlaneConfig(layer_groups=v), r"DataPlaneConfig\.layer_groups must be an int > 0"),
+    (lambda v: LinkerConfig(host_staging_bytes=v), r"LinkerConfig\.host_staging_bytes must be an int > 0"),
+    (lambda v: DataPlaneConfig(host_staging_bytes=v), r"DataPlaneConfig\.host_staging_bytes must be an int > 0"),
+])
+@pytest.mark.parametrize("value", [2.0, math.nan, True, "4"])
+def test_int_only_settings_refuse_every_non_int(build: Any, named: str, value: object) -> None:
+    # the integer form of the one number rule (stores/config_rules.number_check): a whole float is
+    # still not a count of bytes or layer groups
+    with pytest.raises(ValueError, match=named):
+        build(value)
