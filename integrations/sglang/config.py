@@ -58,9 +58,10 @@ class SGLangLinkerConfig(PluginConfig):
     offload_max_inflight: int = attrs.field(default=256, validator=_positive)
     #: the same bound on the payload bytes those offloads name (one offload alone may pass it)
     offload_max_inflight_mb: int = attrs.field(default=2048, validator=_positive)
-    #: offload in two stages (docs/design/host-staging.md): SGLang's node (its device rows and
-    #: state slot) is reported finished once its bytes are sealed in host staging, and the frames
-    #: drain to the store after; off: the node stays locked until the store answered
+    #: offload in two stages (docs/design/host-staging.md): SGLang's node is reported back, as
+    #: not stored (its device rows and state slot unlock), once its bytes are sealed in host
+    #: staging, and the frames drain to the store after; the node is marked stored when SGLang
+    #: offers it again after the store acknowledged it. Off: the node stays locked until the store answered
     two_stage_offload: bool = True
     #: the host staging budget in bytes (None: the data plane's default, twice the pools' bytes
     #: and at most a quarter of the host's memory, capped at ``offload_max_inflight_mb``); a
