@@ -41,7 +41,9 @@ PLUGIN = {"linker": "HylinkerLinker", "linker_module_path": "hylinker.integratio
 PASS_THROUGH = "deadline_ms=600000"  # a FaultyStore that injects nothing: the slow put is swapped in
 
 
-def mode_config(mode: str) -> dict[str, Any]:
+def mode_config(mode: str, host_staging_mb: int | None = None) -> dict[str, Any]:
+    if mode == "two-stage" and host_staging_mb is not None:
+        return {"two_stage_offload": True, "host_staging_bytes": host_staging_mb << 20}
     if mode == "one-stage":
         return {"two_stage_offload": False}
     if mode == "two-stage":
@@ -102,13 +104,13 @@ def admit(cache: Any, tokens: int, timeout_s: float = 120.0) -> float:
 
 
 def run_mode(mode: str, requests: list[list[int]], kv_pages: int, mamba_slots: int, put_ms: float,
-             step_ms: float = 0.0) -> dict[str, Any]:
+             step_ms: float = 0.0, host_staging_mb: int | None = None) -> dict[str, Any]:
     from ..harness.sglang_cache import CacheSpec, SGLangCache
 
     spec = CacheSpec(kv="mla", num_layers=4, full_layers=(1, 3), kv_pages=kv_pages, mamba_slots=mamba_slots,
                      max_reqs=4, max_context=max(len(r) for r in requests) + 8)
     cache = SGLangCache(spec, {**PLUGIN, "linker_extra_config": {
-        "faults": PASS_THROUGH, "store_timeout_s": 60.0, "capacity_mb": 1024, **mode_config(mode)}})
+        "faults": PASS_THROUGH, "store_timeout_s": 60.0, "capacity_mb": 1024, **mode_config(mode, host_staging_mb)}})
     linker = cache.linker
     linker.store._inner = slow_puts(linker.store.inner, put_ms / 1e3)
     out: dict[str, Any] = {"mode": mode, "requests": len(requests)}
@@ -186,11 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--put-ms", type=float, default=20.0, help="store put latency per call")
     parser.add_argument("--step-ms", type=float, default=40.0,
                         help="scheduler time per request after its prefill (its decode steps)")
+    parser.add_argument("--host-staging-mb", type=int, default=None,
+                        help="two-stage: host_staging_bytes in MiB (default: the plugin's derived budget)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     host = host_record()
     requests = workload(args.conversations, args.turns, args.turn_tokens)
-    results = [run_mode(m, requests, args.kv_pages, args.mamba_slots, args.put_ms, args.step_ms) for m in args.modes]
+    results = [run_mode(m, requests, args.kv_pages, args.mamba_slots, args.put_ms, args.step_ms,
+                        args.host_staging_mb) for m in args.modes]
     host = finish(host)
     print(describe(host))
     print(table(results))
