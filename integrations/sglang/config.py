@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from ...runtime.dataplane.host_staging import check_optional_budget
 from ...stores.resilient import ResiliencePolicy
 from ..config import TRACE_ENV, PluginConfig, PluginConfigError, range_validators
 
@@ -25,6 +26,15 @@ from ..config import TRACE_ENV, PluginConfig, PluginConfigError, range_validator
 LinkerConfigError = PluginConfigError
 
 _positive, _non_negative = range_validators(PluginConfigError)
+_BUDGET_KEY = "host_staging_bytes"
+
+
+def _budget(inst: Any, attr: Any, value: Any) -> None:
+    """The data plane's rule for a host staging budget (``runtime/dataplane/host_staging.py``)."""
+    try:
+        check_optional_budget(f"[{attr.name!r}]", value)
+    except ValueError as exc:
+        raise PluginConfigError(str(exc)) from None
 
 
 @attrs.frozen
@@ -48,13 +58,31 @@ class SGLangLinkerConfig(PluginConfig):
     offload_max_inflight: int = attrs.field(default=256, validator=_positive)
     #: the same bound on the payload bytes those offloads name (one offload alone may pass it)
     offload_max_inflight_mb: int = attrs.field(default=2048, validator=_positive)
+    #: offload in two stages (docs/design/host-staging.md): SGLang's node is reported back, as
+    #: not stored (its device rows and state slot unlock), once its bytes are sealed in host
+    #: staging, and the frames drain to the store after; the node is marked stored when SGLang
+    #: offers it again after the store acknowledged it. Off: the node stays locked until the store answered
+    two_stage_offload: bool = True
+    #: the host staging budget in bytes (None: the data plane's default, twice the pools' bytes
+    #: and at most a quarter of the host's memory, capped at ``offload_max_inflight_mb``); a
+    #: full budget refuses the offload (``offloads_refused_staging``)
+    host_staging_bytes: int | None = attrs.field(default=None, validator=_budget)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *,
                           where: str = "linker_extra_config") -> SGLangLinkerConfig:
+        budget = None
+        if isinstance(extra, Mapping) and _BUDGET_KEY in extra:  # an int or None: not the parser's str rule
+            extra = dict(extra)
+            budget = extra.pop(_BUDGET_KEY)
         config = super().from_extra_config(extra, where=where)
         assert isinstance(config, SGLangLinkerConfig)
-        return config
+        if budget is None:
+            return config
+        try:
+            return attrs.evolve(config, host_staging_bytes=budget)
+        except PluginConfigError as exc:
+            raise PluginConfigError(f"{where}{exc}") from None
 
     def resilience(self) -> ResiliencePolicy:
         """The store's one retry rule (``stores/resilient.py``) from these keys: every store

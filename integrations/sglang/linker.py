@@ -31,6 +31,13 @@ pool views of SGLang's tensors (``integrations/sglang/pools.py``), its store wra
   ``offload_max_inflight_mb`` of payload) accepted and not yet reported back; beyond it
   ``offload`` refuses, so SGLang unlocks the node at once instead of holding its rows behind a
   store that does not drain;
+* **two-stage offload** (``two_stage_offload``, on by default): an offload is reported back once
+  its bytes are sealed in host staging, so SGLang unlocks the node's rows then, and the frames
+  drain to the store after. SGLang's one result both unlocks and marks the node stored, so it
+  is reported as not stored (False): the node is offered again on its next hit, and what the
+  store acknowledged meanwhile is not written again (that offload reports True). Host staging
+  has a byte budget (``host_staging_bytes``); an offload it cannot take reports False
+  (``offloads_refused_staging``). Lookups ask the store: a prefix is found once it acknowledged;
 * **no re-offload of restored pages**: what a load just restored is not written back when the
   request's insert offloads it;
 * MHA full-attention pools (SGLang's linker takes MLA only), dense models (component FULL
@@ -62,6 +69,7 @@ from ...components.layout import PoolKind
 from ...components.lookup import ALL_PAGES, TRAILING_PAGES, restorable_stops, window
 from ...components.pool_view import PoolSet, PoolViewError
 from ...runtime.dataplane.events import record_fence
+from ...runtime.dataplane.host_staging import HostStagingFullError
 from ...runtime.dataplane.metrics import (
     Figures,
     plane_figures,
@@ -81,7 +89,7 @@ from .loads import AllEvents, LoadBatch
 from .metrics import METRIC_OF, create_metrics
 from .offloads import OffloadBound, named_bytes
 from .placement import engine_pools, key_suffix, writes
-from .statistics import COUNTERS, POOL_SUMS, STORE_COUNTS, SGLangLinkerStatistics
+from .statistics import COUNTERS, POOL_SUMS, STAGING_FIGURES, STORE_COUNTS, SGLangLinkerStatistics
 from .store_probe import StoreProbe
 from .transfers import TransferNames
 
@@ -158,8 +166,15 @@ class HylinkerLinker(UnifiedCacheLinker):
         biggest = max(v.payload_bytes for v in views.values())
         staging = max(self.config.staging_mb << 20, 4 * biggest)
         plane_config = DataPlaneConfig(staging_bytes_per_pool=staging, verify_all_staging_bytes=staging,
-                                       integrity=self.config.integrity_level)
+                                       integrity=self.config.integrity_level,
+                                       two_stage_offload=self.config.two_stage_offload,
+                                       host_staging_bytes=self.config.host_staging_bytes)
         self.data = SyncDataPlane(views, self._open_store, plane_config, fingerprint=self.fingerprint)
+        #: two stages: the data plane's host staging budget; a derived one at most offload_max_inflight_mb
+        self.host_staging = self.data.plane.host_staging
+        if self.host_staging is not None and self.config.host_staging_bytes is None:
+            self.host_staging.cap(self.config.offload_max_inflight_mb << 20)
+        self._draining: set[concurrent.futures.Future[TransferOutcome]] = set()  # two stages: puts not yet answered
         store = self.data.store
         assert isinstance(store, ResilientStore)
         self.store: ResilientStore = store
@@ -327,15 +342,54 @@ class HylinkerLinker(UnifiedCacheLinker):
         t0 = time.perf_counter()
         trace("sglang.offload", session_id=session_id or "", objects=sum(len(t.keys) for t in trs),
               skipped=len(keys) - sum(len(t.keys) for t in trs))
-        done = self.data.offload(trs, fence=fence, request_id=session_id or "")
-        done.add_done_callback(lambda f: self._offloaded(result, _ok(f), t0))
+        if self.host_staging is None or not trs:
+            done = self.data.offload(trs, fence=fence, request_id=session_id or "")
+            done.add_done_callback(lambda f: self._offloaded(result, _ok(f), t0))
+            return True
+        # two stages: SGLang hears at the copy (its node unlocks), the counters at the store's answer
+        copied: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        done = self.data.offload(trs, fence=fence, request_id=session_id or "", copied=copied)
+        with self._lock:
+            self._draining.add(done)
+        copied.add_done_callback(lambda f: self._copied(result, f, session_id or ""))
+        written = [key for t in trs for key in t.keys]
+        done.add_done_callback(lambda f: self._offloaded(None, _ok(f), t0, f, written))
         return True
 
-    def _offloaded(self, result: concurrent.futures.Future[bool], ok: bool, t0: float | None = None) -> None:
+    def _copied(self, result: concurrent.futures.Future[bool], copied: concurrent.futures.Future[bool],
+                session_id: str) -> None:
+        """Stage 1 ended: SGLang's result, popped next round, unlocks its node. Always False ("not
+        stored"): SGLang's only other answer would mark the node stored before the store
+        acknowledged it, and a failed put would then never be offered again (design: sglang.md)."""
+        exc = copied.exception()
+        if isinstance(exc, HostStagingFullError):
+            self._count("offloads_refused_staging")
+            trace("sglang.offload.skipped", session_id=session_id, reason="host_staging_full", error=str(exc))
+        result.set_result(False)
+
+    def _offloaded(self, result: concurrent.futures.Future[bool] | None, ok: bool, t0: float | None = None,
+                   done: concurrent.futures.Future[TransferOutcome] | None = None,
+                   written: Sequence[str] = ()) -> None:
+        if done is not None:  # two stages: the store answered a drained offload
+            with self._lock:
+                self._draining.discard(done)
+            if isinstance(done.exception(), HostStagingFullError):
+                return  # never ran: counted at the copy (offloads_refused_staging)
+            if ok:  # stored: the node's next offer writes nothing and reports True
+                self._ends.restored.add(written)
         self._count("offloads_ok" if ok else "offloads_failed")
         if t0 is not None and self.metrics is not None:
             self.metrics.observe("offload_seconds", time.perf_counter() - t0)
-        result.set_result(ok)
+        if result is not None:
+            result.set_result(ok)
+
+    def wait_drained(self, timeout_s: float | None = None) -> bool:
+        """Wait until every offload reported back to SGLang also has the store's answer (two
+        stages: its frames drained from host staging); False if ``timeout_s`` passed first."""
+        with self._lock:
+            draining: list[concurrent.futures.Future[TransferOutcome]] = list(self._draining)
+        _, left = concurrent.futures.wait(draining, timeout=timeout_s)
+        return not left
 
     def num_completed_offloads(self) -> int:
         self._probe.new_round()  # called once per scheduler round
@@ -363,9 +417,17 @@ class HylinkerLinker(UnifiedCacheLinker):
     def close(self) -> None:
         if self._closed:
             return
-        pending = [f for f in self._offloads.results if not f.done()]
+        drain_end = time.monotonic() + self.config.drain_timeout_s
+        with self._lock:
+            draining = list(self._draining)
+        pending: list[concurrent.futures.Future[Any]] = [f for f in self._offloads.results if not f.done()]
+        pending += draining
         if pending:  # writes in flight get drain_timeout_s, then the store fails fast
-            concurrent.futures.wait(pending, timeout=self.config.drain_timeout_s)
+            concurrent.futures.wait(pending, timeout=_left(drain_end))
+        if self.host_staging is not None and any(not f.done() for f in draining):
+            # frames still waiting for their put are dropped: failed, counted, never marked stored
+            with contextlib.suppress(Exception):
+                self.data.drop_staged()
         with contextlib.suppress(Exception):  # the last figures; a dead store must not stop close
             self._publish_metrics(force=True)
         # everything after the drain shares one deadline: SGLang's scheduler waits for close()
@@ -395,6 +457,9 @@ class HylinkerLinker(UnifiedCacheLinker):
         with self._lock:
             out = {name: self._c[name] for name in COUNTERS}
         out.update(self._offloads.figures())
+        if self.host_staging is not None:
+            figures = self.host_staging.figures()
+            out.update({name: figures[name] for name in STAGING_FIGURES})
         pools = self.data.pool_statistics().values()
         out.update({name: sum(int(getattr(p, name)) for p in pools) for name in POOL_SUMS})
         res = self.store.resilience()

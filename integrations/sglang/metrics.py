@@ -44,6 +44,7 @@ METRIC_OF: dict[str, tuple[str, ...]] = {
     "offloads_ok": ("offloads", "ok"),
     "offloads_failed": ("offloads", "failed"),
     "offloads_refused": ("offloads", "refused"),
+    "offloads_refused_staging": ("objects_skipped", "host_staging_full"),
     "objects_skipped_restored": ("objects_skipped", "restored"),
     "bad_objects_removed": ("bad_objects_removed",),
     "bad_objects_rewritten": ("bad_objects_kept", "rewritten"),

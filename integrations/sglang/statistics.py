@@ -9,7 +9,7 @@ COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_errors", "lookups
             "lookups_over_budget", "hit_tokens", "touches",
             "objects_skipped_restored", "loads_refused", "load_batches", "loads_ok", "loads_failed",
             "loads_cancelled", "bad_objects_removed", "bad_objects_rewritten", "failed_objects_kept", "offloads_ok",
-            "offloads_failed", "offloads_refused")
+            "offloads_failed", "offloads_refused", "offloads_refused_staging")
 #: summed over the data plane's pools (``PoolActorStatistics``)
 POOL_SUMS = ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
              "bytes_loaded", "load_misses", "verify_failures", "offload_failures", "rereads_recovered",
@@ -45,11 +45,20 @@ class SGLangLinkerStatistics:
     offloads_ok: int = 0
     offloads_failed: int = 0
     offloads_refused: int = 0  # refused at the in-flight bound (offload_max_inflight[_mb])
+    #: two stages: accepted, then reported False because host staging could not take its frames
+    #: (``host_staging_full``); the node unlocks unstored and is offered again on its next hit
+    offloads_refused_staging: int = 0
     # the in-flight bound's state: offloads accepted and not yet reported back to SGLang
     offloads_in_flight: int = 0
     offload_bytes_in_flight: int = 0  # payload bytes they name
     offloads_in_flight_peak: int = 0  # the most at once since start
     offload_bytes_in_flight_peak: int = 0
+    # host staging (two stages; all 0 in one stage): the budget, bytes held now, the most held
+    # at once, frames dropped unput at close
+    host_staging_capacity_bytes: int = 0
+    host_staging_used_bytes: int = 0
+    host_staging_peak_bytes: int = 0
+    host_staging_dropped_objects: int = 0
     # summed over the data plane's pools
     objects_offloaded: int = 0
     bytes_offloaded: int = 0
@@ -72,4 +81,8 @@ class SGLangLinkerStatistics:
     store_rejected_calls: int = 0
 
 
-__all__ = ["COUNTERS", "POOL_SUMS", "STORE_COUNTS", "SGLangLinkerStatistics"]
+#: copied from the data plane's host staging (``HostStaging.figures``)
+STAGING_FIGURES = ("host_staging_capacity_bytes", "host_staging_used_bytes", "host_staging_peak_bytes",
+                   "host_staging_dropped_objects")
+
+__all__ = ["COUNTERS", "POOL_SUMS", "STAGING_FIGURES", "STORE_COUNTS", "SGLangLinkerStatistics"]

@@ -83,7 +83,9 @@ def staging_for(field: str, value: Any, pools: Sequence[tuple[int, int]]) -> Hos
     object)``: ``value`` checked (:func:`check_budget`, naming ``field``), or derived when None."""
     smallest = sum(per for _, per in pools)
     total = sum(n * per for n, per in pools)
-    return HostStaging(derive_budget(total, smallest) if value is None else check_budget(field, value, smallest))
+    staging = HostStaging(derive_budget(total, smallest) if value is None else check_budget(field, value, smallest))
+    staging.floor = smallest
+    return staging
 
 
 class HostStaging:
@@ -91,6 +93,7 @@ class HostStaging:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.floor = 1  # the smallest budget that can take an offload (one object of every pool)
         self.used = 0  # bytes charged by submissions whose store answer has not come
         self.peak = 0
         self.charged = 0  # submissions charged
@@ -108,6 +111,11 @@ class HostStaging:
         self.peak = max(self.peak, self.used)
         self.charged += 1
         return True
+
+    def cap(self, limit: int) -> None:
+        """Lower the capacity to ``limit`` bytes, never below :attr:`floor` (a derived budget
+        under a user's bound: the SGLang plugin's ``offload_max_inflight_mb``)."""
+        self.capacity = max(self.floor, min(self.capacity, limit))
 
     def release(self, nbytes: int) -> None:
         self.used -= nbytes

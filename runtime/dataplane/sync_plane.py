@@ -295,26 +295,43 @@ class SyncDataPlane:
         return bool(self._portal.call(ticket.cancel))
 
     def offload(self, transfers: Sequence[Transfer], *, fence: DeviceEvent | None = None,
-                request_id: str = "") -> concurrent.futures.Future[TransferOutcome]:
-        """Queue an offload; the future (and the FIFO) gets its outcome."""
+                request_id: str = "", copied: concurrent.futures.Future[bool] | None = None,
+                ) -> concurrent.futures.Future[TransferOutcome]:
+        """Queue an offload; the future (and the FIFO) gets its outcome. ``copied``, if given,
+        resolves once no job reads the offload's rows any more (``OffloadTicket.copied``: in
+        two stages, its frames are sealed in host staging; in one stage, it ended): True, or
+        False if the offload already ended failed by then; it fails as the outcome does when
+        the offload never ran (a full host staging budget: ``HostStagingFullError``)."""
         self._check()
         self.plane._jobs(transfers, fence, request_id)
         result: concurrent.futures.Future[TransferOutcome] = concurrent.futures.Future()
+        ends: list[concurrent.futures.Future[Any]] = [result] if copied is None else [result, copied]
 
         async def run() -> None:
             try:
                 ticket = await self.plane.offload(transfers, fence=fence, request_id=request_id)
+                if copied is not None:
+                    await ticket.copied()
+                    copied.set_result(ticket.outcome.ok if ticket.outcome is not None else True)
                 result.set_result(await ticket.wait())
             except BaseException as exc:
-                result.set_exception(exc)
+                for end in ends:
+                    _fail_future(end, exc)
 
+        failed = functools.partial(_fail_all, ends)
         if not self._completion_fifo:
-            self._spawn(run, functools.partial(_fail_future, result))
+            self._spawn(run, failed)
             return result
         with self._fifo_lock:  # FIFO order = submission order = queue order (tasks start in order)
             self._fifo.append(result)
-            self._spawn(run, functools.partial(_fail_future, result))
+            self._spawn(run, failed)
         return result
+
+    def drop_staged(self) -> None:
+        """``DataPlane.drop_staged`` on the loop: offloads still waiting for their put end
+        failed, their frames released and counted (two stages; a no-op otherwise)."""
+        if not self._closed:
+            self._portal.call(self.plane.drop_staged)
 
     def _check_fifo(self) -> None:
         if not self._completion_fifo:
@@ -406,6 +423,11 @@ async def _call(fn: Callable[[], Store] | Callable[[], Awaitable[Store]]) -> Sto
         return await store
     return store
 
+
+
+def _fail_all(futures: Sequence[concurrent.futures.Future[Any]], exc: BaseException) -> None:
+    for future in futures:
+        _fail_future(future, exc)
 
 
 def _fail_future(future: concurrent.futures.Future[Any], exc: BaseException) -> None:

@@ -30,6 +30,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "bench-sglang": Benchmark("sglang", "hylinker's SGLang plugin vs SGLang's "
                                         "MooncakeDirectLinker inside SGLang's cache "
                                         "(.venv-sglang)", "sglang"),
+    "bench-sglang-pool": Benchmark("sglang_pool", "SGLang's real cache at a device pool small enough "
+                                                  "to evict: store hit tokens, two-stage vs one-stage "
+                                                  "offload vs an unbounded in-flight limit (.venv-sglang)",
+                                   "sglang"),
     "bench-vllm": Benchmark("vllm", "vLLM CPU build: time to first token restore vs recompute, "
                                     "decode steps (.venv-vllm)", "vllm"),
     "bench-vllm-peers": Benchmark("vllm_peers", "vLLM CPU build: hylinker's connector against "

@@ -380,7 +380,8 @@ class SGLangCache:
 
     # ---- scheduler housekeeping -----------------------------------------------------
     def settle(self, timeout_s: float = 30.0) -> None:
-        """Poll ``check_hicache_events`` until every pending offload has reported."""
+        """Poll ``check_hicache_events`` until every pending offload has reported, and (two-stage
+        offload) until the store answered every offload reported before its put ended."""
         wrapper = self.cache.linker
         if wrapper is None:
             return
@@ -392,6 +393,9 @@ class SGLangCache:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(wrapper.pending_offloads)} offloads did not report")
             time.sleep(0.0005)
+        drained = getattr(self.linker, "wait_drained", None)  # hylinker's linker, not SGLang's own
+        if drained is not None and not drained(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("offloads still draining from host staging")
 
     def flush(self) -> None:
         """SGLang's cache flush (``Scheduler.flush_cache``): the device tree and allocators are

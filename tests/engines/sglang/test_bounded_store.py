@@ -94,7 +94,9 @@ def test_lookups_share_one_budget_per_scheduler_round(caches: list[SGLangCache])
 # ---- item 5: offloads in flight are bounded ----------------------------------------------------
 def test_offloads_beyond_the_bound_are_refused_and_unlocked(caches: list[SGLangCache]) -> None:
     bound = 4
-    cache = build(caches, faults=PASS_THROUGH, offload_max_inflight=bound, store_timeout_s=60.0)
+    # one stage: the bound counts nodes locked until the store answers (two stages: test_two_stage_sglang.py)
+    cache = build(caches, faults=PASS_THROUGH, offload_max_inflight=bound, store_timeout_s=60.0,
+                  two_stage_offload=False)
     linker = cache.linker
     gated = GatedStore(linker.store.inner, hold_puts=True)  # the store takes no write
     linker.store._inner = gated
@@ -135,7 +137,7 @@ def test_offloads_beyond_the_bound_are_refused_and_unlocked(caches: list[SGLangC
 def test_default_bound_keeps_state_slots_free_under_a_stalled_store(caches: list[SGLangCache]) -> None:
     # "Can not alloc mamba cache": nodes locked by offloads that never drain hold every state
     # slot, and the next request cannot get one. The default bound keeps half the slots free
-    cache = build(caches, faults=PASS_THROUGH, store_timeout_s=60.0)
+    cache = build(caches, faults=PASS_THROUGH, store_timeout_s=60.0, two_stage_offload=False)
     linker = cache.linker
     gated = GatedStore(linker.store.inner, hold_puts=True)
     linker.store._inner = gated

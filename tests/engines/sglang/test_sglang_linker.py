@@ -315,7 +315,8 @@ def test_offload_failure_then_retry_on_the_next_hit(caches: list[SGLangCache], c
 
 
 def test_reset_with_transfers_in_flight(caches: list[SGLangCache]) -> None:
-    cache = build_swappable(caches)
+    # one stage: SGLang's offloads stay pending until the store answers (two stages: test_two_stage_sglang.py)
+    cache = build_swappable(caches, two_stage_offload=False)
     gated = GatedStore(store(cache).inner, hold_puts=True)  # writes wait at the gate
     swap_inner(cache, gated)
     cache.serve(A + B, settle=False)  # its offloads are still in the store
