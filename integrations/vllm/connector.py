@@ -44,7 +44,6 @@ import hashlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -70,9 +69,9 @@ from .index import (
     StoreIndex,
     StoreProbe,
 )
+from .metadata import HylinkerConnectorMetadata, HylinkerWorkerMetadata, Tracked
 from .pages import PageTransfers, RawPages, step_staging_bytes
 from .plan import (
-    BlockKeys,
     LoadSpec,
     TransferPlan,
     UnkeyableRequest,
@@ -105,39 +104,6 @@ MIB = 1 << 20
 #: which the load's threads need between their store calls (a 4 K-token restore on Mooncake took
 #: ~4x as long). Blocking releases the GIL and returns as soon as a load ends.
 IDLE_LOAD_WAIT_S = 0.005
-
-
-@dataclass
-class HylinkerConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker side."""
-
-    loads: list[TransferPlan] = field(default_factory=list)
-    failed_loads: list[str] = field(default_factory=list)  # promised loads that cannot run
-    saves: list[TransferPlan] = field(default_factory=list)
-    # no request computes in this step (vLLM steps while requests wait for their loads): the worker
-    # may block briefly on its loads in flight instead of returning to an empty step loop
-    idle: bool = False
-
-
-@dataclass
-class HylinkerWorkerMetadata(KVConnectorWorkerMetadata):
-    """One step's reports of the worker ranks' stores, for the scheduler's index."""
-
-    reports: tuple[RankReport, ...] = ()
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, HylinkerWorkerMetadata)
-        return HylinkerWorkerMetadata(self.reports + other.reports)
-
-
-@dataclass
-class _Tracked:
-    """Scheduler-side state of one request."""
-
-    request: Request
-    keys: BlockKeys  # the request's own keys: its tokens and vLLM's extra keys (request_keys)
-    saved_blocks: int = 0  # attention blocks below this are stored, restored or the engine's own hit
-    stored_states: set[int] = field(default_factory=set)  # boundaries (in blocks) stored or restored
 
 
 class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
@@ -189,7 +155,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters: dict[str, int] = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         # scheduler side
         # bounded: the scheduler's live requests (these four); _forget drops each when it finishes
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, Tracked] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._no_store_hit: set[str] = set()
         self._unkeyable: set[str] = set()  # requests served without the store (request_keys)
@@ -212,7 +178,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
                                f"store {config.store!r}{where}: {exc}") from exc
 
     # ================================ scheduler side ================================
-    def _tracked(self, request: Request) -> _Tracked | None:
+    def _tracked(self, request: Request) -> Tracked | None:
         """The request's state; None for a request its keys cannot describe (no store for it)."""
         rid = request.request_id
         t = self._requests.get(rid)
@@ -220,14 +186,14 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             if rid in self._unkeyable:
                 return None
             try:
-                t = _Tracked(request, request_block_keys(self.seed, self.block_size, request))
+                t = Tracked(request, request_block_keys(self.seed, self.block_size, request))
             except UnkeyableRequest as exc:
                 self._refuse(rid, exc)
                 return None
             self._requests[rid] = t
         return t
 
-    def _keys(self, tracked: _Tracked, n_blocks: int) -> list[bytes] | None:
+    def _keys(self, tracked: Tracked, n_blocks: int) -> list[bytes] | None:
         """The request's first ``n_blocks`` block keys; None (and no store for it from now on)
         where its extra keys cannot be described."""
         try:
