@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...components.identity import model_identity, namespace_term
+from ...runtime.dataplane.host_staging import check_budget
 from ...runtime.dataplane.tracing import trace
 from .. import store_host
 from . import metrics as vllm_metrics
@@ -70,7 +71,7 @@ from .index import (
     StoreProbe,
 )
 from .metadata import HylinkerConnectorMetadata, HylinkerWorkerMetadata, Tracked
-from .pages import PageTransfers, RawPages, step_staging_bytes
+from .pages import PageTransfers, RawPages, derived_staging_bytes, step_staging_bytes
 from .plan import (
     LoadSpec,
     TransferPlan,
@@ -98,7 +99,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.hylinker")  # under vLLM's logger: its format and level
-MIB = 1 << 20
 #: longest a worker blocks in a step that computes nothing, waiting for a load in flight to end.
 #: vLLM steps back to back while a request waits for its load; each empty step holds the GIL,
 #: which the load's threads need between their store calls (a 4 K-token restore on Mooncake took
@@ -356,12 +356,16 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._kv_cache_config is not None and self.host is not None
         pages = RawPages(kv_caches, self._kv_cache_config.num_blocks)
         fingerprint = hashlib.sha256(self.seed + pages.geometry().encode()).digest()
+        budget = self.config.host_staging_bytes
+        if budget is not None:  # at least one object: a smaller budget could take no save at all
+            budget = check_budget("kv_connector_extra_config['host_staging_bytes']", budget, sum(pages.page_bytes))
+        else:
+            budget = derived_staging_bytes(pages, step_staging_bytes(
+                pages, floor_bytes=sum(pages.page_bytes),
+                tokens_per_step=self._vllm_config.scheduler_config.max_num_batched_tokens,
+                block_size=self.block_size, state_groups=len(self.groups.state)))
         self._transfers = PageTransfers(self.host, pages, fingerprint=fingerprint,
-                                        with_state=bool(self.groups.state),
-                                        staging_bytes=step_staging_bytes(
-                                            pages, floor_bytes=self.config.staging_mb * MIB,
-                                            tokens_per_step=self._vllm_config.scheduler_config.max_num_batched_tokens,
-                                            block_size=self.block_size, state_groups=len(self.groups.state)),
+                                        with_state=bool(self.groups.state), staging_bytes=budget,
                                         rank=self.rank,
                                         integrity=self.config.integrity_level, layout=self.layout)
         for plane in (self._transfers.engine_plane, self._transfers.staging_plane):
