@@ -44,7 +44,6 @@ import hashlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -59,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...components.identity import model_identity, namespace_term
+from ...runtime.dataplane.host_staging import check_budget
 from ...runtime.dataplane.tracing import trace
 from .. import store_host
 from . import metrics as vllm_metrics
@@ -70,9 +70,9 @@ from .index import (
     StoreIndex,
     StoreProbe,
 )
-from .pages import PageTransfers, RawPages, step_staging_bytes
+from .metadata import HylinkerConnectorMetadata, HylinkerWorkerMetadata, Tracked
+from .pages import PageTransfers, RawPages, derived_staging_bytes, step_staging_bytes
 from .plan import (
-    BlockKeys,
     LoadSpec,
     TransferPlan,
     UnkeyableRequest,
@@ -99,45 +99,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.hylinker")  # under vLLM's logger: its format and level
-MIB = 1 << 20
 #: longest a worker blocks in a step that computes nothing, waiting for a load in flight to end.
 #: vLLM steps back to back while a request waits for its load; each empty step holds the GIL,
 #: which the load's threads need between their store calls (a 4 K-token restore on Mooncake took
 #: ~4x as long). Blocking releases the GIL and returns as soon as a load ends.
 IDLE_LOAD_WAIT_S = 0.005
-
-
-@dataclass
-class HylinkerConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker side."""
-
-    loads: list[TransferPlan] = field(default_factory=list)
-    failed_loads: list[str] = field(default_factory=list)  # promised loads that cannot run
-    saves: list[TransferPlan] = field(default_factory=list)
-    # no request computes in this step (vLLM steps while requests wait for their loads): the worker
-    # may block briefly on its loads in flight instead of returning to an empty step loop
-    idle: bool = False
-
-
-@dataclass
-class HylinkerWorkerMetadata(KVConnectorWorkerMetadata):
-    """One step's reports of the worker ranks' stores, for the scheduler's index."""
-
-    reports: tuple[RankReport, ...] = ()
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, HylinkerWorkerMetadata)
-        return HylinkerWorkerMetadata(self.reports + other.reports)
-
-
-@dataclass
-class _Tracked:
-    """Scheduler-side state of one request."""
-
-    request: Request
-    keys: BlockKeys  # the request's own keys: its tokens and vLLM's extra keys (request_keys)
-    saved_blocks: int = 0  # attention blocks below this are stored, restored or the engine's own hit
-    stored_states: set[int] = field(default_factory=set)  # boundaries (in blocks) stored or restored
 
 
 class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
@@ -189,7 +155,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.counters: dict[str, int] = dict.fromkeys(SCHEDULER_COUNTERS, 0)
         # scheduler side
         # bounded: the scheduler's live requests (these four); _forget drops each when it finishes
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, Tracked] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._no_store_hit: set[str] = set()
         self._unkeyable: set[str] = set()  # requests served without the store (request_keys)
@@ -212,7 +178,7 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
                                f"store {config.store!r}{where}: {exc}") from exc
 
     # ================================ scheduler side ================================
-    def _tracked(self, request: Request) -> _Tracked | None:
+    def _tracked(self, request: Request) -> Tracked | None:
         """The request's state; None for a request its keys cannot describe (no store for it)."""
         rid = request.request_id
         t = self._requests.get(rid)
@@ -220,14 +186,14 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
             if rid in self._unkeyable:
                 return None
             try:
-                t = _Tracked(request, request_block_keys(self.seed, self.block_size, request))
+                t = Tracked(request, request_block_keys(self.seed, self.block_size, request))
             except UnkeyableRequest as exc:
                 self._refuse(rid, exc)
                 return None
             self._requests[rid] = t
         return t
 
-    def _keys(self, tracked: _Tracked, n_blocks: int) -> list[bytes] | None:
+    def _keys(self, tracked: Tracked, n_blocks: int) -> list[bytes] | None:
         """The request's first ``n_blocks`` block keys; None (and no store for it from now on)
         where its extra keys cannot be described."""
         try:
@@ -390,12 +356,16 @@ class HylinkerConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._kv_cache_config is not None and self.host is not None
         pages = RawPages(kv_caches, self._kv_cache_config.num_blocks)
         fingerprint = hashlib.sha256(self.seed + pages.geometry().encode()).digest()
+        budget = self.config.host_staging_bytes
+        if budget is not None:  # at least one object: a smaller budget could take no save at all
+            budget = check_budget("kv_connector_extra_config['host_staging_bytes']", budget, sum(pages.page_bytes))
+        else:
+            budget = derived_staging_bytes(pages, step_staging_bytes(
+                pages, floor_bytes=sum(pages.page_bytes),
+                tokens_per_step=self._vllm_config.scheduler_config.max_num_batched_tokens,
+                block_size=self.block_size, state_groups=len(self.groups.state)))
         self._transfers = PageTransfers(self.host, pages, fingerprint=fingerprint,
-                                        with_state=bool(self.groups.state),
-                                        staging_bytes=step_staging_bytes(
-                                            pages, floor_bytes=self.config.staging_mb * MIB,
-                                            tokens_per_step=self._vllm_config.scheduler_config.max_num_batched_tokens,
-                                            block_size=self.block_size, state_groups=len(self.groups.state)),
+                                        with_state=bool(self.groups.state), staging_bytes=budget,
                                         rank=self.rank,
                                         integrity=self.config.integrity_level, layout=self.layout)
         for plane in (self._transfers.engine_plane, self._transfers.staging_plane):

@@ -71,7 +71,7 @@ WORKER_FIGURES = {
     "loads_failed": ("loads", "failed"),
     "saves_ok": ("offloads", "ok"),
     "saves_failed": ("offloads", "failed"),
-    "saves_skipped": ("objects_skipped", "no_staging"),
+    "saves_skipped": ("objects_skipped", "host_staging_full"),
     "objects_removed": ("bad_objects_removed",),
     "objects_rewritten": ("bad_objects_kept", "rewritten"),
     "objects_kept": ("bad_objects_kept", "unproven"),

@@ -19,7 +19,11 @@ bytes; the data plane's FULL and MAMBA views both lie on them.
   the store so the next lookup misses instead of failing again;
 * saves copy the offered pages into a private staging area before the step returns (vLLM may
   reuse a block in the next step) and then write them to the store from there, off the
-  forward's path. Without a free staging slot a save is skipped and counted, never blocks.
+  forward's path. The staging area is sized and drained by one host staging budget
+  (:class:`~hylinker.runtime.dataplane.host_staging.HostStaging`, ``docs/design/host-staging.md``):
+  a save's bytes are charged before its copy and released when the store answered; a save the
+  budget cannot take now is skipped and counted (``saves_skipped``, reason
+  ``host_staging_full``), never blocks.
 
 A KV cache in CUDA memory takes the device path (:mod:`~hylinker.integrations.vllm.device_pages`):
 saves are copied on a copy stream of their own, fenced by the forward's event, into pinned
@@ -53,8 +57,10 @@ import torch
 from ...components.layout import PoolKind
 from ...components.pool_view import LayerParts, PoolSet, PoolView
 from ...runtime.dataplane.events import DeviceEvent
+from ...runtime.dataplane.host_staging import HostStaging, derive_budget
 from ...runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
 from ...runtime.dataplane.tickets import TransferOutcome
+from ...runtime.dataplane.tracing import trace
 from ...stores.condemned import remove_condemned
 from ...stores.framing import Integrity
 from ..store_host import StoreHost
@@ -75,6 +81,15 @@ def step_staging_bytes(pages: RawPages, *, floor_bytes: int, tokens_per_step: in
     26 MB), so a fixed small staging area would skip every save."""
     objects = -(-tokens_per_step // max(1, block_size)) + 1 + state_groups
     return max(floor_bytes, objects * sum(pages.page_bytes))
+
+
+def derived_staging_bytes(pages: RawPages, step_bytes: int, physical: int | None = None) -> int:
+    """The default host staging budget of a worker (``host_staging_bytes`` None): the data
+    plane's (:func:`~hylinker.runtime.dataplane.host_staging.derive_budget`: twice the bytes of
+    vLLM's pages, at most a quarter of the host's memory), and never below one step's saves
+    (``step_bytes``, :func:`step_staging_bytes`)."""
+    per_object = sum(pages.page_bytes)
+    return max(derive_budget(pages.num_blocks * per_object, per_object, physical), step_bytes)
 
 
 def _views(raws: Sequence[torch.Tensor], with_state: bool) -> PoolSet:
@@ -111,6 +126,9 @@ class PageTransfers:
         self.save_wait_s = save_wait_s  # longest wait of a load for a save of its objects in flight
         per_object = sum(pages.page_bytes)
         slots = max(1, staging_bytes // per_object)
+        self.per_object = per_object
+        #: the host staging budget: a save's bytes from its copy to the store's answer
+        self.budget = HostStaging(slots * per_object)
         self.device = device if device is not None else device_pages_for(pages.raws)
         self.staging = (self.device.staging(pages.page_bytes, slots) if self.device is not None
                         else [torch.empty((slots, p), dtype=torch.uint8) for p in pages.page_bytes])
@@ -233,7 +251,8 @@ class PageTransfers:
     # ---- saves ------------------------------------------------------------------------------------
     def save(self, plans: Iterable[TransferPlan]) -> None:
         """Copy every plan's pages into staging now, then write them to the store off the
-        step. A plan without enough free staging slots is skipped (counted). Attention pages
+        step. A plan the host staging budget cannot take now is skipped (counted, traced with
+        reason ``host_staging_full``): never a block of the step. Attention pages
         another rank writes for this one (replicated, see :class:`KeyLayout`) are left out."""
         writes_blocks = self.layout.blocks.writes(self.rank)
         for plan in plans:
@@ -243,10 +262,13 @@ class PageTransfers:
             if n == 0:
                 continue
             with self._lock:
-                if len(self._free) < n:
+                if not self.budget.try_charge(n * self.per_object):
                     self.counters["saves_skipped"] += 1
                     self._dropped.extend(plan.kv_keys + plan.state_keys)
+                    trace("offload.skipped", request_id=plan.request_id, reason="host_staging_full",
+                          objects=n, staged_bytes=self.budget.used, budget_bytes=self.budget.capacity)
                     continue
+                assert len(self._free) >= n, "host staging: the budget had room but the slots had not"
                 slots = [self._free.pop() for _ in range(n)]
             # one row copy per page (a memcpy each): an index_select + index_copy_ of the same
             # pages took ~20x as long here (tools/lab/profile_vllm_restore.py --save-copy), in the step
@@ -284,6 +306,7 @@ class PageTransfers:
         except BaseException:
             with self._lock:
                 self._free.extend(slots)
+                self.budget.release(len(slots) * self.per_object)
             raise
 
     def _saved(self, future: concurrent.futures.Future[TransferOutcome], *, plan: TransferPlan,
@@ -295,6 +318,7 @@ class PageTransfers:
         with self._lock:
             self._saves.discard(future)
             self._free.extend(slots)
+            self.budget.release(len(slots) * self.per_object)
             self.counters["saves_ok" if outcome is not None and outcome.ok else "saves_failed"] += 1
             for pool, names in ((PoolKind.FULL, plan.kv_keys), (PoolKind.MAMBA, plan.state_keys)):
                 landed = outcome.objects.get(pool, [False] * len(names)) if outcome is not None else [False] * len(names)
@@ -349,4 +373,4 @@ class PageTransfers:
             return PageTransferStatistics(**counted(self.counters, TRANSFER_COUNTERS))
 
 
-__all__ = ["PageTransfers", "RawPages", "step_staging_bytes"]
+__all__ = ["PageTransfers", "RawPages", "derived_staging_bytes", "step_staging_bytes"]

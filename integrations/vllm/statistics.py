@@ -24,7 +24,7 @@ class PageTransferStatistics:
     saves: int = 0  # save plans started
     saves_ok: int = 0
     saves_failed: int = 0
-    saves_skipped: int = 0  # no staging room for the copy out of the pages: not saved
+    saves_skipped: int = 0  # the host staging budget was full (reason host_staging_full): not saved
     objects_saved: int = 0
     objects_loaded: int = 0
     objects_removed: int = 0  # objects a load proved bad (verification failed after the re-read), removed

@@ -12,7 +12,8 @@ order, each a streamed greedy ``/v1/completions`` on token ids.
 
 Three configurations, each its own server (vLLM's default process model) on the tests' tiny
 qwen3_next (block 384) with the same device KV budget, ``--device-blocks`` blocks
-(``--num-gpu-blocks-override``), small enough that vLLM evicts:
+(``--num-gpu-blocks-override``), small enough that vLLM evicts; several budgets
+(``--device-blocks 32,16``) run one after the other after one reference, a table each:
 
 * ``vllm_mooncake``: vLLM's ``MooncakeStoreConnector`` (``standalone-store``, no segment of its own);
 * ``hylinker``: ``HylinkerConnector`` on Mooncake (``segment_mb`` 0, integrity ``--integrity``);
@@ -267,15 +268,15 @@ def summarize(config: str, run: dict[str, Any], reference: dict[int, dict[str, A
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The reference once, then every ``--device-blocks`` budget's rounds. One budget: its figures
+    at the top level; several: one entry per budget under ``budgets``, side by side."""
     from ..harness.tiny_qwen3_next import build_tiny_qwen3_next
     from .host import describe, finish, host_record
 
     host = host_record()
     requests = conversation_requests(args.conversations, args.tokens_per_block, args.max_input, args.output_scale,
                                      args.max_output, args.seed)
-    rounds: list[dict[str, Any]] = []
-    orders: list[list[str]] = []
-    samples: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    budgets: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hylinker-bench-vllm-serving-") as tmp:
         work = Path(tmp)
         model = build_tiny_qwen3_next(work / "model")
@@ -284,19 +285,44 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         ref_run = serve_config("recompute", model, requests, work / "recompute", args, concurrency=1)
         reference = {r["id"]: r for r in ref_run["results"]}
         ref_failed = sum("error" in r for r in ref_run["results"])
-        for n in range(args.rounds):
-            order = [CONFIGS[(i + n) % len(CONFIGS)] for i in range(len(CONFIGS))]
-            orders.append(order)
-            row: dict[str, Any] = {}
-            for config in order:
-                print(f"round {n + 1}/{args.rounds}: {config}", flush=True)
-                run = serve_config(config, model, requests, work / f"{config}-{n}", args, args.concurrency)
-                row[config] = summarize(config, run, reference, requests)
-                row[config]["per_request"] = run["results"]
-                row[config]["alone"] = run["alone"]
-                samples[config] += [r["ttft_s"] for r in run["results"] if "error" not in r]
-            rounds.append(row)
+        for blocks in args.device_blocks:
+            budgets.append(run_budget(argparse.Namespace(**{**vars(args), "device_blocks": blocks}), model,
+                                      requests, reference, work / f"blocks-{blocks}"))
     host = finish(host)
+    result: dict[str, Any] = {
+        "configs": list(CONFIGS), "host": host,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "workload": {"requests": len(requests), "conversations": args.conversations,
+                     "prompt_tokens": sum(len(q["prompt"]) for q in requests),
+                     "output_tokens": sum(q["max_tokens"] for q in requests)},
+        "reference_failed_requests": ref_failed}
+    if len(budgets) == 1:
+        result.update(budgets[0])
+    else:
+        result["budgets"] = budgets
+    print(format_table(result))
+    print(describe(host))
+    return result
+
+
+def run_budget(args: argparse.Namespace, model: Path, requests: list[dict[str, Any]],
+               reference: dict[int, dict[str, Any]], work: Path) -> dict[str, Any]:
+    """``--rounds`` rounds of every configuration at the device budget ``args.device_blocks``."""
+    rounds: list[dict[str, Any]] = []
+    orders: list[list[str]] = []
+    samples: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    for n in range(args.rounds):
+        order = [CONFIGS[(i + n) % len(CONFIGS)] for i in range(len(CONFIGS))]
+        orders.append(order)
+        row: dict[str, Any] = {}
+        for config in order:
+            print(f"{args.device_blocks} device blocks, round {n + 1}/{args.rounds}: {config}", flush=True)
+            run = serve_config(config, model, requests, work / f"{config}-{n}", args, args.concurrency)
+            row[config] = summarize(config, run, reference, requests)
+            row[config]["per_request"] = run["results"]
+            row[config]["alone"] = run["alone"]
+            samples[config] += [r["ttft_s"] for r in run["results"] if "error" not in r]
+        rounds.append(row)
     table = {c: {k: statistics.median(r[c][k] for r in rounds)
                  for k in ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "hit_rate", "device_hit_tokens",
                            "store_hit_tokens", "store_bytes")} for c in CONFIGS}
@@ -304,41 +330,47 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for k in ("failed_requests", "wrong_with_cached_prefix", "wrong_without", "compared", "store_alloc_failures",
                   "served_a_cached_prefix", "alone_failed", "differ_under_load"):
             table[c][k] = sum(r[c][k] for r in rounds)
+    # saves the connector did not write (hylinker: its host staging budget was full); vLLM's
+    # connector does not export such a count (None)
+    table["hylinker"]["skipped_saves"] = sum(r["hylinker"]["connector"]["objects_skipped"] for r in rounds)
+    table["vllm_mooncake"]["skipped_saves"] = None
+    table["baseline"]["skipped_saves"] = 0
     hy, vm = table["hylinker"], table["vllm_mooncake"]
     ratios = {"throughput_hylinker_over_vllm": round(hy["output_tokens_per_s"] / vm["output_tokens_per_s"], 3),
               "ttft_p99_vllm_over_hylinker": round(vm["ttft_p99_s"] / hy["ttft_p99_s"], 3),
-              "ttft_p50_vllm_over_hylinker": round(vm["ttft_p50_s"] / hy["ttft_p50_s"], 3)}
-    result = {"configs": list(CONFIGS), "host": host, "orders": orders,
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "workload": {"requests": len(requests), "conversations": args.conversations,
-                           "prompt_tokens": sum(len(q["prompt"]) for q in requests),
-                           "output_tokens": sum(q["max_tokens"] for q in requests)},
-              "reference_failed_requests": ref_failed, "table": table, "ratios": ratios, "rounds": rounds,
-              "samples": samples}
-    print(format_table(result))
-    print(describe(host))
-    return result
+              "ttft_p50_vllm_over_hylinker": round(vm["ttft_p50_s"] / hy["ttft_p50_s"], 3),
+              "store_hit_tokens_hylinker_over_vllm": round(hy["store_hit_tokens"] / max(1, vm["store_hit_tokens"]), 3)}
+    return {"device_blocks": args.device_blocks, "orders": orders, "table": table, "ratios": ratios,
+            "rounds": rounds, "samples": samples}
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The printed (and docs') table: medians over rounds; losses and exactness summed beside them."""
-    lines = ["| serving, medians of rounds | TTFT p50 s | TTFT p99 s | output tok/s | hit rate (device / store "
-             "tokens) | store MiB | failed requests | alone: wrong (cached prefix / none) of compared (cached) | "
-             "differ under load | store alloc failures |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in result["configs"]:
-        t = result["table"][c]
-        lines.append(f"| {NAMES[c]} | {t['ttft_p50_s']:.3f} | {t['ttft_p99_s']:.3f} | {t['output_tokens_per_s']:.1f} | "
-                     f"{t['hit_rate']:.3f} ({t['device_hit_tokens']:.0f} / {t['store_hit_tokens']:.0f}) | "
-                     f"{t['store_bytes'] / 2**20:.0f} | {t['failed_requests']} | {t['wrong_with_cached_prefix']} / "
-                     f"{t['wrong_without']} of {t['compared']} ({t['served_a_cached_prefix']}) | {t['differ_under_load']} | "
-                     f"{t['store_alloc_failures']} |")
-    r = result["ratios"]
-    lines.append(f"hylinker over vLLM's connector: throughput {r['throughput_hylinker_over_vllm']:.2f}x, "
-                 f"TTFT p99 {r['ttft_p99_vllm_over_hylinker']:.2f}x, p50 {r['ttft_p50_vllm_over_hylinker']:.2f}x "
-                 f"(above 1: hylinker ahead)")
-    for n, rnd in enumerate(result["rounds"]):
-        f = rnd["hylinker"].get("connector", {})
-        lines.append(f"round {n + 1}, HylinkerConnector: " + ", ".join(f"{k} {v}" for k, v in f.items()))
+    """The printed (and docs') tables, one per device budget: medians over rounds; losses and
+    exactness summed beside them."""
+    lines: list[str] = []
+    for budget in result.get("budgets", [result]):
+        lines += [f"device budget {budget['device_blocks']} blocks of {BLOCK} tokens:",
+                  "| serving, medians of rounds | TTFT p50 s | TTFT p99 s | output tok/s | hit rate (device / store "
+                  "tokens) | store MiB | skipped saves | failed requests | alone: wrong (cached prefix / none) of "
+                  "compared (cached) | differ under load | store alloc failures |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in result["configs"]:
+            t = budget["table"][c]
+            skipped = "not exported" if t.get("skipped_saves") is None else t["skipped_saves"]
+            lines.append(f"| {NAMES[c]} | {t['ttft_p50_s']:.3f} | {t['ttft_p99_s']:.3f} | "
+                         f"{t['output_tokens_per_s']:.1f} | {t['hit_rate']:.3f} ({t['device_hit_tokens']:.0f} / "
+                         f"{t['store_hit_tokens']:.0f}) | {t['store_bytes'] / 2**20:.0f} | {skipped} | "
+                         f"{t['failed_requests']} | {t['wrong_with_cached_prefix']} / {t['wrong_without']} of "
+                         f"{t['compared']} ({t['served_a_cached_prefix']}) | {t['differ_under_load']} | "
+                         f"{t['store_alloc_failures']} |")
+        r = budget["ratios"]
+        lines.append(f"hylinker over vLLM's connector: throughput {r['throughput_hylinker_over_vllm']:.2f}x, "
+                     f"TTFT p99 {r['ttft_p99_vllm_over_hylinker']:.2f}x, p50 {r['ttft_p50_vllm_over_hylinker']:.2f}x "
+                     f"(above 1: hylinker ahead), store hit tokens "
+                     f"{r.get('store_hit_tokens_hylinker_over_vllm', float('nan')):.2f}x")
+        for n, rnd in enumerate(budget["rounds"]):
+            f = rnd["hylinker"].get("connector", {})
+            lines.append(f"round {n + 1}, HylinkerConnector: " + ", ".join(f"{k} {v}" for k, v in f.items()))
     w = result["workload"]
     lines.append(f"workload: {w['requests']} requests of {w['conversations']} conversations, {w['prompt_tokens']} "
                  f"prompt tokens, reference failed {result['reference_failed_requests']}")
@@ -346,8 +378,11 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """TTFT CDFs of the three configurations, every round pooled."""
+    """TTFT CDFs of the three configurations, every round pooled (of the first device budget)."""
     from matplotlib.figure import Figure
+
+    if "budgets" in result:
+        result = {**result, **result["budgets"][0]}
 
     from ..plots import save_ttft_cdf
 
@@ -367,6 +402,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
                   bottom=0.32)
 
 
+def _budgets(text: str) -> list[int]:
+    """``--device-blocks``: ``64`` or ``64,32,16``."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"device blocks must be integers, comma-separated, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hylinker bench-vllm-serving", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -376,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-scale", type=int, default=16, help="the trace's output length is divided by this")
     ap.add_argument("--max-output", type=int, default=32, help="and capped at this many tokens")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    ap.add_argument("--device-blocks", type=int, default=64, help="vLLM's device KV budget in blocks of 384")
+    ap.add_argument("--device-blocks", type=_budgets, default=[64],
+                    help="vLLM's device KV budget in blocks of 384; several, comma-separated (64,32,16), "
+                         "run side by side after one reference")
     ap.add_argument("--rounds", type=int, default=2, help="rounds; the configurations' order rotates")
     ap.add_argument("--integrity", default="checksum", help="hylinker's integrity level")
     ap.add_argument("--segment-mib", type=int, default=2048, help="the storage client's Mooncake segment")
@@ -388,12 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     if plot_only(ap, args, plot):
         return 0
     for name in ("conversations", "tokens_per_block", "max_input", "output_scale", "max_output", "concurrency",
-                 "device_blocks", "rounds"):
+                 "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if min(args.device_blocks) < 1:
+        ap.error("--device-blocks must be at least 1 each")
     result = run_bench(args)
     write_outputs(args, result, plot, "vllm_serving")
-    wrong = sum(t["wrong_with_cached_prefix"] for t in result["table"].values())
+    wrong = sum(t["wrong_with_cached_prefix"] for b in result.get("budgets", [result]) for t in b["table"].values())
     return 1 if wrong else 0
 
 
