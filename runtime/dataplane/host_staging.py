@@ -99,6 +99,12 @@ class HostStaging:
         self.charged += 1
         return True
 
+    def hold(self, nbytes: int) -> None:
+        """Keep ``nbytes`` charged past their submission's end: frames a load still reads
+        (``runtime/dataplane/frame_index.py``); released by :meth:`release` at the last unpin."""
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
     def release(self, nbytes: int) -> None:
         self.used -= nbytes
         assert self.used >= 0, "host staging released more bytes than it charged"
