@@ -60,6 +60,7 @@ class FrameRestore:
         for i in landed:
             ok[i] = True
         c = self.calls.counts
+        job.from_staging = len(landed)
         c["staging_restores"] += len(landed)
         c["objects_loaded"] += len(landed)
         c["bytes_loaded"] += len(landed) * size

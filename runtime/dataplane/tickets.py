@@ -127,6 +127,12 @@ class LoadTicket(_Ticket):
         self._layer_callbacks: list[Callable[[int, bool], None]] = []
 
     @property
+    def from_staging(self) -> int:
+        """Objects this load copied from draining host-staging frames: landed, verified, but
+        the store had not acknowledged them (the caller must not count them as stored)."""
+        return sum(job.from_staging for _pool, _group, job in self.jobs)
+
+    @property
     def layer_ids(self) -> list[int]:
         return sorted(self._feeds)
 

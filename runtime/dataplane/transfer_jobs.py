@@ -127,6 +127,9 @@ class TransferJob:
     #: a two-stage offload: set when its objects were copied out of its rows into sealed host
     #: frames (stage 1; ``runtime/dataplane/drain_route.py``): its rows may be reused from then on
     copied: Completion[object] = attrs.field(factory=Completion)
+    #: a load: objects it copied from host-staging frames the store had not acknowledged yet
+    #: (``runtime/dataplane/frame_restore.py``): landed, but not proof the store holds them
+    from_staging: int = 0
 
 
 def cancel_job(job: TransferJob) -> None:
