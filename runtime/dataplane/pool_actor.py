@@ -216,6 +216,8 @@ class PoolActor:
                     if self.frames is not None:  # sealed: restorable before the rows are reused
                         entry = self.frames.add(job.keys, frames, self.arena.frame_sizes[job.group],
                                                 self.drain.frame_bytes(len(job.keys)))
+                        job.in_frames = True
+                        self._states_released(job)  # a state restorable from its frame is not pending
                     job.copied.set(None)
                 await self._drain_tx.send((job, frames, entry))
 
@@ -226,11 +228,11 @@ class PoolActor:
         queue = self.offload_q
         async with self._drain_rx:
             async for job, frames, entry in self._drain_rx:
-                # a state stays counted until the store answers: the tree keeps a state whose
-                # offload is pending from eviction until then (RadixTree.evict_states)
+                # a state not restorable from a frame (not indexed) stays counted until the
+                # store answers: the tree keeps it from eviction until then (RadixTree.evict_states)
                 try:
                     await self._end_job(queue, job, functools.partial(self._drain_one, job, frames),
-                                        counts_states=True)
+                                        counts_states=entry is None)
                 finally:
                     if entry is not None:
                         assert self.frames is not None

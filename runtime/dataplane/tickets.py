@@ -259,6 +259,12 @@ class OffloadTicket(_Ticket):
         """Whether its rows are freed before the store answers (:meth:`copied`)."""
         return self.plane.host_staging is not None
 
+    def in_frames(self, pool: PoolKind) -> bool:
+        """Whether every job of ``pool`` was copied into indexed frames (restorable from host
+        staging until the store answered): its states may be evicted once :meth:`copied`."""
+        jobs = [job for p, _group, job in self.jobs if p is pool]
+        return bool(jobs) and all(job.in_frames for job in jobs)
+
     async def copied(self) -> None:
         """Return once no job of this offload reads its rows any more: each copied them into
         sealed host frames (stage 1) or ended. The rows and states may be reused from then on;
