@@ -124,6 +124,9 @@ class RadixTree:
         self._clock = itertools.count(1)
         self.root = Node(parent=None, keys=[], rows=_EMPTY_ROWS, start_page=0, id=0)
         self.root.lock = 1  # the root is never evicted
+        #: offload job ids whose states were copied into restorable host-staging frames: a state
+        #: pending only on such a job may be evicted (``docs/design/host-staging.md``)
+        self.copied_states: set[int] = set()
         self.seed_key = seed_key
         self._evicted_pages = 0
         self._evicted_states = 0
@@ -299,8 +302,10 @@ class RadixTree:
 
         A state an offload is still reading is never a candidate (the runtime also locks it).
         """
+        copied = self.copied_states  # pending, but restorable from its frame: a candidate
         candidates = [n for n in self.nodes()
-                      if n.mamba_slot is not None and n.mamba_lock == 0 and PoolKind.MAMBA not in n.pending]
+                      if n.mamba_slot is not None and n.mamba_lock == 0
+                      and (PoolKind.MAMBA not in n.pending or n.pending[PoolKind.MAMBA] in copied)]
         if all_or_nothing and len(candidates) < n_slots:
             return 0
         _, heap = self._by_score(candidates)

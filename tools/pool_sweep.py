@@ -5,7 +5,8 @@ locked until the store acknowledges them (one stage) makes the KV backpressure r
 (those prefixes never reach the store) and loads find no pages (they wait,
 ``LinkerConfig.load_wait_s``, or recompute); the two-stage offload (the default,
 docs/design/host-staging.md) frees the pages once they are copied into host staging. Each point is one ``hylinker stress`` run at ``--kv-pages N`` of one workload and
-seed; the table and the plot show the share of the infinite-cache bound each point reached,
+seed; the table and the plot show the share of the infinite-cache bound each point reached
+(``fit``: the same with the requests that can never fit the pool left out of both sides),
 beside the losses that explain it: offloads skipped by KV backpressure, loads with no pages,
 loads that waited for pages, and offloads skipped because host staging was full (``n/a`` for a
 run without the two-stage offload's counter).
@@ -44,6 +45,7 @@ def pool_row(summary: Mapping[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     row["load_waits"] = summary.get("load_waits", 0)
     row["load_waits_recomputed"] = summary.get("load_waits_recomputed", 0)
     row["host_staging_full"] = summary.get(STAGING_FULL_KEY, "n/a")
+    row["of_bound_fit"] = summary.get("of_bound_fit")  # never-fit requests out of both sides
     return row
 
 
@@ -60,6 +62,8 @@ def points(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         point: dict[str, Any] = {"series": series, "workload": workload, "kv_pages": kv, "runs": len(mine),
                                  "of_bound": round(statistics.fmean(ratios), 3) if ratios else None,
                                  "of_bound_min": min(ratios, default=None), "of_bound_max": max(ratios, default=None)}
+        fits = [float(r["of_bound_fit"]) for r in mine if r.get("of_bound_fit") is not None]
+        point["of_bound_fit"] = round(statistics.fmean(fits), 3) if fits else "n/a"
         for key, _ in LOSSES:
             values = [r.get(key) for r in mine]
             numbers = [float(v) for v in values if isinstance(v, (int, float))]

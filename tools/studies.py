@@ -187,7 +187,7 @@ def _source(args: argparse.Namespace) -> str:
 def format_points(rows: list[dict[str, Any]], width: int = WIDTH) -> str:
     """device-pool: a line per (workload, KV pages), of bound over the seeds and every loss."""
     columns = [("workload", "workload"), ("kv_pages", "KV pages"), ("runs", "runs"), ("of_bound", "of bound"),
-               ("of_bound_min", "min"), ("of_bound_max", "max"), *LOSSES]
+               ("of_bound_min", "min"), ("of_bound_max", "max"), ("of_bound_fit", "fit"), *LOSSES]
     return format_table(points(rows), columns, width=width, keep=2)
 
 

@@ -79,7 +79,8 @@ WORKER_FIGURES = {
 #: the families vLLM's frontend registers (the Linker's agreement, decline and stored-token figures are not here)
 VLLM_KEYS = ("lookups", "hit_tokens", "loads", "offloads", "objects_skipped", "bad_objects_removed", "bad_objects_kept",
              "bytes",
-             "objects", "verify_failures", "rereads", "transfer_failures", "queue_depth", "load_seconds", "offload_seconds",
+             "objects", "verify_failures", "rereads", "staging_restores", "transfer_failures", "queue_depth", "load_seconds",
+             "offload_seconds",
              "store_events", "breaker_open", "info", "store_bytes", "store_objects", "store_capacity_bytes")
 
 

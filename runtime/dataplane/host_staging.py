@@ -117,6 +117,12 @@ class HostStaging:
         under a user's bound: the SGLang plugin's ``offload_max_inflight_mb``)."""
         self.capacity = max(self.floor, min(self.capacity, limit))
 
+    def hold(self, nbytes: int) -> None:
+        """Keep ``nbytes`` charged past their submission's end: frames a load still reads
+        (``runtime/dataplane/frame_index.py``); released by :meth:`release` at the last unpin."""
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
     def release(self, nbytes: int) -> None:
         self.used -= nbytes
         assert self.used >= 0, "host staging released more bytes than it charged"

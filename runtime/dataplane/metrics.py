@@ -88,6 +88,8 @@ FAMILIES: tuple[Family, ...] = (
     _f("verify_failures", "counter", "Loaded objects that did not verify (checksum, header).", "pool"),
     _f("rereads", "counter", "Objects read once more after a failed verification, by outcome "
        "(recovered: the second read verified; failed: declared bad).", "pool", "outcome"),
+    _f("staging_restores", "counter", "Objects a load copied from a host-staging frame still draining to the "
+       "store (two-stage offload), per pool.", "pool"),
     _f("transfer_failures", "counter", "Objects missing or failed in the store, per pool.", "pool", "direction"),
     _f("queue_depth", "gauge", "Transfer jobs queued or running; each holds or waits for the pool's "
        "staging frames (staging occupancy).", "pool", "direction"),
@@ -108,7 +110,8 @@ FAMILIES: tuple[Family, ...] = (
 )
 FAMILY = {f.key: f for f in FAMILIES}
 #: the families the data plane publishes; the Linker adds the rest
-PLANE_KEYS = ("loads", "offloads", "bytes", "objects", "verify_failures", "rereads", "transfer_failures", "queue_depth",
+PLANE_KEYS = ("loads", "offloads", "bytes", "objects", "verify_failures", "rereads", "staging_restores",
+              "transfer_failures", "queue_depth",
               "load_seconds", "offload_seconds", "store_events", "breaker_open", "info", "store_bytes",
               "store_objects", "store_capacity_bytes")
 #: ``ResilienceStatistics`` field -> ``event`` label of ``store_events``
@@ -142,6 +145,7 @@ def plane_figures(pools: Mapping[str, PoolActorStatistics], counts: DataPlaneSta
         out["verify_failures", pool] = s.verify_failures
         out["rereads", pool, "recovered"] = s.rereads_recovered
         out["rereads", pool, "failed"] = s.rereads_failed
+        out["staging_restores", pool] = s.staging_restores
         out["transfer_failures", pool, "load"] = s.load_misses + s.load_failures
         out["transfer_failures", pool, "offload"] = s.offload_failures
         out["queue_depth", pool, "load"] = s.load_queue.depth

@@ -77,7 +77,7 @@ import torch
 
 from ...components.layout import PoolKind
 from ...components.pool_view import PoolSet, PoolView, PoolViewError
-from ...stores.base import Store, StoreError
+from ...stores.base import Store
 from ...stores.resilient import ResilientStore
 from ...stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
@@ -95,11 +95,11 @@ from .metrics import (
 )
 from .plane_config import DataPlaneConfig
 from .pool_actor import PoolActor
+from .probe import group_key, probe
 from .restore_cost import LoadBandwidth
 from .statistics import Backpressure, DataPlaneStatistics, PoolActorStatistics
 from .store_calls import LatencyMonitor
 from .tickets import LoadTicket, OffloadTicket, TransferOutcome, _Ticket
-from .tracing import trace
 from .transfer_codec import PoolCodec
 from .transfer_jobs import TransferJob, cancel_job, check_keys
 
@@ -115,11 +115,6 @@ class Transfer:
     pool: PoolKind
     keys: Sequence[str]
     index: Any  # torch.Tensor [n, unit] or flat [n * unit]; or a sequence of ints
-
-
-def group_key(key: str, group: int, groups: int) -> str:
-    """The store key of layer group ``group`` of an object (the key itself when ``groups == 1``)."""
-    return key if groups == 1 else f"{key}|g{group}of{groups}"
 
 
 def group_keys(keys: Sequence[str], group: int, groups: int) -> list[str]:
@@ -173,7 +168,7 @@ class DataPlane:
                 "DataPlaneConfig.host_staging_bytes", self.config.host_staging_bytes,
                 [(v.capacity // v.unit, len(self.codecs[k]) * self.actors[k].arena.stride) for k, v in self.pools.items()])
             for actor in self.actors.values():
-                actor.host_staging = self.host_staging
+                actor.stage_through(self.host_staging)
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)
@@ -254,39 +249,12 @@ class DataPlane:
 
     # ---- probe ------------------------------------------------------------------------------
     async def exists(self, keys: Mapping[PoolKind, Sequence[str]]) -> dict[PoolKind, list[bool]]:
-        """Which objects the store holds now, per pool, in one store call (every layer group
-        of an object must be present). A store error or a wrong-length answer is a miss for
-        every key (fail closed), counted as ``exists_errors``."""
+        """Which objects the data plane can serve now, per pool: in a draining host-staging
+        frame, else in the store, asked in one call (every layer group of an object must be
+        present). A store error or a wrong-length answer is a miss for every key it was asked
+        about (fail closed), counted as ``exists_errors`` (``runtime/dataplane/probe.py``)."""
         self._check_running()
-        names: list[str] = []
-        spans: dict[PoolKind, tuple[int, int]] = {}
-        for pool, ks in keys.items():
-            if pool not in self.actors:
-                raise PoolViewError(f"no {pool.value} pool in this data plane")
-            check_keys(ks, pool)
-            spans[pool] = (len(names), len(ks))
-            g = len(self.codecs[pool])
-            names.extend(group_key(k, j, g) for k in ks for j in range(g))
-        out = {pool: [False] * n for pool, (_, n) in spans.items()}
-        if not names:
-            return out
-        self._c["exists_calls"] += 1
-        start = time.perf_counter()
-        try:
-            present = await self.store.exists(names)
-        except StoreError as exc:
-            self._c["exists_errors"] += 1
-            trace("data.exists.store_error", error=str(exc), keys=len(names))
-            return out
-        self.latency.observe(time.perf_counter() - start)
-        if len(present) != len(names):
-            self._c["exists_errors"] += 1
-            trace("data.exists.store_error", error=f"answered {len(present)} of {len(names)} keys")
-            return out
-        for pool, (off, n) in spans.items():
-            g = len(self.codecs[pool])
-            out[pool] = [all(bool(present[off + i * g + j]) for j in range(g)) for i in range(n)]
-        return out
+        return await probe(self, keys)
 
     # ---- submissions ---------------------------------------------------------------------------
     def _jobs(self, transfers: Sequence[Transfer], fence: DeviceEvent | None, request_id: str,

@@ -44,6 +44,8 @@ from ...stores.base import Outcome, Store
 from .device_transfers import DeviceRoute
 from .drain_route import DrainRoute
 from .events import wait_fence
+from .frame_index import DrainingFrames, FrameIndex
+from .frame_restore import FrameRestore
 from .held_load import HeldRoute
 from .host_staging import HostStaging
 from .in_place import InPlaceRoute
@@ -56,8 +58,9 @@ from .store_calls import LatencyMonitor, StoreCalls
 from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, OffloadResult, TransferJob, cancel_job
 
-#: a copied job on its way to the store: its sealed frames (None: moved on the device in one stage)
-_Drained = tuple[TransferJob, torch.Tensor | None]
+#: a copied job on its way to the store: its sealed frames (None: moved on the device in one
+#: stage) and their entry in the staging index (None: not indexed)
+_Drained = tuple[TransferJob, torch.Tensor | None, DrainingFrames | None]
 
 
 class _Queue:
@@ -110,10 +113,22 @@ class PoolActor:
         self.drain = DrainRoute(arena, self.staged)
         #: the data plane's host staging budget: offloads in two stages (None: one stage)
         self.host_staging: HostStaging | None = None
+        #: draining frames by store key, and the loads that read them (None: one stage, or a
+        #: store that sets the checksum as it copies: a staged frame then has none to verify)
+        self.frames: FrameIndex | None = None
+        self.from_frames: FrameRestore | None = None
         # copied jobs, FIFO, from the copy worker to the drain worker (the budget bounds them)
         self._drain_tx: MemoryObjectSendStream[_Drained]
         self._drain_rx: MemoryObjectReceiveStream[_Drained]
         self._drain_tx, self._drain_rx = anyio.create_memory_object_stream[_Drained](math.inf)
+
+    def stage_through(self, staging: HostStaging) -> None:
+        """Offload in two stages through ``staging`` (the plane's shared budget); index the
+        draining frames where they can be verified like a store read."""
+        self.host_staging = staging
+        if not self.calls.checksums:
+            self.frames = FrameIndex(staging)
+            self.from_frames = FrameRestore(self.arena, self.calls, self.frames)
 
     @property
     def latency(self) -> LatencyMonitor:
@@ -196,9 +211,15 @@ class PoolActor:
                     self._states_released(job)
                     job.completion.fail(exc)
                     continue
+                entry = None
                 if frames is not None:
+                    if self.frames is not None:  # sealed: restorable before the rows are reused
+                        entry = self.frames.add(job.keys, frames, self.arena.frame_sizes[job.group],
+                                                self.drain.frame_bytes(len(job.keys)))
+                        job.in_frames = True
+                        self._states_released(job)  # a state restorable from its frame is not pending
                     job.copied.set(None)
-                await self._drain_tx.send((job, frames))
+                await self._drain_tx.send((job, frames, entry))
 
     async def run_drain(self) -> None:
         """Two stages, the second: put each copied job's frames to the store, FIFO; the job
@@ -206,10 +227,16 @@ class PoolActor:
         staging: ``HostStaging.dropping``)."""
         queue = self.offload_q
         async with self._drain_rx:
-            async for job, frames in self._drain_rx:
-                # a state stays counted until the store answers: the tree keeps a state whose
-                # offload is pending from eviction until then (RadixTree.evict_states)
-                await self._end_job(queue, job, functools.partial(self._drain_one, job, frames), counts_states=True)
+            async for job, frames, entry in self._drain_rx:
+                # a state not restorable from a frame (not indexed) stays counted until the
+                # store answers: the tree keeps it from eviction until then (RadixTree.evict_states)
+                try:
+                    await self._end_job(queue, job, functools.partial(self._drain_one, job, frames),
+                                        counts_states=entry is None)
+                finally:
+                    if entry is not None:
+                        assert self.frames is not None
+                        self.frames.retire(entry)  # pinned: its bytes stay charged to the last unpin
 
     async def _drain_one(self, job: TransferJob, frames: torch.Tensor | None) -> OffloadResult:
         if frames is None:
@@ -263,7 +290,10 @@ class PoolActor:
     async def _load(self, job: TransferJob) -> LoadResult:
         # the engine's stream must be past every use of the rows this load reuses
         await wait_fence(job.fence, timeout_s=self.arena.fence_timeout_s)
-        return await self.load_route(job).load(job)
+        route = self.load_route(job)
+        if self.from_frames is not None and len(self.frames or ()) and route is not self.device and not job.hold:
+            return await self.from_frames.load(job, route)  # draining frames first, then the store
+        return await route.load(job)
 
     # ---- verify-all loads: the ticket lands or drops them ---------------------------------
     async def land_held(self, job: TransferJob, on_layer: Callable[[int], None]) -> None:
@@ -283,5 +313,6 @@ class PoolActor:
             pending_states=self.pending_states,
             held_arena_bytes=0 if held is None else held.numel(),
             held_arena_growths=self.arena.held_arena_growths,
+            staging_frames=0 if self.frames is None else len(self.frames),
             **self.calls.counts,
         )

@@ -35,6 +35,11 @@ class PoolActorStatistics:
     rereads_failed: int = 0  # ...and failed again: the stored object is bad (counted in verify_failures)
     held_arena_bytes: int = 0  # registered frames for verify-all loads (0 until the first one)
     held_arena_growths: int = 0  # times a larger verify-all load grew it
+    #: objects a load copied from a draining host-staging frame (counted in objects_loaded too)
+    staging_restores: int = 0
+    #: draining frames that failed verification: dropped from the index, the load fell back to the store
+    staging_verify_failures: int = 0
+    staging_frames: int = 0  # objects in draining frames a load can restore from now
 
 
 @attrs.frozen

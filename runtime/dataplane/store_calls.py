@@ -131,7 +131,8 @@ class StoreCalls:
         self.integrity = integrity
         self.counts = dict(objects_offloaded=0, objects_already_stored=0, bytes_offloaded=0,
                            offload_failures=0, objects_loaded=0, bytes_loaded=0, load_misses=0,
-                           load_failures=0, verify_failures=0, rereads_recovered=0, rereads_failed=0)
+                           load_failures=0, verify_failures=0, rereads_recovered=0, rereads_failed=0,
+                           staging_restores=0, staging_verify_failures=0)
 
     async def call(self, call: Callable[[list[str], Any], Awaitable[list[R]]], keys: list[str],
                    buffers: Any, unreachable: R, broken: R) -> list[R]:

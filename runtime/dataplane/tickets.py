@@ -127,6 +127,12 @@ class LoadTicket(_Ticket):
         self._layer_callbacks: list[Callable[[int, bool], None]] = []
 
     @property
+    def from_staging(self) -> int:
+        """Objects this load copied from draining host-staging frames: landed, verified, but
+        the store had not acknowledged them (the caller must not count them as stored)."""
+        return sum(job.from_staging for _pool, _group, job in self.jobs)
+
+    @property
     def layer_ids(self) -> list[int]:
         return sorted(self._feeds)
 
@@ -252,6 +258,12 @@ class OffloadTicket(_Ticket):
     def two_stage(self) -> bool:
         """Whether its rows are freed before the store answers (:meth:`copied`)."""
         return self.plane.host_staging is not None
+
+    def in_frames(self, pool: PoolKind) -> bool:
+        """Whether every job of ``pool`` was copied into indexed frames (restorable from host
+        staging until the store answered): its states may be evicted once :meth:`copied`."""
+        jobs = [job for p, _group, job in self.jobs if p is pool]
+        return bool(jobs) and all(job.in_frames for job in jobs)
 
     async def copied(self) -> None:
         """Return once no job of this offload reads its rows any more: each copied them into

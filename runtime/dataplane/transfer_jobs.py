@@ -127,6 +127,12 @@ class TransferJob:
     #: a two-stage offload: set when its objects were copied out of its rows into sealed host
     #: frames (stage 1; ``runtime/dataplane/drain_route.py``): its rows may be reused from then on
     copied: Completion[object] = attrs.field(factory=Completion)
+    #: a load: objects it copied from host-staging frames the store had not acknowledged yet
+    #: (``runtime/dataplane/frame_restore.py``): landed, but not proof the store holds them
+    from_staging: int = 0
+    #: an offload: its sealed frames are in the staging index (restorable until the store
+    #: answered: ``runtime/dataplane/frame_index.py``), so its rows and states are free at the copy
+    in_frames: bool = False
 
 
 def cancel_job(job: TransferJob) -> None:

@@ -420,8 +420,10 @@ class Linker:
 
     # ---- inspection ----------------------------------------------------------------
     def statistics(self) -> LinkerStatistics:
+        restored = sum(a.calls.counts["staging_restores"] for a in self.data.actors.values())
         return LinkerStatistics(**self._c, store_latency_ema_ms=self.latency.ema_ms,
-                                dropping=self.latency.dropping, touch_calls=self.toucher.calls)
+                                dropping=self.latency.dropping, touch_calls=self.toucher.calls,
+                                staging_restores=restored)
 
     def metric_figures(self) -> Figures:
         """The request figures for :mod:`.metrics` (the data plane exports the data path's)."""

@@ -196,6 +196,8 @@ class OffloadRoom(LinkerRoom):
             try:
                 if ticket is not None and ticket.two_stage:
                     await ticket.copied()  # stage 1 ended: no job reads the rows any more
+                    if ticket.in_frames(PoolKind.MAMBA):  # restorable from its frame: evictable
+                        self.tree.tree.copied_states.add(job_id)
                     self._unlock(locked, locked_pages, held)
                 outcome = None if ticket is None else await ticket.wait()
                 for kind, (written, where, names) in jobs.items():
@@ -224,6 +226,7 @@ class OffloadRoom(LinkerRoom):
             if failed:
                 self._c["offload_failures"] += 1  # one result per offload, not one per pool
             self._unlock(locked, locked_pages, held)
+            self.tree.tree.copied_states.discard(job_id)
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

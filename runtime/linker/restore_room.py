@@ -333,11 +333,14 @@ class RestoreRoom(LinkerRoom):
         keys = self.tree.path_keys(req.node) + req.store_keys[:kept]
         rows = torch.cat([req.rows, load.rows])
         ins = self.tree.insert(keys, rows, load.slot, owned_from=req.prefix_pages)
-        # what the tree adopted came from the store: never write it back
+        # what the tree adopted came from the store: never write it back; what came from host
+        # staging the store has not acknowledged: stays unstored (offloaded again, EXISTS if it landed)
+        from_store = load.ticket is None or load.ticket.from_staging == 0
         adopted_pages = ins.existing_pages < len(keys)
         adopted_state = load.slot is not None and not ins.mamba_exist
-        ins.node.stored.update(k for k, rule in self.rules.items()
-                               if rule.stored_by_commit(adopted_pages, adopted_state))
+        if from_store:
+            ins.node.stored.update(k for k, rule in self.rules.items()
+                                   if rule.stored_by_commit(adopted_pages, adopted_state))
         load.finished = True
         load.settled.set()
         req.load = None

@@ -51,11 +51,13 @@ class LinkerStatistics:
     load_waits: int = 0  # loads that found no free pages and waited for them (LinkerConfig.load_wait_s)
     load_waits_recomputed: int = 0  # of those, the wait ended without pages (limit, nothing left to free): a miss
     offloads_skipped_staging: int = 0  # two-stage offload: the host staging budget was full
+    #: objects loads copied from host-staging frames still draining to the store (the data plane's count)
+    staging_restores: int = 0
 
 
 #: the fields the Linker reads elsewhere than from its counters (the data plane's latency
-#: monitor, the touch batcher)
-_NOT_COUNTED = frozenset({"store_latency_ema_ms", "dropping", "touch_calls"})
+#: monitor, the touch batcher, the data plane's pool actors)
+_NOT_COUNTED = frozenset({"store_latency_ema_ms", "dropping", "touch_calls", "staging_restores"})
 #: the Linker's counters: every other field, in field order
 COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(LinkerStatistics) if f.name not in _NOT_COUNTED)
 

@@ -96,8 +96,9 @@ async def donate_concurrently(config: LinkerConfig) -> Run:
 
 
 async def test_without_the_mamba_rule_the_pool_starves() -> None:
+    # one stage: a state stays pending until the store answers (two stages free it at the copy)
     run = await donate_concurrently(LinkerConfig(
-        mamba_backpressure=False, queue_depth=1024, staging_bytes_per_pool=1 << 16))
+        mamba_backpressure=False, queue_depth=1024, staging_bytes_per_pool=1 << 16, two_stage_offload=False))
     assert run.starved or run.load_misses, "pending offloads should have locked every state slot"
     assert all("mamba slot" in str(e) for e in run.starved)
     assert run.completed < CONCURRENCY * REQUESTS_PER_TASK
@@ -105,9 +106,18 @@ async def test_without_the_mamba_rule_the_pool_starves() -> None:
     assert run.max_pending_states > 0.75 * SLOTS
 
 
-async def test_with_the_mamba_rule_the_run_completes() -> None:
+async def test_in_two_stages_states_free_at_the_copy_and_the_pool_does_not_starve() -> None:
+    """States restorable from their host-staging frames are not pending: no rule needed."""
     run = await donate_concurrently(LinkerConfig(
-        mamba_backpressure=True, queue_depth=1024, staging_bytes_per_pool=1 << 16))
+        mamba_backpressure=False, queue_depth=1024, staging_bytes_per_pool=1 << 16))
+    assert run.starved == [] and run.load_misses == 0
+    assert run.completed == CONCURRENCY * REQUESTS_PER_TASK
+    assert run.max_pending_states < SLOTS
+
+
+async def test_with_the_mamba_rule_the_run_completes() -> None:
+    run = await donate_concurrently(LinkerConfig(  # one stage, as above: states pending to the answer
+        mamba_backpressure=True, queue_depth=1024, staging_bytes_per_pool=1 << 16, two_stage_offload=False))
     assert run.starved == [] and run.load_misses == 0
     assert run.completed == CONCURRENCY * REQUESTS_PER_TASK
     assert run.stats is not None and run.stats.offloads_skipped_mamba > 0

@@ -45,8 +45,10 @@ async def harness(config: LinkerConfig | None = None, *, kv_pages: int = 64) -> 
     pools = HybridPools(LAYOUT, kv_pages=kv_pages, mamba_slots=16)
     linker = Linker(LAYOUT, pools, store, config or LinkerConfig(staging_bytes_per_pool=1 << 16, resilience=None))
     async with linker:
-        yield Env(linker, pools, store, SyntheticContent(pools))
-        store.open()
+        try:
+            yield Env(linker, pools, store, SyntheticContent(pools))
+        finally:
+            store.open()  # a failing test never waits at the gate in close()
         await linker.drain()
         linker.check_idle()
     linker.check_idle()
@@ -62,6 +64,16 @@ async def insert_prompt(env: Env, tokens: np.ndarray) -> int:
     depth = await synthetic_prefill(env.linker, env.content, req)
     await env.linker.release(req)
     return depth
+
+
+async def evict_while_draining(env: Env, p: np.ndarray) -> None:
+    """Insert ``p[:41]`` (40 tokens) with the store's puts held, then let the device drop the
+    prefix once copied, while the store still drains it."""
+    env.store.hold(puts=True)
+    assert await insert_prompt(env, p[:41]) == 40
+    await wait_until(lambda: env.linker.tree.locked_nodes() == [])
+    env.linker.flush_device()
+    assert env.linker.tree.root.children == {}
 
 
 async def test_pages_unlock_at_the_copy_and_stored_waits_for_the_ack() -> None:
@@ -146,11 +158,7 @@ async def test_close_drops_frames_the_store_never_took_and_counts_them() -> None
 async def test_a_prefix_evicted_after_its_copy_restores_byte_exact() -> None:
     p = prompt(49, seed=5)
     async with harness(kv_pages=64) as env:
-        env.store.hold(puts=True)
-        assert await insert_prompt(env, p[:41]) == 40
-        await wait_until(lambda: env.linker.tree.locked_nodes() == [])
-        env.linker.flush_device()  # the device drops the prefix while the store still drains it
-        assert env.linker.tree.root.children == {}
+        await evict_while_draining(env, p)
         env.store.open()
         await env.linker.drain()
         req = env.linker.request("again", p)
@@ -209,3 +217,27 @@ async def test_a_stuck_store_fills_host_staging_not_the_device_pool() -> None:
         assert stats.offloads_skipped_kv == 0
         assert stats.offloads_skipped_staging > 0  # 12 x 16 pages pass twice the 64-page pool
         assert stats.offloads == 12 and env.linker.offloads.in_flight == 12 - stats.offloads_skipped_staging
+
+
+async def test_a_prefix_evicted_while_it_drains_restores_from_its_frames_and_stays_unstored() -> None:
+    p = prompt(49, seed=7)
+    async with harness(kv_pages=64) as env:
+        await evict_while_draining(env, p)  # only host staging holds the prefix now
+        req = env.linker.request("again", p)
+        hit = await env.linker.lookup(req)  # the store has nothing yet: the frames answer
+        assert (hit.device_tokens, hit.store_tokens) == (0, 40)
+        load = await env.linker.load(req)
+        assert load is not None
+        assert await env.linker.commit(load) == 40
+        assert env.store.calls["get"] == 0
+        rows = env.linker.tree.path_rows(req.node)
+        assert env.content.pages_match(req.page_keys()[:10], rows) == []  # no page differs
+        stats = env.linker.statistics()
+        assert stats.staging_restores > 0 and stats.verify_failures == 0
+        assert env.linker.metric_figures() is not None
+        # restored from frames the store has not acknowledged: not stored (offloaded again)
+        assert req.node.stored == set()
+        await env.linker.release(req)
+        env.store.open()
+        await env.linker.drain()
+        assert env.linker.data.pool_statistics()["kv"].staging_frames == 0

@@ -195,6 +195,15 @@ def test_a_request_that_can_never_fit_is_reported_not_hung(tmp_path: Path, capsy
     assert "can never fit" in capsys.readouterr().err
 
 
+def test_of_bound_fit_leaves_the_requests_that_never_fit_out_of_both_sides(tmp_path: Path) -> None:
+    s = _stress(tmp_path, "--requests", "60", "--synthetic-scale", "0.1", "--kv-pages", "8",
+                "--mamba-slots", "16")
+    assert s["never_fit"] > 0 and s["of_bound"] is not None and s["of_bound_fit"] is not None
+    assert s["of_bound_fit"] > s["of_bound"]  # their hits left the bound, not only the hits
+    generous = _stress(tmp_path, "--requests", "60", "--synthetic-scale", "0.1")
+    assert generous["never_fit"] == 0 and generous["of_bound_fit"] == generous["of_bound"]
+
+
 def test_causal_replay_keeps_the_hit_rate_at_concurrency(tmp_path: Path) -> None:
     """Turn N+1 starts only after turn N: at concurrency 8 the run reaches what concurrency 1
     reaches; without causal order, later turns race their predecessors and miss."""

@@ -87,6 +87,16 @@ def test_the_device_pool_points_average_the_seeds_of_each_series() -> None:
     assert (p["offloads_skipped_kv"], p["host_staging_full"]) == (15.0, "n/a")
 
 
+def test_the_device_pool_points_average_the_fitting_share_where_the_runs_have_it() -> None:
+    from hylinker.tools.pool_sweep import points, pool_row
+
+    rows = [pool_row({"of_bound_fit": fit}, {"workload": "agentic", "kv_pages": 256, "of_bound": 0.5})
+            for fit in (0.9, 1.0)]
+    assert rows[0]["of_bound_fit"] == 0.9 and points(rows)[0]["of_bound_fit"] == 0.95
+    old = pool_row({}, {"workload": "agentic", "kv_pages": 256, "of_bound": 0.5})  # a run from before it existed
+    assert points([old])[0]["of_bound_fit"] == "n/a"
+
+
 def test_a_bad_page_list_is_one_line() -> None:
     assert _study_parser().parse_args(["device-pool", "--kv-pages-list", "derived,512"]).kv_pages_list == [None, 512]
     with pytest.raises(SystemExit) as exc:

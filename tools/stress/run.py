@@ -246,7 +246,10 @@ class StressRun:
             leaks = self._leaks(lk)
         elapsed = time.perf_counter() - t_start
         bound_hits = bound_hits_per_request(self.requests, page_size=self.layout.page_size, grid=self.layout.grid)
-        return StressResult(summarize(self, stats, pool_stats, locked, leaks, elapsed, sum(bound_hits)),
+        never = set(self.never_fit_ids)
+        fit = [i for i, r in enumerate(self.requests) if r.request_id not in never]
+        fitting = (sum(bound_hits[i] for i in fit), sum(self.requests[i].prompt_length for i in fit))
+        return StressResult(summarize(self, stats, pool_stats, locked, leaks, elapsed, sum(bound_hits), fitting),
                             self._hits_over_time(bound_hits), self.lat)
 
     def _finished(self, index: int, seconds: float) -> None:

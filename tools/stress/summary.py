@@ -17,10 +17,20 @@ if TYPE_CHECKING:
     from .run import StressRun
 
 
+def _of_bound_fit(hit: int, fitting: tuple[int, int] | None) -> float | None:
+    """Hits over the bound's hits, both counted over the requests that fit (a request that never
+    fits runs nothing and hits nothing, so every hit is a fitting request's)."""
+    if fitting is None or not fitting[0]:
+        return None
+    return round(hit / fitting[0], 3)
+
+
 def summarize(run: StressRun, stats: Any, pool_stats: dict[str, Any], locked: int, leaks: dict[str, int],
-              elapsed: float, bound_hit_tokens: int) -> dict[str, Any]:
+              elapsed: float, bound_hit_tokens: int, fitting: tuple[int, int] | None = None) -> dict[str, Any]:
     """The run's summary: what ``hylinker stress`` prints and saves as JSON (hit rates against the
-    infinite-cache bound, restores verified, admission, offloads, store, latencies, leaks)."""
+    infinite-cache bound, restores verified, admission, offloads, store, latencies, leaks).
+    ``fitting``: (bound hit tokens, prompt tokens) of the requests that fit the device pools:
+    ``of_bound_fit`` leaves the requests that can never fit out of both sides."""
     prompt = run.c["prompt_tokens"]
     hit = run.c["device_hit_tokens"] + run.c["store_hit_tokens"]
     grid = run.layout.grid
@@ -57,6 +67,7 @@ def summarize(run: StressRun, stats: Any, pool_stats: dict[str, Any], locked: in
         "hit_rate": round(hit_rate, 4),
         "bound_hit_rate": round(bound, 4),
         "of_bound": round(hit_rate / bound, 3) if bound else None,
+        "of_bound_fit": _of_bound_fit(hit, fitting),
         "restores_verified": run.c["restores_verified"],
         "restore_mismatches": run.c["restore_mismatches"],
         "recomputed_loads": run.c["recomputed_loads"],

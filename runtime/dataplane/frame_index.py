@@ -1,0 +1,109 @@
+"""The staging index: which objects a pool's draining frames hold, and who is reading them.
+
+Between stage 1 of a two-stage offload (the rows copied into sealed host frames,
+``runtime/dataplane/drain_route.py``) and the store's answer, an object's bytes may exist only
+in host staging: the device may have evicted its rows already. :class:`FrameIndex` maps each
+such object's store key to its sealed frame, from the moment the frames were sealed until the
+drain ended the job (stored, refused or dropped), so a lookup sees the object and a load can
+copy it from the frame (``runtime/dataplane/frame_restore.py``).
+
+A reader pins the frames it copies from (:meth:`FrameIndex.pin`). A job whose drain ends while
+its frames are pinned leaves the index at once, but its bytes stay charged to the host staging
+budget (:meth:`HostStaging.hold`) until the last reader unpins: the budget never counts memory
+that is still read as free. A frame that failed verification leaves the index (never read
+again); the drain still ends its job as usual.
+
+Only sealed frames enter the index, and only frames that carry their own checksum: where the
+store sets the checksum as it copies (``StoreCalls.checksums``) a staged frame has none, so it
+could not be verified like a store read and is not indexed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from .host_staging import HostStaging
+
+
+@attrs.define(eq=False)
+class DrainingFrames:
+    """One job's sealed frames while they drain: ``grid[i, :size]`` is object ``keys[i]``."""
+
+    keys: list[str]
+    grid: torch.Tensor  # [n, stride] uint8, sealed
+    size: int  # frame bytes of one object (header and payload)
+    nbytes: int  # what the budget charged for them
+    readers: int = 0  # loads copying from these frames now
+    retired: bool = False  # the drain ended the job: no longer in the index
+    held: bool = False  # retired while pinned: the budget holds nbytes until the last unpin
+
+
+#: one pinned object: (its position in the load's job, its frames, its row in them)
+Pinned = tuple[int, DrainingFrames, int]
+
+
+class FrameIndex:
+    """Store key → sealed, draining frame of one pool actor. See the module doc."""
+
+    def __init__(self, staging: HostStaging) -> None:
+        self.staging = staging
+        self._by_key: dict[str, tuple[DrainingFrames, int]] = {}
+        self.dropped = 0  # frames that failed verification, out of the index
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def add(self, keys: Sequence[str], grid: torch.Tensor, size: int, nbytes: int) -> DrainingFrames:
+        """Index a job's frames, sealed; a key already indexed keeps its older frame (equal
+        keys mean equal bytes)."""
+        frames = DrainingFrames(list(keys), grid, size, nbytes)
+        for row, key in enumerate(frames.keys):
+            self._by_key.setdefault(key, (frames, row))
+        return frames
+
+    def holds(self, key: str) -> bool:
+        return key in self._by_key
+
+    def pin(self, keys: Sequence[str]) -> list[Pinned]:
+        """Pin the indexed objects among ``keys`` (one pin per object; :meth:`unpin` each)."""
+        out: list[Pinned] = []
+        for i, key in enumerate(keys):
+            hit = self._by_key.get(key)
+            if hit is not None:
+                hit[0].readers += 1
+                out.append((i, hit[0], hit[1]))
+        return out
+
+    def unpin(self, frames: DrainingFrames) -> None:
+        frames.readers -= 1
+        assert frames.readers >= 0, "a staging frame was unpinned more often than pinned"
+        if frames.readers == 0 and frames.held:
+            frames.held = False
+            self.staging.release(frames.nbytes)
+
+    def drop(self, key: str, frames: DrainingFrames) -> None:
+        """``frames``' object ``key`` failed verification: it leaves the index."""
+        hit = self._by_key.get(key)
+        if hit is not None and hit[0] is frames:
+            del self._by_key[key]
+            self.dropped += 1
+
+    def retire(self, frames: DrainingFrames) -> None:
+        """The drain ended ``frames``' job: they leave the index; pinned, their bytes stay
+        charged until the last reader unpins."""
+        if frames.retired:
+            return
+        frames.retired = True
+        for key in frames.keys:
+            hit = self._by_key.get(key)
+            if hit is not None and hit[0] is frames:
+                del self._by_key[key]
+        if frames.readers > 0:
+            frames.held = True
+            self.staging.hold(frames.nbytes)
+
+
+__all__ = ["DrainingFrames", "FrameIndex", "Pinned"]
