@@ -61,8 +61,9 @@ class SGLangLinkerConfig(PluginConfig):
     #: offload in two stages (docs/design/host-staging.md): SGLang's node is reported back, as
     #: not stored (its device rows and state slot unlock), once its bytes are sealed in host
     #: staging, and the frames drain to the store after; the node is marked stored when SGLang
-    #: offers it again after the store acknowledged it. Off: the node stays locked until the store answered
-    two_stage_offload: bool = True
+    #: offers it again after the store acknowledged it. Off (the default for now: with a dead
+    #: Mooncake master, close() outlasts SGLang's 15 s shutdown wait): the node stays locked until the store answered
+    two_stage_offload: bool = False
     #: the host staging budget in bytes (None: the data plane's default, twice the pools' bytes
     #: and at most a quarter of the host's memory, capped at ``offload_max_inflight_mb``); a
     #: full budget refuses the offload (``offloads_refused_staging``)

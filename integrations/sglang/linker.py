@@ -31,7 +31,7 @@ pool views of SGLang's tensors (``integrations/sglang/pools.py``), its store wra
   ``offload_max_inflight_mb`` of payload) accepted and not yet reported back; beyond it
   ``offload`` refuses, so SGLang unlocks the node at once instead of holding its rows behind a
   store that does not drain;
-* **two-stage offload** (``two_stage_offload``, on by default): an offload is reported back once
+* **two-stage offload** (``two_stage_offload``, off by default for now): an offload is reported back once
   its bytes are sealed in host staging, so SGLang unlocks the node's rows then, and the frames
   drain to the store after. SGLang's one result both unlocks and marks the node stored, so it
   is reported as not stored (False): the node is offered again on its next hit, and what the

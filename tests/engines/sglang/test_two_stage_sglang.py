@@ -30,7 +30,7 @@ GEOMETRIES = [
 def build(made: list[SGLangCache], spec: dict[str, Any] | None = None, **extra: Any) -> tuple[SGLangCache, GatedStore]:
     """A cache whose store's puts wait at a gate (opened with :func:`open_gate`)."""
     cache = SGLangCache(CacheSpec(**(spec or {})), {**PLUGIN, "linker_extra_config": {
-        "faults": PASS_THROUGH, "store_timeout_s": 60.0, **extra}})
+        "faults": PASS_THROUGH, "store_timeout_s": 60.0, "two_stage_offload": True, **extra}})
     made.append(cache)
     gated = GatedStore(cache.linker.store.inner, hold_puts=True)
     cache.linker.store._inner = gated
@@ -181,7 +181,7 @@ def test_host_staging_bytes_is_checked_by_name(caches: list[SGLangCache]) -> Non
 
     for bad in (0, -1, 1.5, True, "1"):
         with pytest.raises(LinkerConfigError, match="host_staging_bytes"):
-            SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"host_staging_bytes": bad}})
-    cache = SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"host_staging_bytes": 1 << 22}})
+            SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"two_stage_offload": True, "host_staging_bytes": bad}})
+    cache = SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"two_stage_offload": True, "host_staging_bytes": 1 << 22}})
     caches.append(cache)
     assert cache.linker.host_staging is not None and cache.linker.host_staging.capacity == 1 << 22
