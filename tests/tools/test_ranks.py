@@ -155,7 +155,7 @@ async def _remove_states(lk: Linker, tokens: np.ndarray, req_seed: bytes, bounda
 #: above 250 ms when the 2-core host is loaded) would leave a page unstored and shorten a hit;
 #: one failure at load average 9 (192 restored tokens for 256) fits that, not reproduced since.
 #: The rule is tested on its own (tests/runtime/test_backpressure.py); here it is out of reach
-NO_LATENCY_DROPS: dict[str, float] = {"latency_high_ms": 60_000.0, "latency_low_ms": 30_000.0}
+NO_LATENCY_DROPS: tuple[float, float] = (60_000.0, 30_000.0)  # (latency_high_ms, latency_low_ms)
 
 async def scenario_two_ranks(rank: int, size: int, agreement: Agreement, address: str, prefix: int
                              ) -> dict[str, Any]:
@@ -166,7 +166,7 @@ async def scenario_two_ranks(rank: int, size: int, agreement: Agreement, address
     out: dict[str, Any] = {}
     tokens = _tokens(prefix, PAGES * PAGE + 5)
     try:
-        async with Linker(layout, pools, store, LinkerConfig(resilience=None, **NO_LATENCY_DROPS), salt=f"t{prefix}",
+        async with Linker(layout, pools, store, LinkerConfig(resilience=None, latency_high_ms=NO_LATENCY_DROPS[0], latency_low_ms=NO_LATENCY_DROPS[1]), salt=f"t{prefix}",
                           checkpoints=checkpoint_policy("grid"), agreement=agreement) as lk:
             out["first"] = await _serve(lk, content, "a1", tokens)
             await lk.drain()
@@ -399,7 +399,8 @@ async def scenario_dcp(rank: int, size: int, agreement: Agreement, address: str,
     out: dict[str, Any] = {}
     tokens = dcp_prompt(5 * layout.tree_page + 3, seed=prefix)  # restorable up to 5 tree pages
     try:
-        async with Linker(layout, pools, store, LinkerConfig(resilience=None, staging_bytes_per_pool=1 << 16, **NO_LATENCY_DROPS),
+        async with Linker(layout, pools, store, LinkerConfig(resilience=None, staging_bytes_per_pool=1 << 16,
+                                                        latency_high_ms=NO_LATENCY_DROPS[0], latency_low_ms=NO_LATENCY_DROPS[1]),
                           salt=f"dcp{prefix}", agreement=agreement) as lk:
             req = lk.request("donor", tokens)
             await lk.lookup(req)
