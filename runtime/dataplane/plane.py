@@ -95,13 +95,13 @@ from .metrics import (
 )
 from .plane_config import DataPlaneConfig
 from .pool_actor import PoolActor
-from .probe import group_key, probe
+from .probe import probe
 from .restore_cost import LoadBandwidth
 from .statistics import Backpressure, DataPlaneStatistics, PoolActorStatistics
 from .store_calls import LatencyMonitor
 from .tickets import LoadTicket, OffloadTicket, TransferOutcome, _Ticket
 from .transfer_codec import PoolCodec
-from .transfer_jobs import TransferJob, cancel_job, check_keys
+from .transfer_jobs import TransferJob, cancel_job, check_keys, group_key, group_keys
 
 
 class DataPlaneClosedError(RuntimeError):
@@ -115,11 +115,6 @@ class Transfer:
     pool: PoolKind
     keys: Sequence[str]
     index: Any  # torch.Tensor [n, unit] or flat [n * unit]; or a sequence of ints
-
-
-def group_keys(keys: Sequence[str], group: int, groups: int) -> list[str]:
-    """:func:`group_key` of every key (one comprehension, no call per key)."""
-    return list(keys) if groups == 1 else [f"{key}|g{group}of{groups}" for key in keys]
 
 
 class DataPlane:

@@ -17,15 +17,10 @@ from ...components.layout import PoolKind
 from ...components.pool_view import PoolViewError
 from ...stores.base import StoreError
 from .tracing import trace
-from .transfer_jobs import check_keys
+from .transfer_jobs import check_keys, group_key
 
 if TYPE_CHECKING:
     from .plane import DataPlane
-
-
-def group_key(key: str, group: int, groups: int) -> str:
-    """The store key of layer group ``group`` of an object (the key itself when ``groups == 1``)."""
-    return key if groups == 1 else f"{key}|g{group}of{groups}"
 
 
 async def probe(plane: DataPlane, keys: Mapping[PoolKind, Sequence[str]]) -> dict[PoolKind, list[bool]]:
@@ -76,4 +71,4 @@ async def _store_exists(plane: DataPlane, names: list[str]) -> list[bool]:
     return [bool(p) for p in present]
 
 
-__all__ = ["group_key", "probe"]
+__all__ = ["probe"]

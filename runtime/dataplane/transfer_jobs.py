@@ -152,3 +152,13 @@ def check_keys(keys: Sequence[str], pool: PoolKind) -> list[str]:
     if len(set(out)) != len(out):
         raise PoolViewError(f"{pool.value}: repeated keys in one transfer")
     return out
+
+
+def group_key(key: str, group: int, groups: int) -> str:
+    """The store key of layer group ``group`` of an object (the key itself when ``groups == 1``)."""
+    return key if groups == 1 else f"{key}|g{group}of{groups}"
+
+
+def group_keys(keys: Sequence[str], group: int, groups: int) -> list[str]:
+    """:func:`group_key` of every key (one comprehension, no call per key)."""
+    return list(keys) if groups == 1 else [f"{key}|g{group}of{groups}" for key in keys]
