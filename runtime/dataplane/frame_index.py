@@ -50,19 +50,34 @@ class FrameIndex:
 
     def __init__(self, staging: HostStaging) -> None:
         self.staging = staging
-        self._by_key: dict[str, tuple[DrainingFrames, int]] = {}
+        #: key -> the live frames holding it, oldest first (one entry per sealed job that staged it)
+        self._by_key: dict[str, list[tuple[DrainingFrames, int]]] = {}
         self.dropped = 0  # frames that failed verification, out of the index
 
     def __len__(self) -> int:
         return len(self._by_key)
 
     def add(self, keys: Sequence[str], grid: torch.Tensor, size: int, nbytes: int) -> DrainingFrames:
-        """Index a job's frames, sealed; a key already indexed keeps its older frame (equal
-        keys mean equal bytes)."""
+        """Index a job's frames, sealed. A key already indexed is read from its older frame
+        (equal keys mean equal bytes) and from this one once the older frame retires."""
         frames = DrainingFrames(list(keys), grid, size, nbytes)
         for row, key in enumerate(frames.keys):
-            self._by_key.setdefault(key, (frames, row))
+            self._by_key.setdefault(key, []).append((frames, row))
         return frames
+
+    def _unindex(self, key: str, frames: DrainingFrames) -> bool:
+        """Take ``frames``' entry for ``key`` out of the index; False if it had none."""
+        holders = self._by_key.get(key)
+        if holders is None:
+            return False
+        kept = [h for h in holders if h[0] is not frames]
+        if len(kept) == len(holders):
+            return False
+        if kept:
+            self._by_key[key] = kept
+        else:
+            del self._by_key[key]
+        return True
 
     def holds(self, key: str) -> bool:
         return key in self._by_key
@@ -71,10 +86,11 @@ class FrameIndex:
         """Pin the indexed objects among ``keys`` (one pin per object; :meth:`unpin` each)."""
         out: list[Pinned] = []
         for i, key in enumerate(keys):
-            hit = self._by_key.get(key)
-            if hit is not None:
-                hit[0].readers += 1
-                out.append((i, hit[0], hit[1]))
+            holders = self._by_key.get(key)
+            if holders:
+                frames, row = holders[0]
+                frames.readers += 1
+                out.append((i, frames, row))
         return out
 
     def unpin(self, frames: DrainingFrames) -> None:
@@ -85,10 +101,9 @@ class FrameIndex:
             self.staging.release(frames.nbytes)
 
     def drop(self, key: str, frames: DrainingFrames) -> None:
-        """``frames``' object ``key`` failed verification: it leaves the index."""
-        hit = self._by_key.get(key)
-        if hit is not None and hit[0] is frames:
-            del self._by_key[key]
+        """``frames``' object ``key`` failed verification: that copy leaves the index (another
+        live frame of the same key stays readable, and is verified on its own read)."""
+        if self._unindex(key, frames):
             self.dropped += 1
 
     def retire(self, frames: DrainingFrames) -> None:
@@ -98,9 +113,7 @@ class FrameIndex:
             return
         frames.retired = True
         for key in frames.keys:
-            hit = self._by_key.get(key)
-            if hit is not None and hit[0] is frames:
-                del self._by_key[key]
+            self._unindex(key, frames)
         if frames.readers > 0:
             frames.held = True
             self.staging.hold(frames.nbytes)

@@ -18,6 +18,7 @@ from test_host_staging import SHAPES, Pools, kv, plane, staged
 
 from hylinker.components.layout import PoolKind
 from hylinker.runtime.dataplane.frame_index import FrameIndex
+from hylinker.runtime.dataplane.host_staging import HostStaging
 from hylinker.runtime.dataplane.plane import DataPlane, DataPlaneConfig, Transfer
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
@@ -109,7 +110,7 @@ async def test_a_frame_that_fails_verification_is_dropped_and_the_load_falls_bac
             await ticket.copied()
         index = index_of(dp)
         for key in ("a", "b"):  # both frames are damaged in host memory
-            frames, row = index._by_key[key]
+            ((frames, row),) = index._by_key[key]
             frames.grid[row, framing.HEADER_BYTES] ^= 0xFF
         back = await dp.load([kv(["a", "b"], pools, [4, 5])])
         out = await back.wait()
@@ -170,8 +171,8 @@ async def test_a_copy_that_fails_releases_its_pins_and_the_load_fails_cleanly(
         with anyio.fail_after(10):
             out = await back.wait()
         assert not out.ok
-        hit = index_of(dp)._by_key["a"]
-        assert hit[0].readers == 0
+        ((held, _row),) = index_of(dp)._by_key["a"]
+        assert held.readers == 0
         store.open()
         assert (await ticket.wait()).ok
 
@@ -198,12 +199,12 @@ async def test_a_load_cancelled_while_it_copies_releases_its_pin(monkeypatch: py
         back = await dp.load([kv(["a"], pools, [4])])
         with anyio.fail_after(10):
             await entered.wait()
-        assert index_of(dp)._by_key["a"][0].readers == 1
+        assert index_of(dp)._by_key["a"][0][0].readers == 1
         back.cancel()  # too late to cancel: it ends with its result, its pin released
         go.set()
         with anyio.fail_after(10):
             await back.wait()
-        assert index_of(dp)._by_key["a"][0].readers == 0
+        assert index_of(dp)._by_key["a"][0][0].readers == 0
         store.open()
         assert (await ticket.wait()).ok
 
@@ -284,3 +285,23 @@ async def test_a_state_is_pending_until_the_store_answers_unless_its_frame_is_in
         assert dp.backpressure().pending_states == 0
     if two_stage:
         assert torch.equal(state[0], pools.conv[0][:, 3]) and torch.equal(state[1], pools.temporal[:, 3])
+
+
+def test_a_key_staged_by_two_jobs_stays_readable_until_both_frames_retire() -> None:
+    """Two draining jobs hold the same key: the older frame's retirement leaves the newer
+    one readable (a miss here would send a restorable prefix back to recompute)."""
+    index = FrameIndex(HostStaging(1 << 20))
+    grid = torch.zeros((2, 16), dtype=torch.uint8)
+    older = index.add(["a", "b"], grid, 16, 32)
+    newer = index.add(["c", "a"], grid.clone(), 16, 32)
+    assert index.pin(["a"])[0][1:] == (older, 0)  # read from the older frame first
+    index.unpin(older)
+    index.retire(older)
+    assert index.holds("a") and not index.holds("b")
+    (_i, frames, row), = index.pin(["a"])
+    assert (frames, row) == (newer, 1)
+    index.unpin(frames)
+    index.drop("a", newer)  # the newer copy failed verification: gone, counted once
+    assert not index.holds("a") and index.holds("c") and index.dropped == 1
+    index.retire(newer)
+    assert len(index) == 0
