@@ -13,9 +13,10 @@ budget (:meth:`HostStaging.hold`) until the last reader unpins: the budget never
 that is still read as free. A frame that failed verification leaves the index (never read
 again); the drain still ends its job as usual.
 
-Only sealed frames enter the index, and only frames that carry their own checksum: where the
-store sets the checksum as it copies (``StoreCalls.checksums``) a staged frame has none, so it
-could not be verified like a store read and is not indexed.
+Only sealed frames enter the index. Where the store sets the checksum as it copies
+(``StoreCalls.checksums``) a staged frame carries none; a read from it checks the header (key,
+layout, length: ``framing.verify_own_array``), and the payload is trusted as a copy this process
+made and still owns.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 arena) and verifies it there; the load's ticket lands the frames (:meth:`HeldRoute.land`) once
 every job of the load verified, or drops them (``StagingArena.release_held``). Layer groups
 that move in place are read into their rows by the in-place route and verified there; only
-their report waits for the rest of the load (``job.in_rows``).
+their report waits for the rest of the load (``job.in_rows``). Objects still draining in host
+staging (two stages) are copied from their frames into the private frames and verified there
+(``runtime/dataplane/frame_restore.py``); such a job takes the private-frames path whole.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from functools import partial
 from ...stores import framing
 from ...stores.base import GetResult, Outcome
 from .events import wait_fence
+from .frame_restore import FrameRestore
 from .in_place import private_rows
 from .pipeline import pipelined
 from .route import TransferRoute
 from .rows_route import RowsRoute
 from .staging_arena import StagingArena
 from .store_calls import StoreCalls, check_landed, condemner
+from .transfer_codec import PoolCodec
 from .transfer_jobs import LoadResult, TransferJob
 
 
@@ -34,6 +38,13 @@ class HeldRoute:
         self.calls = calls
         self.moved = moved  # the in-place route of the layer groups moved in place
         self.rows = rows  # row-described gets into private rows
+        #: two stages: objects still draining are copied from their frames (None: one stage)
+        self.from_frames: FrameRestore | None = None
+
+    def _draining(self, job: TransferJob) -> bool:
+        """Whether the staging index holds any of ``job``'s objects now."""
+        fr = self.from_frames
+        return fr is not None and len(fr.index) > 0 and any(fr.index.holds(k) for k in job.keys)
 
     async def load(self, job: TransferJob) -> LoadResult:
         """Get every object of the job into private frames and verify it; write no row.
@@ -41,6 +52,8 @@ class HeldRoute:
         into their rows and are verified there; only their report waits for the rest of the load."""
         a = self.arena
         codec = a.codecs[job.group]
+        if self._draining(job):  # into private frames: from draining frames, the rest from the store
+            return await self._into_frames(job, codec)
         if a.held_in_place_groups[job.group] and codec.host_path(job.index):
             # in place: the store writes the rows and they are verified there; nothing is
             # reported until the whole load verified (a failed load may leave partial bytes
@@ -57,18 +70,39 @@ class HeldRoute:
             good, again, faults = await self.rows.get_verified(job, codec, size, target)
             ok = [g for batch in good for g in batch]
             return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0, report=False)
-        faults = {}
-        batches = a.batches(len(job.keys))
-        good = [[] for _ in batches]
-        again = []  # objects to read once more (a fault a transfer can cause)
+        return await self._from_store(job, codec, list(range(len(job.keys))), [False] * len(job.keys), t0)
+
+    async def _into_frames(self, job: TransferJob, codec: PoolCodec) -> LoadResult:
+        """Private frames for the whole job: the draining objects copied and verified there
+        (:meth:`FrameRestore.into_held`), the rest read from the store into the same frames."""
+        assert self.from_frames is not None
+        t0 = time.perf_counter()
+        grid = job.staged = await self.arena.held_frames(job)
+        ok = [False] * len(job.keys)
+        for i in await self.from_frames.into_held(job, grid):
+            ok[i] = True
+        return await self._from_store(job, codec, [i for i, o in enumerate(ok) if not o], ok, t0)
+
+    async def _from_store(self, job: TransferJob, codec: PoolCodec, todo: list[int], ok: list[bool],
+                          t0: float) -> LoadResult:
+        """Read objects ``todo`` from the store into the job's private frames and verify them;
+        ``ok`` holds what already verified (from draining frames)."""
+        a = self.arena
+        assert job.staged is not None
+        grid, size = job.staged, a.frame_sizes[job.group]
+        faults: dict[str, int] = {}
+        batches = a.batches(len(todo))
+        good: list[list[bool]] = [[] for _ in batches]
+        again: list[int] = []  # objects to read once more (a fault a transfer can cause)
 
         async def get(k: int) -> list[GetResult]:
-            lo, hi = batches[k]
-            return await self.calls.call(self.calls.store.get, job.keys[lo:hi], [grid[i, :size] for i in range(lo, hi)],
+            which = todo[slice(*batches[k])]
+            return await self.calls.call(self.calls.store.get, [job.keys[i] for i in which],
+                                         [grid[i, :size] for i in which],
                                          GetResult(Outcome.UNREACHABLE), GetResult(Outcome.FAILED))
 
         def verify(k: int, results: list[GetResult]) -> None:
-            good[k] = self._check(job, range(*batches[k]), results, faults, again.append)
+            good[k] = self._check(job, todo[slice(*batches[k])], results, faults, again.append)
 
         async def verify_async(k: int, results: list[GetResult]) -> None:
             if a.inline(batches[k], size):
@@ -76,8 +110,10 @@ class HeldRoute:
             else:
                 await a.threads.run(verify, k, results)
 
-        await pipelined(len(batches), get, verify_async)  # sub-batch k verified while k+1 is read
-        ok = [g for batch in good for g in batch]
+        if todo:
+            await pipelined(len(batches), get, verify_async)  # sub-batch k verified while k+1 is read
+        for i, g in zip(todo, (g for batch in good for g in batch), strict=True):
+            ok[i] = g
         return await self.calls.end_load(self.reread, job, codec, ok, again, faults, size, t0, report=False)
 
     def _check(self, job: TransferJob, which: list[int] | range, results: list[GetResult], faults: dict[str, int],

@@ -126,9 +126,8 @@ class PoolActor:
         """Offload in two stages through ``staging`` (the plane's shared budget); index the
         draining frames where they can be verified like a store read."""
         self.host_staging = staging
-        if not self.calls.checksums:
-            self.frames = FrameIndex(staging)
-            self.from_frames = FrameRestore(self.arena, self.calls, self.frames)
+        self.frames = FrameIndex(staging)
+        self.from_frames = self.held.from_frames = FrameRestore(self.arena, self.calls, self.frames)
 
     @property
     def latency(self) -> LatencyMonitor:
