@@ -41,10 +41,12 @@ def index_of(dp: DataPlane, pool: PoolKind = PoolKind.FULL) -> FrameIndex:
     return index
 
 
+@pytest.mark.parametrize("verify_all", [False, True])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize(("layers", "page"), SHAPES)
 async def test_a_draining_object_is_found_and_restored_byte_exact_from_its_frame(
-        layers: int, page: int, groups: int) -> None:
+        layers: int, page: int, groups: int, verify_all: bool) -> None:
+    """``verify_all``: a held load copies the frames into its private frames, verified there."""
     if groups > layers:
         pytest.skip("one layer: one group")
     pools = Pools(layers, page)
@@ -59,9 +61,10 @@ async def test_a_draining_object_is_found_and_restored_byte_exact_from_its_frame
             t.fill_(0xAB)
         present = await dp.exists({PoolKind.FULL: ["a", "b", "c", "d"]})
         assert present[PoolKind.FULL] == [True, True, True, False]
-        back = await dp.load([kv(["a", "b", "c"], pools, [5, 6, 7])])
+        back = await dp.load([kv(["a", "b", "c"], pools, [5, 6, 7])], verify_all=verify_all)
         with anyio.fail_after(10):
             assert (await back.wait()).ok
+        assert back.from_staging == 3 * groups
         assert store.calls["get"] == 0  # nothing came from the store: it has nothing yet
         stats = dp.pool_statistics()["kv"]
         assert stats.staging_restores == 3 * groups and stats.objects_loaded == 3 * groups

@@ -9,46 +9,13 @@ import anyio
 import pytest
 import torch
 from test_frame_restore import gated, index_of
-from test_host_staging import SHAPES, Pools, kv, staged
+from test_host_staging import Pools, kv, staged
 
 from hylinker.components.layout import PoolKind
 from hylinker.stores import framing
 from hylinker.stores.embedded import EmbeddedStore
 from hylinker.stores.faulty import FaultyStore
 from hylinker.testing.fakes import GatedStore
-
-
-@pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize(("layers", "page"), SHAPES)
-async def test_a_verify_all_load_of_draining_objects_restores_them_from_their_frames(
-        layers: int, page: int, groups: int) -> None:
-    if groups > layers:
-        pytest.skip("one layer: one group")
-    pools = Pools(layers, page)
-    store = GatedStore(EmbeddedStore(64 << 20))
-    before = [pools.page_bytes(p) for p in range(3)]
-    async with gated(pools, store, staged(layer_groups=groups)) as dp:
-        store.hold(puts=True)
-        ticket = await dp.offload([kv(["a", "b", "c"], pools, [0, 1, 2])])
-        with anyio.fail_after(10):
-            await ticket.copied()
-        for t in (*pools.k, *pools.v):  # the device reused the rows: only staging holds the bytes
-            t.fill_(0xAB)
-        back = await dp.load([kv(["a", "b", "c"], pools, [5, 6, 7])], verify_all=True)
-        with anyio.fail_after(10):
-            assert (await back.wait()).ok
-        assert back.from_staging == 3 * groups
-        assert store.calls["get"] == 0  # the store has nothing yet, and was not asked
-        stats = dp.pool_statistics()["kv"]
-        assert stats.staging_restores == 3 * groups and stats.objects_loaded == 3 * groups
-        assert not ticket.done  # the frames were still draining
-        assert all(f.readers == 0 for holders in index_of(dp)._by_key.values() for f, _row in holders)
-        store.open()
-        assert (await ticket.wait()).ok
-        assert dp.host_staging is not None and dp.host_staging.used == 0
-    for i, p in enumerate((5, 6, 7)):
-        for want, got in zip(before[i], pools.page_bytes(p), strict=True):
-            assert torch.equal(want, got)
 
 
 @pytest.mark.parametrize(("layers", "page"), [(2, 64), (8, 1)])
