@@ -31,6 +31,7 @@ DEFAULT_KV_PAGES = (4096, 1024, 512, 256)
 #: (row key, header): the losses each point shows, whether or not they are zero
 LOSSES: tuple[tuple[str, str], ...] = (
     ("offloads_skipped_kv", "skip kv"),
+    ("offloads_waited_kv", "kv wait"),  # not a loss: offloads that waited for copies, then went
     ("load_misses", "no pages"),
     ("load_waits", "waited"),
     ("load_waits_recomputed", "wait miss"),
@@ -43,6 +44,7 @@ STAGING_FULL_KEY = "offloads_skipped_staging"
 def pool_row(summary: Mapping[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     """``row`` (a study row of ``summary``) with the sweep's loss columns filled in."""
     row["load_waits"] = summary.get("load_waits", 0)
+    row["offloads_waited_kv"] = summary.get("offloads_waited_kv", "n/a")  # absent before it existed
     row["load_waits_recomputed"] = summary.get("load_waits_recomputed", 0)
     row["host_staging_full"] = summary.get(STAGING_FULL_KEY, "n/a")
     row["of_bound_fit"] = summary.get("of_bound_fit")  # never-fit requests out of both sides

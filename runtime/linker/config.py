@@ -64,6 +64,9 @@ class LinkerConfig:
     #: *and* the pages free or evictable have fallen below that share, or below the largest
     #: request seen if that is more (KV backpressure; docs/design/phases.md §3)
     kv_backpressure_share: float = attrs.field(default=0.125, validator=_share)
+    #: two stages: an offload the KV rule would skip first waits up to this long for the copies in
+    #: flight to give their pages back (``offloads_waited_kv``); 0: skip at once
+    kv_backpressure_wait_s: float = attrs.field(default=1.0, validator=non_negative())
     #: ``close()`` waits this long for queued offloads before it stops the store's retries and
     #: cancels calls still in flight (after ``resilience.close_grace_s``)
     close_timeout_s: float = attrs.field(default=10.0, validator=_positive)

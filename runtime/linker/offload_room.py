@@ -92,16 +92,50 @@ class OffloadRoom(LinkerRoom):
             self._idle = anyio.Event()
         self.in_flight += 1
 
-    async def _offload(self, req: Request, node: Node, fence: DeviceEvent | None, turn: int | None,
-                       spawned: list[bool]) -> None:
+    def _plan(self, node: Node) -> dict[PoolKind, list[Node]]:
+        """Per pool, the nodes of ``node``'s path it holds that are neither stored nor pending."""
         path = node.path()
         plan: dict[PoolKind, list[Node]] = {}
         for kind, rule in self.rules.items():
             todo = [n for n in path if rule.holds(n) and kind not in n.stored and kind not in n.pending]
             if todo:
                 plan[kind] = todo
+        return plan
+
+    def _kv_pressed(self, new_pages: int) -> bool:
+        """The KV backpressure rule (see :meth:`_offload`): offloads lock too much of a pool
+        short of headroom. ``new_pages``: the offload's own pages (one stage only)."""
+        kv_limit = self.config.kv_backpressure_share * self.pools.kv.pages.capacity
+        reserve = max(kv_limit, self.largest_request_pages)
+        # Two stages: the locks last one copy, so only a copy backlog already past the share
+        # counts (the new offload's own pages are free again a copy later)
+        backlog = self.locked_pages if self.config.two_stage_offload else self.locked_pages + new_pages
+        return bool(self.locked_pages) and backlog > kv_limit and self.tree.kv_headroom_pages() < reserve
+
+    async def _wait_for_copies(self, req: Request) -> bool:
+        """Two stages: while the KV rule holds, wait (at most ``kv_backpressure_wait_s``) for the
+        copies in flight to give their pages back, instead of skipping at once. The request still
+        locks its own nodes meanwhile, so the offloads never lock more than the rule allows.
+        True when it waited."""
+        wait_s = self.config.kv_backpressure_wait_s
+        if not (self.config.two_stage_offload and wait_s > 0 and self._kv_pressed(0)):
+            return False
+        self._c["offloads_waited_kv"] += 1
+        trace("offload.waiting", request_id=req.id, reason="kv_backpressure", locked_pages=self.locked_pages)
+        with anyio.move_on_after(wait_s):
+            while self._kv_pressed(0):
+                await self.tree.released()  # an unlock (a copy ended) or pages freed
+        return True
+
+    async def _offload(self, req: Request, node: Node, fence: DeviceEvent | None, turn: int | None,
+                       spawned: list[bool]) -> None:
+        plan = self._plan(node)
         if not plan:
             return
+        if await self._wait_for_copies(req):
+            plan = self._plan(node)  # another offload may have taken some of its nodes meanwhile
+            if not plan:
+                return
         self._c["offloads"] += 1
         pressure = self.data.backpressure()
         if pressure.breaker_open:
@@ -125,13 +159,7 @@ class OffloadRoom(LinkerRoom):
         # evictable) for the largest request seen; a large backlog in a roomy pool threatens no
         # allocation.
         new_pages = sum(len(n.keys) for n in {n.id: n for ns in plan.values() for n in ns}.values())
-        kv_limit = self.config.kv_backpressure_share * self.pools.kv.pages.capacity
-        reserve = max(kv_limit, self.largest_request_pages)
-        # Two stages: the locks last one copy, so only a copy backlog already past the share
-        # skips (the new offload's own pages are free again a copy later)
-        backlog = self.locked_pages if self.config.two_stage_offload else self.locked_pages + new_pages
-        if (self.locked_pages and backlog > kv_limit
-                and self.tree.kv_headroom_pages() < reserve):
+        if self._kv_pressed(new_pages):
             self._c["offloads_skipped_kv"] += 1
             trace("offload.skipped", request_id=req.id, reason="kv_backpressure",
                   locked_pages=self.locked_pages, pages=new_pages)

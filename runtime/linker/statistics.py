@@ -51,6 +51,7 @@ class LinkerStatistics:
     load_waits: int = 0  # loads that found no free pages and waited for them (LinkerConfig.load_wait_s)
     load_waits_recomputed: int = 0  # of those, the wait ended without pages (limit, nothing left to free): a miss
     offloads_skipped_staging: int = 0  # two-stage offload: the host staging budget was full
+    offloads_waited_kv: int = 0  # two stages: offloads that waited for copies in flight (KV backpressure)
     #: objects loads copied from host-staging frames still draining to the store (the data plane's count)
     staging_restores: int = 0
 

@@ -38,7 +38,8 @@ ENGINES = [VllmConnectorConfig, SGLangLinkerConfig]
 ZERO_ALLOWED = {"drain_timeout_s", "retry_backoff_ms", "backoff_s", "backoff_max_s", "jitter",
                 "close_grace_s", "fail", "unavailable", "timeout", "torn", "corrupt", "vanish",
                 "corrupt_first_read", "latency_ms", "jitter_ms", "deadline_ms",
-                "load_wait_s"}  # LinkerConfig: 0, a load never waits for pages
+                "load_wait_s",  # LinkerConfig: 0, a load never waits for pages
+                "kv_backpressure_wait_s"}  # LinkerConfig: 0, the KV rule skips at once
 #: what JSON reads, written as JSON text
 NON_FINITE = ["NaN", "Infinity", "-Infinity"]
 

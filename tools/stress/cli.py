@@ -100,6 +100,10 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
                    help="disable the 3/4-of-the-state-pool offload skip rule")
     s.add_argument("--kv-backpressure-share", type=share, default=LinkerConfig().kv_backpressure_share,
                    help="skip offloads while queued offloads lock this share of the KV pool")
+    s.add_argument("--kv-backpressure-wait-s", type=non_negative_float,
+                   default=LinkerConfig().kv_backpressure_wait_s,
+                   help="two stages: an offload the KV rule would skip first waits this long for copies "
+                        "in flight (0: skip at once)")
     s.add_argument("--no-retries", action="store_true",
                    help="talk to the store directly: no retries, timeouts or circuit breaker")
 

@@ -398,6 +398,7 @@ def stress_config(args: argparse.Namespace) -> StressConfig:
                             touch_interval_s=max(1e-3, LinkerConfig().touch_interval_s * args.time_scale)
                             if args.time_scale > 0 else LinkerConfig().touch_interval_s,
                             kv_backpressure_share=args.kv_backpressure_share,
+                            kv_backpressure_wait_s=args.kv_backpressure_wait_s,
                             resilience=None if args.no_retries else ResiliencePolicy(),
                             decline_slow_restores=args.decline_slow_restores,
                             prefill_tokens_per_s=args.prefill_tokens_per_s or None),

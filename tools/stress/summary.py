@@ -99,6 +99,7 @@ def summarize(run: StressRun, stats: Any, pool_stats: dict[str, Any], locked: in
         "verify_failures": stats.verify_failures,
         "touches": stats.touches,
         "offloads_skipped_kv": stats.offloads_skipped_kv,
+        "offloads_waited_kv": stats.offloads_waited_kv,  # waited for copies in flight (two stages)
         "offloads_skipped_breaker": stats.offloads_skipped_breaker,
         "offloads_skipped_staging": stats.offloads_skipped_staging,  # host staging full (two stages)
         "bad_objects_removed": stats.bad_objects_removed,
