@@ -42,6 +42,8 @@ PARTS: tuple[tuple[str, str, str, str], ...] = (
     ("hylinker.integrations.vllm", "HylinkerConnector", "get_num_new_matched_tokens", "lookup"),
     ("hylinker.integrations.vllm", "HylinkerConnector", "build_connector_meta", "save plans"),
     ("hylinker.integrations.vllm", "HylinkerConnector", "wait_for_save", "save copy (in the step)"),
+    ("hylinker.integrations.vllm.pages", "PageTransfers", "_copy_out", "  rows into staging"),
+    ("anyio.from_thread", "BlockingPortal", "start_task_soon", "  put handed to the loop"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", "forward (execute_model)"),
     ("vllm.v1.engine.core", "EngineCore", "step", "engine step"),
 )
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     host = finish(host)
     out = {"host": host, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
            "medians": {}, "samples": samples}
-    print(f"{'variant':<14} {'TTFT median s':>13} {'best s':>7}  " + "  ".join(f"{p[3]} ms" for p in PARTS[:4]))
+    shown = [p[3] for p in PARTS[:6]]
+    print(f"{'variant':<14} {'TTFT median s':>13} {'best s':>7}  " + "  ".join(f"{name.strip()} ms" for name in shown))
     for variant, runs in samples.items():
         walls = [r["wall_s"] for r in runs]
         parts = {p[3]: 1000 * statistics.median(r["parts"].get(p[3], {}).get("total_s", 0.0) for r in runs)
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         out["medians"][variant] = {"wall_s": round(statistics.median(walls), 4), "best_s": round(min(walls), 4),
                                    "parts_ms": {k: round(v, 2) for k, v in parts.items()}}
         print(f"{variant:<14} {statistics.median(walls):>13.4f} {min(walls):>7.4f}  "
-              + "  ".join(f"{parts[p[3]]:.2f}" for p in PARTS[:4]))
+              + "  ".join(f"{parts[name]:.2f}" for name in shown))
     print(describe(host))
     if args.json:
         write_json(args.json, out)
