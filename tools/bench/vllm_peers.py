@@ -44,6 +44,17 @@ environment, draw it later with ``python3 -m hylinker.tools.bench.vllm_peers --p
 ``DIR`` (a folder holding another checkout as ``hylinker``, e.g. a ``git worktree`` of main), so a
 change is measured before and after in one run.
 
+What a user's miss costs (issue 52, item 5; docs/figures/vllm-peers.md): ``--recompute`` adds a
+configuration without connector and without vLLM's prefix cache (``recompute``: the prompt in one
+prefill step; with the prefix cache vLLM's ``align`` mode ends the first chunk at the last block
+boundary and runs the tail as a second step); ``--reset-misses`` resets vLLM's prefix cache before
+each miss and ``--miss-gap-s`` pauses before its timer (0: back to back, beside the writes of the
+save before it); ``--misses``, ``--restores`` and ``--block-size`` shape a run like another
+setup's. On a loaded host ``--interleave`` runs every configuration's engine at once, each idle
+while another runs a step (the runner's ``--result-fd``), so the host's load weighs on every
+configuration alike; each miss is then also divided by the recompute's miss of the same step
+(``miss_over_recompute_paired``, the median printed).
+
 ``--geometry qwen3-next-80b`` runs Qwen3-Next-80B's geometry (``tools/harness/shapes.py``: 48 layers, its
 KV heads, head and state dims, block 1,056) with a narrow residual stream; ``--tp 2`` runs vLLM's
 default process model (two worker processes; the connectors' counters then stay in the workers and
@@ -307,6 +318,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         row["restore_speedup_over_vllm"] = {c: round(vm["restore_s"] / row[c]["restore_s"], 3)
                                             for c in configs if c.startswith("hylinker")}
         row["miss_over_recompute"] = {c: round(row[c]["miss_s"] / base["miss_s"], 3) for c in configs if c != "baseline"}
+        if args.interleave:  # each miss over the recompute's miss of the same step (misses are never left out)
+            row["miss_over_recompute_paired"] = {
+                c: _median([a / b for a, b in zip(samples[c][f"miss:{n}"], base_misses)])
+                for c in configs if c != "baseline" for base_misses in [samples["baseline"][f"miss:{n}"]]}
         if args.recompute:  # against a recompute without vLLM's prefix cache (one prefill chunk, no alignment)
             row["miss_over_no_prefix_cache"] = {c: round(row[c]["miss_s"] / row["recompute"]["miss_s"], 3)
                                                 for c in configs if c != "recompute"}
@@ -358,6 +373,9 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{names[c]}: {f['resets_flushed']} prefix-cache resets refused until a short request ran, "
                          f"{f['restores_not_reset']} restores left out (their reset stayed refused)")
     for r in result["ttft"]:
+        if "miss_over_recompute_paired" in r:
+            lines.append(f"miss {r['tokens']}, each over the recompute's miss of the same step (median): "
+                         + ", ".join(f"{names[c]} {x:.2f}x" for c, x in r["miss_over_recompute_paired"].items()))
         lines.append(f"restore {r['tokens']}: " + ", ".join(f"{names[c]} {x:.2f}x vLLM's connector"
                                                              for c, x in r["restore_speedup_over_vllm"].items())
                      + (f"; {r['restore_speedup_over_before']:.2f}x the --before build" if "hylinker_before" in r else ""))
