@@ -63,6 +63,7 @@ from ...runtime.dataplane.tickets import TransferOutcome
 from ...runtime.dataplane.tracing import trace
 from ...stores.condemned import remove_condemned
 from ...stores.framing import Integrity
+from ...stores.host_bytes import copy_bytes
 from ..store_host import StoreHost
 from .block_layout import RawPages
 from .device_pages import DevicePages, device_pages_for
@@ -297,9 +298,9 @@ class PageTransfers:
         """Copy the pages into their staging slots: at once on host pages; on device pages queued
         on the copy stream (the returned event completes when they are staged). A copy that
         cannot be queued gives its slots back before the error goes up."""
-        if self.device is None:
+        if self.device is None:  # in the step's thread alone: no OpenMP region per page (host_bytes)
             for dst, src in pairs:
-                dst.copy_(src)
+                copy_bytes(dst, src)
             return None
         try:
             return self.device.copy_out(pairs)

@@ -9,49 +9,17 @@ counted, and counts the threads that appeared besides it."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from hylinker.stores.host_bytes import zero_fill, zeroed
+from hylinker.stores.host_bytes import copy_bytes, zero_fill, zeroed
 from hylinker.stores.mooncake_rows import HEADER_ARENA_MIN_BYTES, HeaderArenas
+from hylinker.testing.threads import tasks, threads_started_by
 
 NBYTES = 1 << 20  # far above torch's grain (32,768 elements): its fill runs in parallel
-
-
-def _tasks() -> set[int]:
-    return {int(t) for t in os.listdir("/proc/self/task")}
-
-
-def threads_started_by(fn: Callable[[], Any]) -> int:
-    """Native threads that ``fn``, run on a fresh thread, started and left running."""
-    before = _tasks()
-    ran, done = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            fn()
-        except BaseException as exc:
-            errors.append(exc)
-        ran.set()
-        done.wait(10)
-
-    t = threading.Thread(target=body, name="host-bytes-check")
-    t.start()
-    try:
-        assert ran.wait(10)
-        started = _tasks() - before - {t.native_id}
-    finally:
-        done.set()
-        t.join()
-    if errors:
-        raise errors[0]
-    return len(started)
 
 
 @pytest.fixture
@@ -112,7 +80,7 @@ COPY_ELEMENTS = 1 << 20  # one copy far above torch's grain: uncapped, it runs o
 def _team_threads() -> int:
     """Native threads Python does not know: OpenMP teams (and other native helpers)."""
     known = {t.native_id for t in threading.enumerate()}
-    return len(_tasks() - known)
+    return len(tasks() - known)
 
 
 async def _copies_on_worker_threads() -> int:
@@ -175,3 +143,10 @@ def test_an_offload_and_a_load_through_the_sync_plane_start_no_team(two_intra_op
         started = _team_threads() - before
     assert started == 0
     assert all(torch.equal(t[2 * page: 4 * page], s) for t, s in zip((*k, *v), source))
+
+
+def test_copy_bytes_starts_no_team_and_copies(two_intra_op_threads: None) -> None:
+    src = torch.randint(0, 255, (NBYTES,), dtype=torch.uint8)
+    dst = torch.zeros(NBYTES, dtype=torch.uint8)
+    assert threads_started_by(lambda: copy_bytes(dst, src)) == 0
+    assert torch.equal(dst, src)

@@ -44,6 +44,17 @@ environment, draw it later with ``python3 -m hylinker.tools.bench.vllm_peers --p
 ``DIR`` (a folder holding another checkout as ``hylinker``, e.g. a ``git worktree`` of main), so a
 change is measured before and after in one run.
 
+What a user's miss costs (issue 52, item 5; docs/figures/vllm-peers.md): ``--recompute`` adds a
+configuration without connector and without vLLM's prefix cache (``recompute``: the prompt in one
+prefill step; with the prefix cache vLLM's ``align`` mode ends the first chunk at the last block
+boundary and runs the tail as a second step); ``--reset-misses`` resets vLLM's prefix cache before
+each miss and ``--miss-gap-s`` pauses before its timer (0: back to back, beside the writes of the
+save before it); ``--misses``, ``--restores`` and ``--block-size`` shape a run like another
+setup's. On a loaded host ``--interleave`` runs every configuration's engine at once, each idle
+while another runs a step (the runner's ``--result-fd``), so the host's load weighs on every
+configuration alike; each miss is then also divided by the recompute's miss of the same step
+(``miss_over_recompute_paired``, the median printed).
+
 ``--geometry qwen3-next-80b`` runs Qwen3-Next-80B's geometry (``tools/harness/shapes.py``: 48 layers, its
 KV heads, head and state dims, block 1,056) with a narrow residual stream; ``--tp 2`` runs vLLM's
 default process model (two worker processes; the connectors' counters then stay in the workers and
@@ -59,15 +70,18 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from .output import add_output_arguments, plot_only, write_outputs
 
 CONFIGS = ("vllm_mooncake", "hylinker", "baseline")
+#: configurations without a connector (no exactness or loss figures of their own)
+NO_CONNECTOR = ("baseline", "recompute")
 GEOMETRIES = ("tiny", "qwen3-next-80b")
 
 
@@ -83,23 +97,24 @@ def _integrity(config: str, args: argparse.Namespace) -> str:
     return suffix if config != "hylinker" and suffix in levels[1:] else levels[0]
 
 
-def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, args: argparse.Namespace,
-            block: int) -> list[dict[str, Any]]:
-    """Run one engine through ``steps`` in configuration ``config``; its result rows."""
+@contextlib.contextmanager
+def _engine_command(config: str, model: Path, work: Path, args: argparse.Namespace,
+                    block: int) -> Iterator[tuple[list[str], dict[str, str]]]:
+    """The runner's command line and environment for configuration ``config`` (without its steps),
+    with the configuration's fresh store running while the context is open."""
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    log = work / f"{config}.log"
-    steps_file = work / f"{config}.steps.json"
-    steps_file.write_text(json.dumps(steps))
-    cmd = [sys.executable, "-m", "hylinker.tools.harness.vllm_runner", "--model", str(model), "--steps", f"@{steps_file}",
+    cmd = [sys.executable, "-m", "hylinker.tools.harness.vllm_runner", "--model", str(model),
            "--max-model-len", str(max(args.size_list) + 1024), "--tp", str(args.tp), "--block-size", str(block)]
     if args.tp == 1:
         cmd.append("--in-process")
-    from .vllm import fresh_store, runner_rows, vllm_mooncake_env
+    from .vllm import fresh_store, vllm_mooncake_env
 
     with contextlib.ExitStack() as stack:
         if config == "baseline":
             cmd += ["--extra", "prefix-only"]
+        elif config == "recompute":  # no connector and no prefix cache: one prefill chunk, as a user without either
+            cmd += ["--extra", "none"]
         else:
             address = stack.enter_context(fresh_store(work, args.segment_mib)).address
             if config.startswith("hylinker"):
@@ -111,21 +126,79 @@ def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, a
             else:
                 env.update(vllm_mooncake_env(work, address, args.local_buffer_mib))
                 cmd += ["--connector", "mooncake-store", "--extra", "{}"]
-        return runner_rows(cmd, env, log, len(steps), f"{config} engine")
+        yield cmd, env
+
+
+def _engine(config: str, model: Path, steps: list[dict[str, Any]], work: Path, args: argparse.Namespace,
+            block: int) -> list[dict[str, Any]]:
+    """Run one engine through ``steps`` in configuration ``config``; its result rows."""
+    from .vllm import runner_rows
+
+    steps_file = work / f"{config}.steps.json"
+    steps_file.write_text(json.dumps(steps))
+    with _engine_command(config, model, work, args, block) as (cmd, env):
+        return runner_rows([*cmd, "--steps", f"@{steps_file}"], env, work / f"{config}.log", len(steps),
+                           f"{config} engine")
+
+
+def _engines_interleaved(order: list[str], model: Path, steps: list[dict[str, Any]], work: Path,
+                         args: argparse.Namespace, block: int) -> dict[str, list[dict[str, Any]]]:
+    """Run every configuration's engine at once, each idle while another runs: step ``i`` of each
+    in turn (the order rotating with ``i``), so a load that comes and goes on the host weighs on
+    every configuration's samples alike. Their result rows per configuration."""
+    rows: dict[str, list[dict[str, Any]]] = {c: [] for c in order}
+    with contextlib.ExitStack() as stack:
+        engines: dict[str, tuple[subprocess.Popen[str], Any, Path]] = {}
+        for config in order:
+            cmd, env = stack.enter_context(_engine_command(config, model, work / config, args, block))
+            read_fd, write_fd = os.pipe()
+            log = work / config / f"{config}.log"
+            err = stack.enter_context(open(log, "w"))
+            proc = subprocess.Popen([*cmd, "--result-fd", str(write_fd)], stdin=subprocess.PIPE, stdout=err,
+                                    stderr=err, env=env, text=True, pass_fds=(write_fd,))
+            os.close(write_fd)
+            stack.callback(_stop, proc)
+            engines[config] = (proc, stack.enter_context(os.fdopen(read_fd)), log)
+        for i, step in enumerate(steps):
+            for k in range(len(order)):
+                config = order[(i + k) % len(order)]
+                proc, answers, log = engines[config]
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(step) + "\n")
+                proc.stdin.flush()
+                line = answers.readline()
+                if not line:
+                    raise RuntimeError(f"{config} engine failed at step {i}, see {log}:\n{log.read_text()[-3000:]}")
+                rows[config].append(json.loads(line))
+    return rows
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """Close an interleaved engine's steps (it shuts down, draining its connector) and wait for it."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _round_steps(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict[str, Any]], dict[int, list[list[int]]]]:
     """One round's steps (the same for every configuration) and its prompts per length."""
-    prompts = {n: [[rng.randrange(10, 300) for _ in range(n)] for _ in range(args.repeats)] for n in args.size_list}
+    prompts = {n: [[rng.randrange(10, 300) for _ in range(n)] for _ in range(args.misses)] for n in args.size_list}
     steps: list[dict[str, Any]] = []
     for n in args.size_list:  # warm-up, not measured: a miss and a restore of each length
         warm = [rng.randrange(10, 300) for _ in range(n)]
         steps += [{"op": "ttft", "prompt": warm, "logprobs": True}, {"op": "sleep", "s": args.settle_s},
                   {"op": "reset"}, {"op": "ttft", "prompt": warm, "logprobs": True}]
     for n in args.size_list:
-        steps += [{"op": "ttft", "prompt": p, "logprobs": True, "row": f"miss:{n}"} for p in prompts[n]]
+        for p in prompts[n]:
+            steps += [{"op": "reset"}] if args.reset_misses else []
+            steps.append({"op": "ttft", "prompt": p, "logprobs": True, "row": f"miss:{n}", "pause_s": args.miss_gap_s})
         steps.append({"op": "sleep", "s": args.settle_s})
-        for _ in range(args.repeats):
+        for _ in range(args.restores):
             steps += [{"op": "reset"}, {"op": "ttft", "prompt": prompts[n][0], "logprobs": True, "row": f"restore:{n}"}]
         steps += [{"op": "reset"}, {"op": "generate", "prompt": prompts[n][0], "max_tokens": 8, "row": f"check:{n}"}]
     for _ in range(args.repeats):
@@ -142,7 +215,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _losses(config: str, stats: dict[str, Any]) -> dict[str, int]:
     """Failed or skipped saves and failed loads from a connector's own counters (0 where it has none);
     ``unread`` 1 where the counters stayed in worker processes (``--tp`` > 1)."""
-    if not stats and config != "baseline":
+    if not stats and config not in NO_CONNECTOR:
         return {"unread": 1}
     if config.startswith("hylinker"):
         return {"saves_failed": int(stats.get("saves_failed", 0)), "saves_skipped": int(stats.get("saves_skipped", 0)),
@@ -169,7 +242,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     host = host_record()
     rng = random.Random(args.seed)
     configs = [*CONFIGS, *(f"hylinker_{level}" for level in _levels(args.integrity)[1:]),
-               *(["hylinker_before"] if args.before else [])]
+               *(["hylinker_before"] if args.before else []), *(["recompute"] if args.recompute else [])]
     samples: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
     cached: dict[str, dict[str, list[int]]] = {c: {} for c in configs}
     findings: dict[str, dict[str, int]] = {c: {"restores_compared": 0, "wrong_restores": 0, "short_restores": 0,
@@ -184,6 +257,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             model, block = build_tiny_qwen3_next(work / "model"), 384
         else:
             model, block = build_qwen3_next_at(work / "model", QWEN3_NEXT_80B), QWEN3_NEXT_80B.vllm_block_size(args.tp)
+        block = args.block_size or block
         for r in range(args.rounds):
             steps, _ = _round_steps(args, rng)
             order = [configs[(i + r) % len(configs)] for i in range(len(configs))]
@@ -191,6 +265,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             rows: dict[str, list[dict[str, Any]]] = {}
             for config in order:
                 (work / config).mkdir(exist_ok=True)
+            if args.interleave:
+                print(f"round {r + 1}/{args.rounds}: {', '.join(order)} interleaved", flush=True)
+                rows = _engines_interleaved(order, model, steps, work, args, block)
+            for config in [] if args.interleave else order:
                 print(f"round {r + 1}/{args.rounds}: {config}", flush=True)
                 rows[config] = _engine(config, model, steps, work / config, args, block)
             ref = {s.get("row", "") + f"#{i}": row for i, (s, row) in enumerate(zip(steps, rows["baseline"]))}
@@ -217,12 +295,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     if kind in ("restore", "check"):
                         cached[config].setdefault(size, []).append(got["cached"])
-                        if config != "baseline":
+                        if config not in NO_CONNECTOR:
                             findings[config]["restores_compared"] += 1
                             findings[config]["wrong_restores"] += not _same(got, base)
                             n = int(size)
                             findings[config]["short_restores"] += got["cached"] < (n - 1) // block * block
-                    elif kind == "miss" and config != "baseline":
+                    elif kind == "miss" and config not in NO_CONNECTOR:
                         findings[config]["misses_compared"] += 1
                         findings[config]["wrong_misses"] += not _same(got, base)
                     if kind != "check":
@@ -240,6 +318,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         row["restore_speedup_over_vllm"] = {c: round(vm["restore_s"] / row[c]["restore_s"], 3)
                                             for c in configs if c.startswith("hylinker")}
         row["miss_over_recompute"] = {c: round(row[c]["miss_s"] / base["miss_s"], 3) for c in configs if c != "baseline"}
+        if args.interleave:  # each miss over the recompute's miss of the same step (misses are never left out)
+            row["miss_over_recompute_paired"] = {
+                c: _median([a / b for a, b in zip(samples[c][f"miss:{n}"], base_misses)])
+                for c in configs if c != "baseline" for base_misses in [samples["baseline"][f"miss:{n}"]]}
+        if args.recompute:  # against a recompute without vLLM's prefix cache (one prefill chunk, no alignment)
+            row["miss_over_no_prefix_cache"] = {c: round(row[c]["miss_s"] / row["recompute"]["miss_s"], 3)
+                                                for c in configs if c != "recompute"}
         if args.before:
             row["restore_speedup_over_before"] = round(row["hylinker_before"]["restore_s"] / hy["restore_s"], 3)
         table.append(row)
@@ -258,7 +343,8 @@ def format_table(result: dict[str, Any]) -> str:
     """The printed (and docs') table: medians per configuration, exactness and losses beside them."""
     levels = _levels(result["args"].get("integrity", "checksum"))
     names = {"vllm_mooncake": "vLLM MooncakeStoreConnector", "hylinker": f"HylinkerConnector ({levels[0]})",
-             "baseline": "no connector (recompute)", "hylinker_before": "HylinkerConnector, --before build"}
+             "baseline": "no connector (recompute)", "hylinker_before": "HylinkerConnector, --before build",
+             "recompute": "no connector, no prefix cache"}
     names.update({f"hylinker_{level}": f"HylinkerConnector ({level})" for level in levels[1:]})
     lines = ["| TTFT median / best | " + " | ".join(f"restore {r['tokens']} s (cached) | miss {r['tokens']} s"
                                                    for r in result["ttft"])
@@ -269,14 +355,16 @@ def format_table(result: dict[str, Any]) -> str:
         for r in result["ttft"]:
             x = r[c]
             ratio = "" if c == "baseline" else f" ({r['miss_over_recompute'][c]:.2f}x recompute)"
+            if c != "recompute" and "miss_over_no_prefix_cache" in r:
+                ratio += f" ({r['miss_over_no_prefix_cache'][c]:.2f}x no prefix cache)"
             cells.append(f"{x['restore_s']:.3f} / {x['restore_best_s']:.3f} ({'/'.join(map(str, x['cached']))}) | "
                          f"{x['miss_s']:.3f} / {x['miss_best_s']:.3f}{ratio}")
         f = result["findings"][c]
         lost = result["losses"][c]
-        loss = "—" if c == "baseline" else "not read (workers' counters)" if lost.get("unread") else (
+        loss = "—" if c in NO_CONNECTOR else "not read (workers' counters)" if lost.get("unread") else (
             f"{lost.get('saves_failed', 0)}/{lost.get('saves_skipped', 0)}, {lost.get('loads_failed', 0)}")
-        exact = "—" if c == "baseline" else f"{f['wrong_restores']} of {f['restores_compared']}"
-        short = "—" if c == "baseline" else str(f["short_restores"])
+        exact = "—" if c in NO_CONNECTOR else f"{f['wrong_restores']} of {f['restores_compared']}"
+        short = "—" if c in NO_CONNECTOR else str(f["short_restores"])
         lines.append(f"| {names[c]} | " + " | ".join(cells)
                      + f" | {result['decode'][c]['median_ms']:.2f} | {exact} | {short} | {loss} |")
     for c in result["configs"]:
@@ -285,6 +373,9 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{names[c]}: {f['resets_flushed']} prefix-cache resets refused until a short request ran, "
                          f"{f['restores_not_reset']} restores left out (their reset stayed refused)")
     for r in result["ttft"]:
+        if "miss_over_recompute_paired" in r:
+            lines.append(f"miss {r['tokens']}, each over the recompute's miss of the same step (median): "
+                         + ", ".join(f"{names[c]} {x:.2f}x" for c, x in r["miss_over_recompute_paired"].items()))
         lines.append(f"restore {r['tokens']}: " + ", ".join(f"{names[c]} {x:.2f}x vLLM's connector"
                                                              for c, x in r["restore_speedup_over_vllm"].items())
                      + (f"; {r['restore_speedup_over_before']:.2f}x the --before build" if "hylinker_before" in r else ""))
@@ -321,6 +412,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="4096", help="prompt lengths in tokens, e.g. 4096,16384")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; the configurations' order rotates each round")
     ap.add_argument("--repeats", type=int, default=5, help="misses and restores per length and round")
+    ap.add_argument("--misses", type=int, help="misses per length and round (default: --repeats)")
+    ap.add_argument("--restores", type=int, help="restores per length and round (default: --repeats)")
+    ap.add_argument("--block-size", type=int, help="vLLM's block size (default: the geometry's, 384 for tiny)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="add a configuration without connector and without vLLM's prefix cache (one prefill chunk)")
+    ap.add_argument("--reset-misses", action="store_true", help="reset vLLM's prefix cache before each miss")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the configurations' engines at once, a step of each in turn (TP 1; a loaded host)")
+    ap.add_argument("--miss-gap-s", type=float, default=0.0,
+                    help="pause before each miss's timer (0: back to back, beside the writes of the save before it; "
+                         "with --interleave, of another engine's)")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-prompt", type=int, default=300, help="below one block: the connector stays idle")
     ap.add_argument("--integrity", default="checksum",
@@ -338,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     if plot_only(ap, args, plot):
         return 0
     args.size_list = [int(s) for s in args.sizes.split(",")]
+    if args.interleave and args.tp != 1:
+        ap.error("--interleave runs each engine in one process: --tp 1")
+    args.misses = args.misses or args.repeats
+    args.restores = args.restores or args.repeats
     result = run_bench(args)
     write_outputs(args, result, plot, "vllm_peers")
     bad = sum(f["wrong_restores"] + f["wrong_misses"] for f in result["findings"].values())

@@ -9,6 +9,9 @@ between steps. Steps (a JSON list, ``--steps``):
   ``seconds`` and ``ttft_s`` (time to the first token, from a separate 1-token request); optional
   ``"cache_salt": "A"`` (the prompt's per-request salt); optional ``"lora": {"name": "a1",
   "id": 1, "path": DIR}`` (the request's LoRA adapter; the engine needs ``--max-lora-rank``);
+* ``{"op": "ttft", "prompt": [ids...]}`` → ``ttft_s`` and ``cached`` of a 1-token request (its
+  latency is the time to first token); optional ``"logprobs": true`` (its token and top-3
+  logprobs), ``"pause_s": 1.0`` (a pause before the timer starts: writes of what ran before land);
 * ``{"op": "decode", "prompt": [ids...], "max_tokens": 64}`` → the request streamed through the
   engine's step loop (``LLMEngine.add_request`` / ``step``, EOS ignored): ``ttft_s`` and
   ``token_s``, the time each later token arrived after the one before it (one engine step
@@ -37,8 +40,11 @@ and, at TP 1, the worker in this process). ``--tp N``: tensor parallel size.
 ``--extra prefix-only`` without the connector, with vLLM's prefix cache. ``--connector
 mooncake-store`` runs vLLM's own ``MooncakeStoreConnector`` instead of hylinker's, ``--extra`` as its
 ``kv_connector_extra_config`` (its Mooncake settings come from the file ``MOONCAKE_CONFIG_PATH``
-names). A ``ttft`` step with ``"logprobs": true`` also returns its token and top-3 logprobs.
-Results: one JSON object per step, each on a line of its own after ``RESULT ``.
+names).
+Results: one JSON object per step, each on a line of its own after ``RESULT ``. With ``--result-fd N``
+(instead of ``--steps``) the engine takes its steps one JSON object a line from stdin and answers
+each at once, one JSON line on the inherited descriptor ``N``, until stdin closes: a benchmark can
+then run several engines side by side, a step of each in turn (``bench-vllm-peers --interleave``).
 """
 
 from __future__ import annotations
@@ -169,11 +175,58 @@ def _reset(llm: Any, one_token: Any) -> dict[str, Any]:
     return {"op": "reset", "ok": ok, "flushes": flushes}
 
 
+def _step(llm: Any, step: dict[str, Any], n: int, peer_stats: _PeerStats) -> dict[str, Any]:
+    """Run step ``n`` (see the module docstring) and return its result."""
+    from vllm import SamplingParams
+
+    op = step["op"]
+    if op == "generate":
+        prompt = _prompt(step)
+        sp = SamplingParams(max_tokens=int(step.get("max_tokens", 8)), temperature=0.0, logprobs=3)
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], sp, use_tqdm=False, lora_request=_lora(step))[0]
+        seconds = time.perf_counter() - t0
+        o = out.outputs[0]
+        return {"op": op, "tokens": list(o.token_ids), "logprobs": _logprobs(o),
+                "cached": int(out.num_cached_tokens or 0), "seconds": seconds}
+    elif op == "ttft":  # a 1-token request: its latency is the time to first token
+        prompt = {"prompt_token_ids": list(step["prompt"])}
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=3 if step.get("logprobs") else None)
+        time.sleep(float(step.get("pause_s", 0.0)))  # before the timer: what ran before it settles
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        row = {"op": op, "ttft_s": time.perf_counter() - t0, "cached": int(out.num_cached_tokens or 0)}
+        if step.get("logprobs"):
+            row.update(tokens=list(out.outputs[0].token_ids), logprobs=_logprobs(out.outputs[0]))
+        return row
+    elif op == "decode":
+        return _decode(llm, step, f"decode-{n}")
+    elif op == "reset":
+        return _reset(llm, SamplingParams(max_tokens=1, temperature=0.0))
+    elif op == "sleep":
+        time.sleep(float(step.get("s", 0.5)))
+        return {"op": op}
+    elif op == "kill":
+        os.kill(int(step["pid"]), signal.SIGKILL)
+        time.sleep(float(step.get("settle_s", 1.0)))
+        return {"op": op}
+    elif op == "stats":
+        stats: dict[str, int] = {}
+        for c in _connectors(llm):
+            for k, v in attrs.asdict(c.statistics()).items():
+                stats[k] = stats.get(k, 0) + v  # each counter lives on one side
+        return {"op": op, "stats": stats or peer_stats.reduced()}
+    else:
+        raise SystemExit(f"unknown step {op!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON, 'none' or 'prefix-only'")
-    ap.add_argument("--steps", required=True, help="JSON list of steps (see the module docstring), or @FILE")
+    ap.add_argument("--steps", help="JSON list of steps (see the module docstring), or @FILE")
+    ap.add_argument("--result-fd", type=int,
+                    help="steps one JSON object a line on stdin, each result a line on this inherited descriptor")
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
@@ -182,10 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connector", choices=sorted(CONNECTORS), default="hylinker",
                     help="whose KV connector: hylinker's or vLLM's own Mooncake store connector")
     args = ap.parse_args(argv)
+    if (args.steps is None) == (args.result_fd is None):
+        ap.error("give --steps or --result-fd")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {}
@@ -202,47 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     peer_stats = _PeerStats()
     if args.connector != "hylinker" and args.in_process:
         peer_stats.install()
-    results: list[dict[str, Any]] = []
+    if args.result_fd is not None:  # steps one by one from stdin, each result on its own descriptor
+        with os.fdopen(args.result_fd, "w") as answers:
+            for n, line in enumerate(sys.stdin):
+                answers.write(json.dumps(_step(llm, json.loads(line), n, peer_stats)) + "\n")
+                answers.flush()
+        shutdown_engine(llm)
+        return 0
     text = Path(args.steps[1:]).read_text() if args.steps.startswith("@") else args.steps
-    for step in json.loads(text):
-        op = step["op"]
-        if op == "generate":
-            prompt = _prompt(step)
-            sp = SamplingParams(max_tokens=int(step.get("max_tokens", 8)), temperature=0.0, logprobs=3)
-            t0 = time.perf_counter()
-            out = llm.generate([prompt], sp, use_tqdm=False, lora_request=_lora(step))[0]
-            seconds = time.perf_counter() - t0
-            o = out.outputs[0]
-            results.append({"op": op, "tokens": list(o.token_ids), "logprobs": _logprobs(o),
-                            "cached": int(out.num_cached_tokens or 0), "seconds": seconds})
-        elif op == "ttft":  # a 1-token request: its latency is the time to first token
-            prompt = {"prompt_token_ids": list(step["prompt"])}
-            sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=3 if step.get("logprobs") else None)
-            t0 = time.perf_counter()
-            out = llm.generate([prompt], sp, use_tqdm=False)[0]
-            row = {"op": op, "ttft_s": time.perf_counter() - t0, "cached": int(out.num_cached_tokens or 0)}
-            if step.get("logprobs"):
-                row.update(tokens=list(out.outputs[0].token_ids), logprobs=_logprobs(out.outputs[0]))
-            results.append(row)
-        elif op == "decode":
-            results.append(_decode(llm, step, f"decode-{len(results)}"))
-        elif op == "reset":
-            results.append(_reset(llm, SamplingParams(max_tokens=1, temperature=0.0)))
-        elif op == "sleep":
-            time.sleep(float(step.get("s", 0.5)))
-            results.append({"op": op})
-        elif op == "kill":
-            os.kill(int(step["pid"]), signal.SIGKILL)
-            time.sleep(float(step.get("settle_s", 1.0)))
-            results.append({"op": op})
-        elif op == "stats":
-            stats: dict[str, int] = {}
-            for c in _connectors(llm):
-                for k, v in attrs.asdict(c.statistics()).items():
-                    stats[k] = stats.get(k, 0) + v  # each counter lives on one side
-            results.append({"op": op, "stats": stats or peer_stats.reduced()})
-        else:
-            raise SystemExit(f"unknown step {op!r}")
+    results = [_step(llm, step, n, peer_stats) for n, step in enumerate(json.loads(text))]
     for r in results:
         print("RESULT " + json.dumps(r))
     sys.stdout.flush()
