@@ -15,7 +15,10 @@ per kind of store (:class:`ObjectLookup`):
   connector output each step (objects stored, objects gone: a failed write, a skipped save, an
   eviction, a damaged object removed after a failed load). A save the scheduler has just planned
   counts as present on every rank until each rank reports its outcome (:meth:`StoreIndex.planned`);
-  a worker that loads an object whose save is still in flight waits for that save first. A report
+  a worker that loads an object whose save is still in flight copies it from that save's staging
+  slot (:meth:`~hylinker.integrations.vllm.pages.PageTransfers.load`). A save that was skipped
+  (host staging full) or failed is reported dropped in the step's report, so the next lookup
+  misses. A report
   from a new worker incarnation (a restarted worker) drops everything the index held for that
   rank and every planned save, so the index never claims an object of a worker that is gone.
 

@@ -36,7 +36,9 @@ Objects are planned by rank-free names; this rank's store keys carry its rank
 over ranks in a shared store, the rank of the one copy (:class:`~hylinker.integrations.vllm.index.KeyLayout`:
 only that rank writes it). For a scheduler that cannot ask the store
 itself, :meth:`PageTransfers.take_report` lists the names stored and gone since the last call,
-and a load of an object whose save is still in flight waits for that save first.
+and a load of an object whose save by this rank is still in flight copies it from that save's
+staging slot (host pages; the slot stays held until the copy ended) instead of the store, which
+may not hold it yet; on device pages it waits for that save, at most ``save_wait_s``.
 """
 
 from __future__ import annotations
@@ -101,6 +103,29 @@ def _views(raws: Sequence[torch.Tensor], with_state: bool) -> PoolSet:
     return PoolSet(views)
 
 
+def _without(plan: TransferPlan, names: dict[str, int]) -> TransferPlan:
+    """``plan`` less the objects in ``names``."""
+    if not names:
+        return plan
+    kv = [(n, b) for n, b in zip(plan.kv_keys, plan.kv_blocks) if n not in names]
+    st = [(n, b) for n, b in zip(plan.state_keys, plan.state_blocks) if n not in names]
+    return attrs.evolve(plan, kv_keys=tuple(n for n, _ in kv), kv_blocks=tuple(b for _, b in kv),
+                        state_keys=tuple(n for n, _ in st), state_blocks=tuple(b for _, b in st))
+
+
+def _merged(plan: TransferPlan, staged: dict[str, int], outcome: TransferOutcome | None) -> TransferOutcome:
+    """The outcome of ``plan`` whose objects in ``staged`` were copied from staging (landed) and
+    the rest loaded with ``outcome`` (None: nothing else to load), per object in plan order."""
+    objects: dict[PoolKind, list[bool]] = {}
+    for pool, names in ((PoolKind.FULL, plan.kv_keys), (PoolKind.MAMBA, plan.state_keys)):
+        rest = iter(outcome.objects.get(pool, []) if outcome is not None else [])
+        if names:
+            objects[pool] = [True if n in staged else next(rest, False) for n in names]
+    if outcome is None:
+        return TransferOutcome(True, objects, {})
+    return attrs.evolve(outcome, objects=objects)
+
+
 def _transfers(plan: TransferPlan, kv_index: Sequence[int], state_index: Sequence[int], rank: int,
                layout: KeyLayout) -> list[Transfer]:
     out = []
@@ -124,7 +149,9 @@ class PageTransfers:
         self.pages = pages
         self.rank = rank
         self.layout = layout if layout is not None else KeyLayout.per_rank(rank + 1)
-        self.save_wait_s = save_wait_s  # longest wait of a load for a save of its objects in flight
+        #: device pages only: the longest wait of a load for a save of its objects in flight (host
+        #: pages read such objects from the save's staging slot instead, :meth:`_from_slots`)
+        self.save_wait_s = save_wait_s
         per_object = sum(pages.page_bytes)
         slots = max(1, staging_bytes // per_object)
         self.per_object = per_object
@@ -139,7 +166,10 @@ class PageTransfers:
         self._loads: dict[str, tuple[TransferPlan, concurrent.futures.Future[TransferOutcome]]] = {}
         self._saves: set[concurrent.futures.Future[TransferOutcome]] = set()  # bounded: saves in flight
         self._failed_now: set[str] = set()  # bounded: this step's failed loads, cleared each step
-        self._saving: dict[str, concurrent.futures.Future[TransferOutcome]] = {}  # name -> save in flight
+        #: name -> its save in flight and the staging slot holding its bytes until the store answered
+        self._saving: dict[str, tuple[concurrent.futures.Future[TransferOutcome], int]] = {}
+        self._readers: collections.Counter[int] = collections.Counter()  # slot -> loads reading it now
+        self._read_held: set[int] = set()  # slots whose save ended while a load read them: freed at the read's end
         self._stored: list[str] = []  # names stored since the last report
         self._dropped: list[str] = []  # names gone since the last report
         self._evicted: collections.deque[str] = collections.deque()  # appended without our lock
@@ -158,24 +188,67 @@ class PageTransfers:
 
     # ---- loads ------------------------------------------------------------------------------------
     def load(self, plan: TransferPlan) -> None:
-        """Start restoring ``plan`` into the engine's blocks (asynchronously)."""
-        transfers = _transfers(plan, plan.kv_blocks, plan.state_blocks, self.rank, self.layout)
-        with self._lock:
-            saving = [f for f in {self._saving.get(n) for n in plan.kv_keys + plan.state_keys} if f is not None]
+        """Start restoring ``plan`` into the engine's blocks (asynchronously). On host pages an
+        object whose save by this rank is still in flight is copied from that save's staging slot
+        (the bytes the step that computed it copied out), never waited for; the rest is read
+        from the store."""
+        slots, saving = self._from_slots(plan)
+        rest = _without(plan, slots)
+        transfers = _transfers(rest, rest.kv_blocks, rest.state_blocks, self.rank, self.layout)
         # device pages: no row is written before the engine's work queued so far is done
         fence = self.device.engine_fence() if self.device is not None else None
 
         async def run() -> TransferOutcome:
-            if saving:  # an object is still being written by this rank: read it once it landed
+            if slots:
+                try:
+                    await anyio.to_thread.run_sync(self._copy_in, plan, slots)
+                finally:
+                    self._done_reading(list(slots.values()))
+                trace("vllm.load.staged", request_id=plan.request_id, objects=len(slots))
+            if saving:  # device pages: an object is still being written by this rank: read it once it landed
                 await anyio.to_thread.run_sync(functools.partial(
                     concurrent.futures.wait, saving, timeout=self.save_wait_s))
+            if not transfers:
+                return _merged(plan, slots, None)
             ticket = await self.engine_plane.load(transfers, request_id=plan.request_id, fence=fence)
-            return await ticket.wait()
+            return _merged(plan, slots, await ticket.wait())
 
         future = self.host.portal.start_task_soon(run)
         with self._lock:
             self.counters["loads"] += 1
             self._loads[plan.request_id] = (plan, future)
+
+    def _from_slots(self, plan: TransferPlan) -> tuple[dict[str, int], list[concurrent.futures.Future[TransferOutcome]]]:
+        """The plan's objects whose save by this rank is in flight: on host pages their staging
+        slots (name -> slot), each held for reading until :meth:`_done_reading`; on device pages
+        their saves, to wait for (the slot's bytes land on the copy stream's time)."""
+        with self._lock:
+            staged = {n: self._saving[n] for n in plan.kv_keys + plan.state_keys if n in self._saving}
+            if self.device is not None:
+                return {}, list({future for future, _slot in staged.values()})
+            slots = {n: slot for n, (_future, slot) in staged.items()}
+            self._readers.update(slots.values())
+            self.counters["objects_from_staging"] += len(slots)
+        return slots, []
+
+    def _copy_in(self, plan: TransferPlan, slots: dict[str, int]) -> None:
+        """Copy the staged objects of ``plan`` from their slots into the engine's blocks."""
+        blocks = dict(zip(plan.kv_keys + plan.state_keys, plan.kv_blocks + plan.state_blocks))
+        for name, slot in slots.items():
+            for raw, st in zip(self.pages.raws, self.staging):
+                raw[blocks[name]].copy_(st[slot])
+
+    def _done_reading(self, slots: list[int]) -> None:
+        """A load's reads of ``slots`` ended: a slot whose save ended meanwhile is free now."""
+        with self._lock:
+            self._readers.subtract(slots)
+            for slot in slots:
+                if self._readers[slot] <= 0:
+                    del self._readers[slot]
+                    if slot in self._read_held:
+                        self._read_held.discard(slot)
+                        self._free.append(slot)
+                        self.budget.release(self.per_object)
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose loads ended since the last call: (landed and verified, failed). A failed
@@ -290,8 +363,8 @@ class PageTransfers:
                 self.counters["saves"] += 1
                 if not future.done():  # a save already done needs no entry: _saved (added below) runs at once
                     self._saves.add(future)
-                    for name in plan.kv_keys + plan.state_keys:
-                        self._saving[name] = future
+                    for name, slot in zip(plan.kv_keys + plan.state_keys, slots):
+                        self._saving[name] = (future, slot)
             future.add_done_callback(functools.partial(self._saved, plan=plan, slots=slots))
 
     def _copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slots: list[int]) -> DeviceEvent | None:
@@ -318,13 +391,15 @@ class PageTransfers:
             outcome = None
         with self._lock:
             self._saves.discard(future)
-            self._free.extend(slots)
-            self.budget.release(len(slots) * self.per_object)
+            read = {slot for slot in slots if self._readers[slot] > 0}  # freed when their loads' reads end
+            self._read_held.update(read)
+            self._free.extend(slot for slot in slots if slot not in read)
+            self.budget.release((len(slots) - len(read)) * self.per_object)
             self.counters["saves_ok" if outcome is not None and outcome.ok else "saves_failed"] += 1
             for pool, names in ((PoolKind.FULL, plan.kv_keys), (PoolKind.MAMBA, plan.state_keys)):
                 landed = outcome.objects.get(pool, [False] * len(names)) if outcome is not None else [False] * len(names)
                 for name, ok in zip(names, landed):
-                    if self._saving.get(name) is future:
+                    if self._saving.get(name, (None, 0))[0] is future:
                         del self._saving[name]
                     (self._stored if ok else self._dropped).append(name)
                     self.counters["objects_saved"] += int(ok)

@@ -11,7 +11,7 @@ SCHEDULER_COUNTERS = ("lookups", "lookup_hits", "lookup_errors", "hit_tokens", "
                       "kv_saves_planned", "state_saves_planned", "requests_unkeyable")
 #: the worker side's counters (``PageTransfers.counters``)
 TRANSFER_COUNTERS = ("loads", "loads_ok", "loads_failed", "saves", "saves_ok", "saves_failed", "saves_skipped",
-                     "objects_saved", "objects_loaded", "objects_removed", "objects_rewritten", "objects_kept")
+                     "objects_saved", "objects_loaded", "objects_from_staging", "objects_removed", "objects_rewritten", "objects_kept")
 
 
 @attrs.frozen
@@ -27,6 +27,7 @@ class PageTransferStatistics:
     saves_skipped: int = 0  # the host staging budget was full (reason host_staging_full): not saved
     objects_saved: int = 0
     objects_loaded: int = 0
+    objects_from_staging: int = 0  # loaded from the staging slot of this rank's save in flight, not the store
     objects_removed: int = 0  # objects a load proved bad (verification failed after the re-read), removed
     objects_rewritten: int = 0  # proved bad, but the store held another object by the removal: kept
     objects_kept: int = 0  # did not land, not proved bad (failed / timed-out read): left in the store

@@ -153,7 +153,8 @@ class _GatedPuts:
         return gated
 
 
-def test_a_load_waits_for_the_save_of_its_objects_in_flight() -> None:
+def test_a_load_of_an_object_whose_save_is_in_flight_lands_from_staging_without_waiting() -> None:
+    """Host pages: the object is copied from the save's staging slot, the store's put still held."""
     host = store_host.acquire(VllmConnectorConfig.from_extra_config({"capacity_mb": 4}))
     inner = host.store
     gated = _GatedPuts(inner)
@@ -164,16 +165,17 @@ def test_a_load_waits_for_the_save_of_its_objects_in_flight() -> None:
         before = pages.raws[0][1].clone()
         pt.save([TransferPlan("a", ("k1",), (1,))])  # its write waits at the gate
         pt.load(TransferPlan("b", ("k1",), (4,)))  # planned while the save is in flight
-        time.sleep(0.3)
-        assert pt.finished_loads() == (set(), set())  # not failed as missing: it waits
-        gated.gate.set()
         ok: set[str] = set()
         bad: set[str] = set()
-        while not (ok or bad):
+        deadline = time.monotonic() + 5.0
+        while not (ok or bad) and time.monotonic() < deadline:
             ok, bad = pt.finished_loads()
             time.sleep(0.005)
-        assert ok == {"b"} and not bad
+        assert ok == {"b"} and not bad  # landed while the put is still held: no wait for the store
+        assert pt.saves_in_flight() == 1 and pt.statistics().objects_from_staging == 1
         assert torch.equal(pages.raws[0][4], before)
+        gated.gate.set()
+        assert pt.drain(5.0)
     finally:
         gated.gate.set()
         pt.close(5.0)
@@ -190,16 +192,25 @@ def test_waiting_for_loads_is_bounded_and_ends_when_a_load_ends() -> None:
     host.store = gated
     _raw, pages = _pages(8)
     pt = PageTransfers(host, pages, fingerprint=b"f" * 32, with_state=False, staging_bytes=4 * 128)
+    copied = threading.Event()  # the load's copy from the save's staging slot waits for it
+    copy_in = pt._copy_in
+
+    def held_copy_in(plan: TransferPlan, slots: dict[str, int]) -> None:
+        assert copied.wait(30.0)
+        copy_in(plan, slots)
+
+    pt._copy_in = held_copy_in  # type: ignore[method-assign]
     try:
         pt.wait_for_loads(60.0)  # nothing in flight: returns at once
         pt.save([TransferPlan("a", ("k1",), (1,))])  # its write waits at the gate
-        pt.load(TransferPlan("b", ("k1",), (4,)))  # so this load waits for it
+        pt.load(TransferPlan("b", ("k1",), (4,)))  # read from the save's slot, held above
         pt.wait_for_loads(0.05)  # bounded: returns with the load still in flight
         assert pt.finished_loads() == (set(), set())
-        threading.Timer(0.2, gated.gate.set).start()
+        threading.Timer(0.2, copied.set).start()
         pt.wait_for_loads(60.0)
         assert pt.finished_loads() == ({"b"}, set())  # returned because the load ended
     finally:
+        copied.set()
         gated.gate.set()
         pt.close(5.0)
         host.store = inner

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -191,7 +192,9 @@ def serve_config(config: str, model: Path, requests: list[dict[str, Any]], work:
         _warm(port, random.Random(f"warm:{config}"))
         metrics = f"http://127.0.0.1:{port}/metrics"
         before = _scrape(metrics, ("vllm:prefix_cache", "vllm:external_prefix_cache", "vllm:hylinker_"))
+        load = os.getloadavg()[0]  # the host's load beside each replay: other tenants move the wall
         results, wall = replay(port, requests, concurrency, reset_each=config == "recompute")
+        host_load = [round(load, 2), round(os.getloadavg()[0], 2)]
         time.sleep(args.settle_s)  # the connectors' writes run off the step
         after = _scrape(metrics, ("vllm:prefix_cache", "vllm:external_prefix_cache", "vllm:hylinker_"))
         # exactness alone: the same requests once more, one at a time (no batch to blur a
@@ -203,7 +206,8 @@ def serve_config(config: str, model: Path, requests: list[dict[str, Any]], work:
                             ("master_allocated_bytes", "master_key_count", "master_put_start_alloc_failures",
                              "master_put_start_failures", "master_eviction"))
     counters = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    return {"results": results, "wall_s": wall, "counters": counters, "store": store, "alone": alone}
+    return {"results": results, "wall_s": wall, "counters": counters, "store": store, "alone": alone,
+            "host_load": host_load}
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -260,7 +264,7 @@ def summarize(config: str, run: dict[str, Any], reference: dict[int, dict[str, A
         "store_alloc_failures": int(store.get("master_put_start_alloc_failures_total", 0)),
         "compared": compared, "served_a_cached_prefix": hits, "wrong_with_cached_prefix": wrong_hit,
         "wrong_without": wrong_miss, "alone_failed": sum("error" in r for r in run["alone"]),
-        "differ_under_load": under_load,
+        "differ_under_load": under_load, "host_load": run["host_load"],
     }
     if config == "hylinker":
         out["connector"] = _hylinker_figures(counters)
@@ -369,6 +373,9 @@ def format_table(result: dict[str, Any]) -> str:
                      f"(above 1: hylinker ahead), store hit tokens "
                      f"{r.get('store_hit_tokens_hylinker_over_vllm', float('nan')):.2f}x")
         for n, rnd in enumerate(budget["rounds"]):
+            lines.append(f"round {n + 1}, replay wall s (host load average at its start / end): " + ", ".join(
+                f"{NAMES[c]} {rnd[c]['wall_s']:.1f} ({'/'.join(str(x) for x in rnd[c].get('host_load', []))})"
+                for c in budget["orders"][n]))
             f = rnd["hylinker"].get("connector", {})
             lines.append(f"round {n + 1}, HylinkerConnector: " + ", ".join(f"{k} {v}" for k, v in f.items()))
     w = result["workload"]

@@ -2,14 +2,18 @@
 ``docs/design/host-staging.md``): a save waits in host staging for the store, is skipped only when
 the budget is full (counted and traced with reason ``host_staging_full``), gives its bytes back
 when the store answered, and restores exactly. A store whose puts are held at a gate stands for
-one that lags behind the engine."""
+one that lags behind the engine. A load of an object whose save by this rank is still in flight
+copies it from that save's staging slot (never waits for the store); a slot a load reads is not
+reused until the read ended; a save that was skipped or failed makes the next lookup a miss."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -19,6 +23,7 @@ import torch
 from hylinker.integrations import store_host
 from hylinker.integrations.config import PluginConfigError
 from hylinker.integrations.vllm.config import VllmConnectorConfig
+from hylinker.integrations.vllm.index import RankReport, StoreIndex
 from hylinker.integrations.vllm.metrics import WORKER_FIGURES
 from hylinker.integrations.vllm.pages import (
     PageTransfers,
@@ -130,23 +135,139 @@ def test_saves_beyond_the_old_slots_wait_in_staging_until_the_budget_is_full(
         pt.close(10.0)
 
 
+@contextlib.contextmanager
+def _staging(gated: tuple[store_host.StoreHost, GatedStore], pages: RawPages, objects: int) -> Iterator[PageTransfers]:
+    """A worker's transfers with ``objects`` staging slots; closed with the gate open."""
+    host, gate = gated
+    pt = PageTransfers(host, pages, fingerprint=b"f" * 32, with_state=False,
+                       staging_bytes=objects * sum(pages.page_bytes))
+    try:
+        yield pt
+    finally:
+        host.portal.call(gate.open)
+        pt.close(10.0)
+
+
 def test_a_save_larger_than_the_budget_is_skipped_never_a_stall(
         gated: tuple[store_host.StoreHost, GatedStore]) -> None:
-    host, gate = gated
     pages = _pages()
     per_object = sum(pages.page_bytes)
-    pt = PageTransfers(host, pages, fingerprint=b"f" * 32, with_state=False, staging_bytes=3 * per_object)
-    try:
+    with _staging(gated, pages, 3) as pt:
         pt.save([TransferPlan("a", tuple(f"k{i}" for i in range(4)), (0, 1, 2, 3))])
         assert pt.statistics().saves_skipped == 1 and pt.budget.used == 0
         pt.save([TransferPlan("b", ("k0", "k1", "k2"), (0, 1, 2))])
         assert pt.statistics().saves_skipped == 1 and pt.budget.used == 3 * per_object
-    finally:
-        host.portal.call(gate.open)
-        pt.close(10.0)
     assert pt.budget.used == 0
 
 
 def test_skipped_saves_carry_the_host_staging_full_label() -> None:
     labels: dict[str, Any] = dict(WORKER_FIGURES)
     assert labels["saves_skipped"] == ("objects_skipped", "host_staging_full")
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert cond(), "timed out"
+
+
+def test_a_load_of_an_object_whose_save_is_in_flight_copies_it_from_the_slot(
+        gated: tuple[store_host.StoreHost, GatedStore]) -> None:
+    host, gate = gated
+    pages = _pages()
+    before = pages.raws[0].clone()
+    with _staging(gated, pages, 8) as pt:
+        host.portal.call(gate.open)  # one object reaches the store first
+        pt.save([TransferPlan("s", ("stored",), (1,))])
+        assert pt.drain(30.0)
+        gate.hold(puts=True)  # the next save stays in flight until the gate opens
+        pt.save([TransferPlan("r", ("k0", "k1"), (2, 3))])
+        pages.raws[0][1:4].zero_()  # the engine reuses the blocks at once
+        pt.load(TransferPlan("l", ("k1", "stored", "k0"), (5, 6, 7)))
+        assert _poll_loads(pt, timeout_s=10.0) == ({"l"}, set())
+        # landed while the put is still held: from the slot, not the store, and not waited for
+        assert pt.saves_in_flight() == 1 and gate.completed["put"] == 1
+        assert torch.equal(pages.raws[0][5], before[3]) and torch.equal(pages.raws[0][6], before[1])
+        assert torch.equal(pages.raws[0][7], before[2])
+        stats = pt.statistics()
+        assert (stats.loads_ok, stats.objects_loaded, stats.objects_from_staging) == (1, 3, 2)
+        read = [k for call in gate.keys["get"] for k in call]
+        assert read and not any("k0" in k or "k1" in k for k in read)
+        host.portal.call(gate.open)
+        assert pt.drain(30.0)
+        assert pt.budget.used == 0 and len(pt._free) == 8  # no slot or byte kept
+
+
+def test_a_slot_is_not_reused_while_a_load_reads_it(gated: tuple[store_host.StoreHost, GatedStore]) -> None:
+    host, gate = gated
+    pages = _pages()
+    before = pages.raws[0].clone()
+    reading = threading.Event()
+    go_on = threading.Event()
+    with _staging(gated, pages, 1) as pt:
+        copy_in = pt._copy_in
+
+        def slow_copy_in(plan: TransferPlan, slots: dict[str, int]) -> None:
+            reading.set()
+            assert go_on.wait(30.0)
+            copy_in(plan, slots)
+
+        pt._copy_in = slow_copy_in  # type: ignore[method-assign]
+        try:
+            pt.save([TransferPlan("r", ("k0",), (2,))])  # the one slot
+            pt.load(TransferPlan("l", ("k0",), (9,)))
+            assert reading.wait(10.0)
+            host.portal.call(gate.open)  # the save ends while the load still reads its slot
+            _wait(lambda: pt.saves_in_flight() == 0)
+            assert pt.statistics().saves_ok == 1
+            assert pt._free == [] and pt.budget.used == pt.per_object  # held by the reader
+            pt.save([TransferPlan("r2", ("k9",), (4,))])  # no slot: skipped, never written over the read
+            assert pt.statistics().saves_skipped == 1
+        finally:
+            go_on.set()
+        assert _poll_loads(pt) == ({"l"}, set())
+        assert torch.equal(pages.raws[0][9], before[2])
+        _wait(lambda: pt._free == [0])
+        assert pt.budget.used == 0
+        pt.save([TransferPlan("r3", ("k3",), (3,))])  # the slot is free again
+        assert pt.drain(30.0) and pt.statistics().saves_ok == 2
+
+
+def test_a_load_reads_the_slot_even_when_the_save_then_fails(
+        gated: tuple[store_host.StoreHost, GatedStore]) -> None:
+    pages = _pages()
+    with _staging(gated, pages, 4) as pt:
+        gated[1].fail_puts = True
+        saved = pages.raws[0][2].clone()
+        pt.save([TransferPlan("r", ("k0",), (2,))])
+        pt.load(TransferPlan("l", ("k0",), (8,)))
+        assert _poll_loads(pt) == ({"l"}, set())
+        assert torch.equal(pages.raws[0][8], saved)
+        gated[0].portal.call(gated[1].open)
+        assert pt.drain(30.0)
+        assert pt.statistics().saves_failed == 1
+        _, dropped = pt.take_report()
+        assert dropped == ["k0"]  # the scheduler is told: its next lookup misses
+
+
+@pytest.mark.parametrize("how", ["skipped", "failed"])
+def test_a_save_that_did_not_land_makes_the_next_lookup_a_miss(
+        gated: tuple[store_host.StoreHost, GatedStore], how: str) -> None:
+    host, gate = gated
+    index = StoreIndex(1)
+    with _staging(gated, _pages(), 1) as pt:
+        if how == "skipped":
+            pt.save([TransferPlan("full", ("other",), (0,))])  # the one slot, in flight
+        else:
+            gate.fail_puts = True
+            host.portal.call(gate.open)
+        index.planned(["o1"])  # the scheduler planned the save this step: counted present
+        assert index.exists(["o1"], 1.0) == [True]
+        pt.save([TransferPlan("r", ("o1",), (3,))])
+        if how == "failed":
+            assert pt.drain(30.0)
+        stored, dropped = pt.take_report()  # the worker's report, with this step's output
+        assert "o1" in dropped and "o1" not in stored
+        index.apply(RankReport(0, "w", tuple(stored), tuple(dropped)))
+        assert index.exists(["o1"], 1.0) == [False]  # a miss, never a hit whose load would fail

@@ -36,6 +36,7 @@ def test_the_serving_benchmark_replays_the_trace_exactly_with_every_configuratio
         # served alone after the load, each request equals the reference's recompute
         assert t["wrong_with_cached_prefix"] == 0 and t["wrong_without"] == 0, (config, t)
         assert len(data["rounds"][0][config]["per_request"]) == 10
+        assert len(data["rounds"][0][config]["host_load"]) == 2  # the host's load beside each replay
     for connector in ("vllm_mooncake", "hylinker"):
         # what vLLM evicted comes back from the store: more requests get a cached prefix
         assert table[connector]["served_a_cached_prefix"] > table["baseline"]["served_a_cached_prefix"], table
