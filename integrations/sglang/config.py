@@ -58,12 +58,17 @@ class SGLangLinkerConfig(PluginConfig):
     offload_max_inflight: int = attrs.field(default=256, validator=_positive)
     #: the same bound on the payload bytes those offloads name (one offload alone may pass it)
     offload_max_inflight_mb: int = attrs.field(default=2048, validator=_positive)
+    #: the longest close() takes, all of it: writes in flight get ``drain_timeout_s`` but at
+    #: most 0.6 of it, then frames still waiting for their put are dropped (counted), and the
+    #: store's shutdown and the data plane's close share the rest; SGLang kills a scheduler
+    #: still closing 15 s after its shutdown request
+    close_timeout_s: float = attrs.field(default=8.0, validator=_positive)
     #: offload in two stages (docs/design/host-staging.md): SGLang's node is reported back, as
     #: not stored (its device rows and state slot unlock), once its bytes are sealed in host
     #: staging, and the frames drain to the store after; the node is marked stored when SGLang
-    #: offers it again after the store acknowledged it. Off (the default for now: with a dead
-    #: Mooncake master, close() outlasts SGLang's 15 s shutdown wait): the node stays locked until the store answered
-    two_stage_offload: bool = False
+    #: offers it again after the store acknowledged it. Off: the node stays locked until the
+    #: store answered
+    two_stage_offload: bool = True
     #: the host staging budget in bytes (None: the data plane's default, twice the pools' bytes
     #: and at most a quarter of the host's memory, capped at ``offload_max_inflight_mb``); a
     #: full budget refuses the offload (``offloads_refused_staging``)
