@@ -163,10 +163,11 @@ class HylinkerLinker(UnifiedCacheLinker):
                                        two_stage_offload=self.config.two_stage_offload,
                                        host_staging_bytes=self.config.host_staging_bytes)
         self.data = SyncDataPlane(views, self._open_store, plane_config, fingerprint=self.fingerprint)
-        #: two stages: the data plane's host staging budget; a derived one at most offload_max_inflight_mb
+        #: two stages: the data plane's host staging budget (derived: config.derived_staging_bytes)
         self.host_staging = self.data.plane.host_staging
         if self.host_staging is not None and self.config.host_staging_bytes is None:
-            self.host_staging.cap(self.config.offload_max_inflight_mb << 20)
+            derived = self.config.derived_staging_bytes(self.host_staging.capacity)
+            self.host_staging.capacity = max(self.host_staging.floor, derived)
         self._draining: set[concurrent.futures.Future[TransferOutcome]] = set()  # two stages: puts not yet answered
         store = self.data.store
         assert isinstance(store, ResilientStore)

@@ -213,3 +213,18 @@ def test_host_staging_bytes_is_checked_by_name(caches: list[SGLangCache]) -> Non
     cache = SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"two_stage_offload": True, "host_staging_bytes": 1 << 22}})
     caches.append(cache)
     assert cache.linker.host_staging is not None and cache.linker.host_staging.capacity == 1 << 22
+
+
+def test_the_derived_budget_is_raised_to_the_floor_and_capped_by_the_inflight_bytes(caches: list[SGLangCache]) -> None:
+    """Twice a small pool's bytes (well under a MiB here) fills at once behind a store that lags:
+    the derived budget is at least HOST_STAGING_FLOOR_MB, and never above offload_max_inflight_mb."""
+    from hylinker.integrations.sglang.config import HOST_STAGING_FLOOR_MB
+
+    cache = SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"two_stage_offload": True}})
+    caches.append(cache)
+    staging = cache.linker.host_staging
+    assert staging is not None and staging.capacity == HOST_STAGING_FLOOR_MB << 20
+    capped = SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"two_stage_offload": True,
+                                                                          "offload_max_inflight_mb": 1}})
+    caches.append(capped)
+    assert capped.linker.host_staging is not None and capped.linker.host_staging.capacity == 1 << 20
