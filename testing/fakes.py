@@ -187,6 +187,8 @@ class GatedStore:
     * ``fail_puts`` / ``fail_gets``: ``True`` fails every key of such calls, a string fails
       the keys that contain it (``":mamba:"``), without reaching the inner store.
     * ``calls[method]`` counts calls; ``keys[method]`` lists each call's keys, in call order.
+    * ``shielded``: a held call ignores cancellation until the gate lets it through (a client
+      call in a thread that cannot be abandoned, as Mooncake's put, which reads the buffers).
 
     Closing the wrapper closes the inner store.
     """
@@ -206,6 +208,7 @@ class GatedStore:
         self.completed: collections.Counter[str] = collections.Counter()
         self.fail_puts: bool | str = False
         self.fail_gets: bool | str = False
+        self.shielded = False
 
     # ---- control ---------------------------------------------------------------------
     def hold(self, *, puts: bool = True, gets: bool = False) -> None:
@@ -250,7 +253,8 @@ class GatedStore:
             ev = anyio.Event()
             self._held.append(ev)
             try:
-                await ev.wait()
+                with anyio.CancelScope(shield=self.shielded):
+                    await ev.wait()
             except BaseException:
                 if ev in self._held:
                     self._held.remove(ev)

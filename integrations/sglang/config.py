@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from ...runtime.dataplane.host_staging import check_optional_budget
+from ...runtime.dataplane.host_staging import check_optional_budget, physical_memory_bytes
 from ...stores.resilient import ResiliencePolicy
 from ..config import TRACE_ENV, PluginConfig, PluginConfigError, range_validators
 
@@ -27,6 +27,9 @@ LinkerConfigError = PluginConfigError
 
 _positive, _non_negative = range_validators(PluginConfigError)
 _BUDGET_KEY = "host_staging_bytes"
+#: the least derived host staging budget: twice a small pool's bytes fills at once behind a store
+#: that lags (docs/figures/sglang-pool.md: 0.31 MiB refused 51 offloads, 16 MiB none, peak 0.73)
+HOST_STAGING_FLOOR_MB = 64
 
 
 def _budget(inst: Any, attr: Any, value: Any) -> None:
@@ -58,15 +61,20 @@ class SGLangLinkerConfig(PluginConfig):
     offload_max_inflight: int = attrs.field(default=256, validator=_positive)
     #: the same bound on the payload bytes those offloads name (one offload alone may pass it)
     offload_max_inflight_mb: int = attrs.field(default=2048, validator=_positive)
+    #: the longest close() takes, all of it: writes in flight get ``drain_timeout_s`` but at
+    #: most 0.6 of it, then frames still waiting for their put are dropped (counted), and the
+    #: store's shutdown and the data plane's close share the rest; SGLang kills a scheduler
+    #: still closing 15 s after its shutdown request
+    close_timeout_s: float = attrs.field(default=8.0, validator=_positive)
     #: offload in two stages (docs/design/host-staging.md): SGLang's node is reported back, as
     #: not stored (its device rows and state slot unlock), once its bytes are sealed in host
     #: staging, and the frames drain to the store after; the node is marked stored when SGLang
-    #: offers it again after the store acknowledged it. Off (the default for now: with a dead
-    #: Mooncake master, close() outlasts SGLang's 15 s shutdown wait): the node stays locked until the store answered
-    two_stage_offload: bool = False
+    #: offers it again after the store acknowledged it. Off: the node stays locked until the
+    #: store answered
+    two_stage_offload: bool = True
     #: the host staging budget in bytes (None: the data plane's default, twice the pools' bytes
-    #: and at most a quarter of the host's memory, capped at ``offload_max_inflight_mb``); a
-    #: full budget refuses the offload (``offloads_refused_staging``)
+    #: and at most a quarter of the host's memory, raised to 64 MiB, capped at
+    #: ``offload_max_inflight_mb``); a full budget refuses the offload (``offloads_refused_staging``)
     host_staging_bytes: int | None = attrs.field(default=None, validator=_budget)
 
     @classmethod
@@ -84,6 +92,16 @@ class SGLangLinkerConfig(PluginConfig):
             return attrs.evolve(config, host_staging_bytes=budget)
         except PluginConfigError as exc:
             raise PluginConfigError(f"{where}{exc}") from None
+
+    def derived_staging_bytes(self, derived: int) -> int:
+        """The host staging budget when ``host_staging_bytes`` is None: the data plane's
+        ``derived`` (twice the pools' bytes), at least :data:`HOST_STAGING_FLOOR_MB` (at most a
+        quarter of the host's memory), at most ``offload_max_inflight_mb``."""
+        floor = HOST_STAGING_FLOOR_MB << 20
+        quarter = physical_memory_bytes() // 4
+        if quarter > 0:
+            floor = min(floor, quarter)
+        return min(max(derived, floor), self.offload_max_inflight_mb << 20)
 
     def resilience(self) -> ResiliencePolicy:
         """The store's one retry rule (``stores/resilient.py``) from these keys: every store

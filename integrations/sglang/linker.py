@@ -27,19 +27,12 @@ pool views of SGLang's tensors (``integrations/sglang/pools.py``), its store wra
   ``store_timeout_s``; after repeated silence (lookups given up on count) the store's circuit
   breaker answers at once (lookups miss, offloads report False, nodes unlock) until the store
   answers a probe again;
-* **bounded offloads**: at most ``offload_max_inflight`` offloads (and
-  ``offload_max_inflight_mb`` of payload) accepted and not yet reported back; beyond it
-  ``offload`` refuses, so SGLang unlocks the node at once instead of holding its rows behind a
-  store that does not drain;
-* **two-stage offload** (``two_stage_offload``, off by default for now): an offload is reported back once
-  its bytes are sealed in host staging, so SGLang unlocks the node's rows then, and the frames
-  drain to the store after. SGLang's one result both unlocks and marks the node stored, so it
-  is reported as not stored (False): the node is offered again on its next hit, and what the
-  store acknowledged meanwhile is not written again (that offload reports True). Host staging
-  has a byte budget (``host_staging_bytes``); an offload it cannot take reports False
-  (``offloads_refused_staging``). Lookups ask the store: a prefix is found once it acknowledged;
-* **no re-offload of restored pages**: what a load just restored is not written back when the
-  request's insert offloads it;
+* **bounded offloads**: at most ``offload_max_inflight`` offloads (``offload_max_inflight_mb``
+  of payload) accepted and not yet reported back; beyond it ``offload`` refuses (SGLang unlocks);
+* **two-stage offload** (``two_stage_offload``, on by default): an offload is reported back,
+  as not stored, once its bytes are sealed in host staging (SGLang unlocks its rows then); the
+  frames drain to the store after, within ``host_staging_bytes`` (docs/design/sglang.md);
+* **no re-offload of restored pages** when the request's insert offloads them;
 * MHA full-attention pools (SGLang's linker takes MLA only), dense models (component FULL
   alone: SGLang's linker refuses them), decode-context parallelism and packed MTP/DSPARK draft
   KV (SGLang's linker refuses both for FULL + MAMBA), and a draft sidecar pool.
@@ -170,10 +163,11 @@ class HylinkerLinker(UnifiedCacheLinker):
                                        two_stage_offload=self.config.two_stage_offload,
                                        host_staging_bytes=self.config.host_staging_bytes)
         self.data = SyncDataPlane(views, self._open_store, plane_config, fingerprint=self.fingerprint)
-        #: two stages: the data plane's host staging budget; a derived one at most offload_max_inflight_mb
+        #: two stages: the data plane's host staging budget (derived: config.derived_staging_bytes)
         self.host_staging = self.data.plane.host_staging
         if self.host_staging is not None and self.config.host_staging_bytes is None:
-            self.host_staging.cap(self.config.offload_max_inflight_mb << 20)
+            derived = self.config.derived_staging_bytes(self.host_staging.capacity)
+            self.host_staging.capacity = max(self.host_staging.floor, derived)
         self._draining: set[concurrent.futures.Future[TransferOutcome]] = set()  # two stages: puts not yet answered
         store = self.data.store
         assert isinstance(store, ResilientStore)
@@ -402,53 +396,69 @@ class HylinkerLinker(UnifiedCacheLinker):
     # ---- life cycle -------------------------------------------------------------------
     def reset(self, timeout_s: float | None = None) -> None:
         """Quiesce: drop queued loads, wait for started transfers (at most ``timeout_s``, by
-        default twice the store timeout), forget their results."""
+        default twice the store timeout, the data plane's quiesce and the results together),
+        forget their results."""
         for held, _ in self._pending.values():
             self.data.cancel(held)
         self._pending.clear()
-        if not self._closed:
-            self.data.reset()
         wait_s = self.config.store_timeout_s * 2 if timeout_s is None else timeout_s
-        concurrent.futures.wait(list(self._offloads.results), timeout=wait_s)
+        end = time.monotonic() + wait_s
+        if not self._closed:
+            self.data.reset(timeout_s=wait_s)
+        concurrent.futures.wait(list(self._offloads.results), timeout=_left(end))
         self._offloads.clear()
         self.layer_done_counter.reset()
         self._ends.restored.clear()
 
     def close(self) -> None:
+        """Drain, then stop, all within ``close_timeout_s`` (SGLang kills a scheduler whose
+        close outlasts its 15 s shutdown wait): writes in flight get ``drain_timeout_s``, at
+        most :data:`CLOSE_DRAIN_SHARE` of the bound; frames still waiting for their put are then
+        dropped (failed, counted, never marked stored), puts still at the store are abandoned
+        (``offloads_abandoned_at_close``) and everything after shares what is left."""
         if self._closed:
             return
-        drain_end = time.monotonic() + self.config.drain_timeout_s
+        t0 = time.monotonic()
+        end = t0 + self.config.close_timeout_s
+        drain_end = t0 + min(self.config.drain_timeout_s, self.config.close_timeout_s * CLOSE_DRAIN_SHARE)
+        phases: dict[str, float] = {}
         with self._lock:
             draining = list(self._draining)
         pending: list[concurrent.futures.Future[Any]] = [f for f in self._offloads.results if not f.done()]
         pending += draining
-        if pending:  # writes in flight get drain_timeout_s, then the store fails fast
+        if pending:  # writes in flight get their share of the bound, then the store fails fast
             concurrent.futures.wait(pending, timeout=_left(drain_end))
         if self.host_staging is not None and any(not f.done() for f in draining):
             # frames still waiting for their put are dropped: failed, counted, never marked stored
             with contextlib.suppress(Exception):
                 self.data.drop_staged()
+        phases["drain"] = time.monotonic() - t0
         with contextlib.suppress(Exception):  # the last figures; a dead store must not stop close
             self._publish_metrics(force=True)
-        # everything after the drain shares one deadline: SGLang's scheduler waits for close()
-        # and is killed if it takes too long, and a dead master makes each store step slow
-        # (Mooncake's segment unmount RPC); what is left finishes in the background
-        budget_s = self.config.store_timeout_s + 5
-        deadline = time.monotonic() + budget_s
+        # a dead master makes each store step slow (Mooncake's put cannot be abandoned, its
+        # segment unmount RPC retries): what is left past the bound finishes in the background
         try:
             self.data.call_store(self.store.shutdown).result(
-                timeout=min(self.store.policy.close_grace_s + 5, _left(deadline)))
+                timeout=min(self.store.policy.close_grace_s + 5, _left(end)))
         except Exception as exc:
             log.warning("HylinkerLinker: store shutdown: %r", exc)
-        self.reset(timeout_s=_left(deadline))
+        self.reset(timeout_s=_left(end))
+        phases["shutdown"] = time.monotonic() - t0
+        with self._lock:
+            abandoned = sum(not f.done() for f in self._draining)
+        if abandoned:  # their put is still at the store: never marked stored here
+            self._count("offloads_abandoned_at_close", abandoned)
         self._closed = True
         closer = threading.Thread(target=self.data.close, name="hylinker-close", daemon=True)
         closer.start()
-        closer.join(timeout=_left(deadline))
-        if closer.is_alive():
-            log.warning("HylinkerLinker: the store is still closing after %.1f s; not waiting",
-                        budget_s)
-        log.info("HylinkerLinker closed: %s", dict(self._c))
+        closer.join(timeout=_left(end))
+        phases["close"] = time.monotonic() - t0
+        if closer.is_alive() or abandoned:
+            log.warning("HylinkerLinker: close gave up after %.1f s (close_timeout_s): %d puts still at "
+                        "the store, the data plane %s", phases["close"], abandoned,
+                        "still closing" if closer.is_alive() else "closed")
+        log.info("HylinkerLinker closed in %s s: %s",
+                 {k: round(v, 3) for k, v in phases.items()}, dict(self._c))
 
     def statistics(self) -> SGLangLinkerStatistics:
         """The plugin's counters (lookups, hits, loads, offloads, skipped objects), the data
@@ -465,6 +475,10 @@ class HylinkerLinker(UnifiedCacheLinker):
         res = self.store.resilience()
         out.update({f"store_{name}": int(getattr(res, name)) for name in STORE_COUNTS})
         return SGLangLinkerStatistics(**out)
+
+
+#: the most of ``close_timeout_s`` the writes in flight may take (the rest: store and data plane)
+CLOSE_DRAIN_SHARE = 0.6
 
 
 def _left(deadline: float) -> float:

@@ -9,7 +9,7 @@ COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_errors", "lookups
             "lookups_over_budget", "hit_tokens", "touches",
             "objects_skipped_restored", "loads_refused", "load_batches", "loads_ok", "loads_failed",
             "loads_cancelled", "bad_objects_removed", "bad_objects_rewritten", "failed_objects_kept", "offloads_ok",
-            "offloads_failed", "offloads_refused", "offloads_refused_staging")
+            "offloads_failed", "offloads_refused", "offloads_refused_staging", "offloads_abandoned_at_close")
 #: summed over the data plane's pools (``PoolActorStatistics``)
 POOL_SUMS = ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
              "bytes_loaded", "load_misses", "verify_failures", "offload_failures", "rereads_recovered",
@@ -48,6 +48,9 @@ class SGLangLinkerStatistics:
     #: two stages: accepted, then reported False because host staging could not take its frames
     #: (``host_staging_full``); the node unlocks unstored and is offered again on its next hit
     offloads_refused_staging: int = 0
+    #: two stages: puts still at the store when close() gave up waiting (``close_timeout_s``):
+    #: never marked stored by this linker (the put may still land in the store)
+    offloads_abandoned_at_close: int = 0
     # the in-flight bound's state: offloads accepted and not yet reported back to SGLang
     offloads_in_flight: int = 0
     offload_bytes_in_flight: int = 0  # payload bytes they name

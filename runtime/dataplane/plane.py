@@ -333,6 +333,8 @@ class DataPlane:
         waiting on the store; a no-op in one stage."""
         if self.host_staging is not None:
             self.host_staging.dropping = True
+            for actor in self.actors.values():
+                actor.drop_queued()
 
     async def submit(self, ticket: LoadTicket | OffloadTicket) -> None:
         """Queue a prepared ticket's jobs (waits while a queue is full). If this is cancelled

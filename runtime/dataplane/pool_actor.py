@@ -92,8 +92,9 @@ class PoolActor:
     """Moves one pool's objects between device rows and the store. See the module doc."""
 
     def __init__(self, kind: PoolKind, codecs: Sequence[PoolCodec], store: Store, fingerprint: bytes, *,
-                 queue_depth: int, latency: LatencyMonitor, **staging: Any) -> None:
-        """``queue_depth``: jobs each direction queues before submitters wait; ``latency``: the
+                 queue_depth: int, latency: LatencyMonitor, drain_puts: int = 1, **staging: Any) -> None:
+        """``queue_depth``: jobs each direction queues before submitters wait; ``drain_puts``:
+        copied jobs put to the store at once (two stages); ``latency``: the
         monitor every store call feeds; ``staging``: the keyword arguments of
         :class:`~hylinker.runtime.dataplane.staging_arena.StagingArena`."""
         self.kind = kind
@@ -121,6 +122,9 @@ class PoolActor:
         self._drain_tx: MemoryObjectSendStream[_Drained]
         self._drain_rx: MemoryObjectReceiveStream[_Drained]
         self._drain_tx, self._drain_rx = anyio.create_memory_object_stream[_Drained](math.inf)
+        #: copied jobs whose frames are put at once (stage 2); 1: one put after the other
+        self.drain_puts = drain_puts
+        self._in_order: set[anyio.Event] = set()  # the ends of the jobs draining now
 
     def stage_through(self, staging: HostStaging) -> None:
         """Offload in two stages through ``staging`` (the plane's shared budget); index the
@@ -219,23 +223,69 @@ class PoolActor:
                         self._states_released(job)  # a state restorable from its frame is not pending
                     job.copied.set(None)
                 await self._drain_tx.send((job, frames, entry))
+                if self.host_staging is not None and self.host_staging.dropping:  # copied after the drop
+                    self.drop_queued()
 
     async def run_drain(self) -> None:
-        """Two stages, the second: put each copied job's frames to the store, FIFO; the job
-        ends with the store's answer (frames dropped unput, as failed, once the plane drops
-        staging: ``HostStaging.dropping``)."""
+        """Two stages, the second: put copied jobs' frames to the store, up to
+        :attr:`drain_puts` jobs at once, each ending with the store's answer in FIFO order
+        (frames dropped unput, as failed, once the plane drops staging: :meth:`drop_queued`)."""
         queue = self.offload_q
-        async with self._drain_rx:
-            async for job, frames, entry in self._drain_rx:
-                # a state not restorable from a frame (not indexed) stays counted until the
-                # store answers: the tree keeps it from eviction until then (RadixTree.evict_states)
+        room = anyio.Semaphore(self.drain_puts)
+        previous: anyio.Event | None = None
+        async with self._drain_rx, anyio.create_task_group() as tg:
+            while True:
+                await room.acquire()  # a job is taken only when it can start at once
                 try:
-                    await self._end_job(queue, job, functools.partial(self._drain_one, job, frames),
-                                        counts_states=entry is None)
-                finally:
-                    if entry is not None:
-                        assert self.frames is not None
-                        self.frames.retire(entry)  # pinned: its bytes stay charged to the last unpin
+                    item = await self._drain_rx.receive()
+                except anyio.EndOfStream:
+                    break
+                ended = anyio.Event()
+                self._in_order.add(ended)
+                tg.start_soon(self._drain_job, queue, item, previous, ended, room)
+                previous = ended
+
+    async def _drain_job(self, queue: _Queue, item: _Drained, previous: anyio.Event | None,
+                         ended: anyio.Event, room: anyio.Semaphore) -> None:
+        job, frames, entry = item
+        # a state not restorable from a frame (not indexed) stays counted until the store
+        # answers: the tree keeps it from eviction until then (RadixTree.evict_states)
+        try:
+            await self._end_job(queue, job, functools.partial(self._drain_one, job, frames),
+                                counts_states=entry is None, after=previous)
+        finally:
+            self._retire(entry)
+            ended.set()
+            self._in_order.discard(ended)
+            room.release()
+
+    def _retire(self, entry: DrainingFrames | None) -> None:
+        if entry is not None:
+            assert self.frames is not None
+            self.frames.retire(entry)  # pinned: its bytes stay charged to the last unpin
+
+    def drop_queued(self) -> None:
+        """Staging is dropped (``DataPlane.drop_staged``): copied jobs not yet at the store end
+        failed now, their frames counted dropped; jobs whose put is at the store end with its
+        answer, no longer waiting for the jobs before them (a close does not wait for order)."""
+        staging = self.host_staging
+        if staging is None:
+            return
+        for ended in list(self._in_order):
+            ended.set()
+        while True:
+            try:
+                job, _frames, entry = self._drain_rx.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            staging.dropped_objects += len(job.keys)
+            self.offload_q.completed += 1
+            self.offload_q.depth -= 1
+            if entry is None:
+                self._states_released(job)
+            job.completion.set(self.calls.offloaded(job, [Outcome.FAILED] * len(job.keys),
+                                                    self.arena.frame_sizes[job.group], time.perf_counter()))
+            self._retire(entry)
 
     async def _drain_one(self, job: TransferJob, frames: torch.Tensor | None) -> OffloadResult:
         if frames is None:
@@ -265,18 +315,26 @@ class PoolActor:
                 await self._end_job(queue, job, functools.partial(work, job), counts_states=counts_states)
 
     async def _end_job(self, queue: _Queue, job: TransferJob, work: Callable[[], Awaitable[object]], *,
-                       counts_states: bool) -> None:
+                       counts_states: bool, after: anyio.Event | None = None) -> None:
         """Run ``work`` (shielded: a store call is never abandoned mid-flight) and end ``job``
-        with its result or its error: exactly one result."""
+        with its result or its error, once ``after`` is set (the job before it ended):
+        exactly one result, in FIFO order."""
+        error: Exception | None = None
+        result: object = None
         try:
             with anyio.CancelScope(shield=True):
-                result = await work()
-        except Exception as exc:
-            queue.failed += 1
-            job.completion.fail(exc)
-        else:
-            queue.completed += 1
-            job.completion.set(result)
+                try:
+                    result = await work()
+                except Exception as exc:
+                    error = exc
+                if after is not None:
+                    await after.wait()
+            if error is not None:
+                queue.failed += 1
+                job.completion.fail(error)
+            else:
+                queue.completed += 1
+                job.completion.set(result)
         finally:
             queue.depth -= 1
             if counts_states:

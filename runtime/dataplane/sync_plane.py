@@ -389,11 +389,18 @@ class SyncDataPlane:
     def pool_statistics(self) -> dict[str, PoolActorStatistics]:
         return dict(self._portal.call(self.plane.pool_statistics))
 
-    def reset(self) -> None:
-        """Cancel loads that have not started and wait for every transfer in flight."""
+    def reset(self, timeout_s: float | None = None) -> bool:
+        """Cancel loads that have not started and wait for every transfer in flight: at most
+        ``timeout_s`` (None: no bound). False if transfers were still running then (a store
+        call that cannot be abandoned: they end on the loop, on their own)."""
         self._check()
         self._flush()
-        self._portal.call(self.plane.reset)
+        done = self._portal.start_task_soon(self.plane.reset)
+        try:
+            done.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
     def close(self) -> None:
         """Quiesce every transfer, stop the loop thread (and close the store if owned)."""

@@ -6,6 +6,7 @@ counts, and no staging byte is left charged. Asserted by counting, never by timi
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -165,6 +166,33 @@ def test_close_drains_or_drops_and_counts(caches: list[SGLangCache], drains: boo
         assert counts["offloads_ok"] == 0
 
 
+def test_close_with_a_put_that_never_returns_is_bounded(caches: list[SGLangCache]) -> None:
+    """A put that never returns and cannot be cancelled (Mooncake's put to a dead master reads
+    the frames in a thread, never abandoned): close() still returns, within close_timeout_s
+    (the drain's share of it, not drain_timeout_s); the frames queued behind it are dropped and
+    counted, the put at the store is counted abandoned, and no node is marked stored."""
+    cache, gated = build(caches, drain_timeout_s=600.0, close_timeout_s=1.0, store_timeout_s=600.0)
+    gated.shielded = True
+    linker = cache.linker
+    prompts = [prompt(40 + i, 8, 1) for i in range(3)]
+    for tokens in prompts:
+        cache.serve(tokens, settle=False)
+    report_all(cache)  # every node unlocked at its copy; the first put waits at the gate for good
+    assert gated.held >= 1 and linker.statistics().host_staging_used_bytes > 0
+    caches.remove(cache)
+    closing = threading.Thread(target=cache.close, daemon=True)
+    try:
+        closing.start()
+        closing.join(timeout=60)  # unbounded before: the data plane's reset waited for the put
+        assert not closing.is_alive(), "close() hung behind a put that never returns"
+        counts = linker._c
+        assert counts["offloads_abandoned_at_close"] >= 1 and counts["offloads_ok"] == 0
+        assert linker.host_staging.dropped_objects > 0 and counts["offloads_failed"] >= 1
+    finally:
+        gated.shielded = False
+        linker.data._loop.call_soon_threadsafe(gated.open)  # the put ends: the background close finishes
+
+
 def test_one_stage_is_kept_by_the_switch(caches: list[SGLangCache]) -> None:
     cache, gated = build(caches, two_stage_offload=False)
     assert cache.linker.host_staging is None
@@ -185,3 +213,18 @@ def test_host_staging_bytes_is_checked_by_name(caches: list[SGLangCache]) -> Non
     cache = SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"two_stage_offload": True, "host_staging_bytes": 1 << 22}})
     caches.append(cache)
     assert cache.linker.host_staging is not None and cache.linker.host_staging.capacity == 1 << 22
+
+
+def test_the_derived_budget_is_raised_to_the_floor_and_capped_by_the_inflight_bytes(caches: list[SGLangCache]) -> None:
+    """Twice a small pool's bytes (well under a MiB here) fills at once behind a store that lags:
+    the derived budget is at least HOST_STAGING_FLOOR_MB, and never above offload_max_inflight_mb."""
+    from hylinker.integrations.sglang.config import HOST_STAGING_FLOOR_MB
+
+    cache = SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"two_stage_offload": True}})
+    caches.append(cache)
+    staging = cache.linker.host_staging
+    assert staging is not None and staging.capacity == HOST_STAGING_FLOOR_MB << 20
+    capped = SGLangCache(CacheSpec(), {**PLUGIN, "linker_extra_config": {"two_stage_offload": True,
+                                                                          "offload_max_inflight_mb": 1}})
+    caches.append(capped)
+    assert capped.linker.host_staging is not None and capped.linker.host_staging.capacity == 1 << 20
