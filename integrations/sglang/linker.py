@@ -82,6 +82,7 @@ from .loads import AllEvents, LoadBatch
 from .metrics import METRIC_OF, create_metrics
 from .offloads import OffloadBound, named_bytes
 from .placement import engine_pools, key_suffix, writes
+from .placement import tp_rank as _tp_rank  # a module global: the suites set a rank by patching it
 from .statistics import COUNTERS, POOL_SUMS, STAGING_FIGURES, STORE_COUNTS, SGLangLinkerStatistics
 from .store_probe import StoreProbe
 from .transfers import TransferNames
@@ -491,13 +492,6 @@ def _ok(future: concurrent.futures.Future[TransferOutcome]) -> bool:
         return bool(future.result().ok)
     except Exception:
         return False
-
-
-def _tp_rank(params: Any) -> int:
-    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return int(torch.distributed.get_rank(group=group))
-    return 0
 
 
 __all__ = ["SGLANG_VERSION", "HylinkerLinker", "LoadFailedError"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ...components.keys import sglang_key_suffix
 from ...components.layout import PoolKind
 from ...components.ranks import rank_term, replicated_writes
@@ -99,4 +101,12 @@ def dcp_full(pools: dict[PoolKind, SGLangPool], tree_page: int, size: int, rank:
     return SGLangPool(full.view, full.replicated, DcpShare(size, rank, page, maybe_dcp_kernel_indices))
 
 
-__all__ = ["dcp_full", "dcp_placement", "engine_pools", "key_suffix", "writes"]
+def tp_rank(params: Any) -> int:
+    """This rank's index in SGLang's attention TP cache group (0 outside ``torch.distributed``)."""
+    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank(group=group))
+    return 0
+
+
+__all__ = ["dcp_full", "dcp_placement", "engine_pools", "key_suffix", "tp_rank", "writes"]
