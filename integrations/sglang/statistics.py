@@ -13,7 +13,7 @@ COUNTERS = ("lookups", "lookup_hits", "lookup_misses", "lookup_errors", "lookups
 #: summed over the data plane's pools (``PoolActorStatistics``)
 POOL_SUMS = ("objects_offloaded", "bytes_offloaded", "objects_already_stored", "objects_loaded",
              "bytes_loaded", "load_misses", "verify_failures", "offload_failures", "rereads_recovered",
-             "rereads_failed")
+             "rereads_failed", "staging_restores", "staging_verify_failures")
 #: copied from the store wrapper (``ResilienceStatistics``), each as ``store_<name>``
 STORE_COUNTS = ("retries", "retried_keys", "recovered_keys", "exhausted_keys", "timeouts", "cancelled",
                 "breaker_trips", "rejected_calls")
@@ -73,6 +73,8 @@ class SGLangLinkerStatistics:
     offload_failures: int = 0
     rereads_recovered: int = 0
     rereads_failed: int = 0
+    staging_restores: int = 0  # two stages: objects a load copied from a frame still draining to the store
+    staging_verify_failures: int = 0  # such frames that failed their check: dropped, read from the store
     # the store wrapper's
     store_retries: int = 0
     store_retried_keys: int = 0

@@ -1,6 +1,7 @@
 """The SGLang plugin's two-stage offload through host staging (issue 52, item 3), on SGLang's real
-cache: SGLang's node unlocks once its bytes are sealed in host staging, a lookup finds it only
-once the store acknowledged it, a full budget refuses and counts, close drains or drops and
+cache: SGLang's node unlocks once its bytes are sealed in host staging, a lookup finds it in the
+draining frames and a load restores it from there before the store acknowledged it, it is stored
+only once the store did, a full budget refuses and counts, close drains or drops and
 counts, and no staging byte is left charged. Asserted by counting, never by timing.
 """
 
@@ -84,7 +85,13 @@ def test_device_pages_free_before_the_put_stored_only_after_the_ack(caches: list
     # the node is unlocked: eviction frees every row and state slot though no put ended
     cache.evict_all()
     assert cache.leaks() == {"kv_rows": 0, "mamba_slots": 0, "req_slots": 0}
-    assert hit(cache, tokens) == []  # not stored before the store acknowledged it
+    # not stored before the store acknowledged it, yet restorable: the lookup reads the frames
+    # still draining (the freshest copy), and a load copies them from there, exact
+    assert hit(cache, tokens)[-1] >= len(tokens) // page - 1
+    early = cache.serve([*tokens, 5], settle=False)
+    assert not early.aborted and early.restore_mismatches == [] and early.loaded > 0
+    assert linker.statistics().staging_restores > 0 and gated.completed["put"] == 0
+    report_all(cache)
     open_gate(cache, gated)
     assert linker.wait_drained(10)
     stats = linker.statistics()
