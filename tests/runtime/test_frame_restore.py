@@ -99,9 +99,11 @@ async def test_a_load_takes_what_staging_holds_and_the_rest_from_the_store() -> 
         assert torch.equal(want, got)
 
 
+@pytest.mark.parametrize("verify_all", [False, True])
 @pytest.mark.parametrize(("layers", "page"), [(1, 1), (8, 64)])
 async def test_a_frame_that_fails_verification_is_dropped_and_the_load_falls_back_to_the_store(
-        layers: int, page: int) -> None:
+        layers: int, page: int, verify_all: bool) -> None:
+    """``verify_all``: the held load fails whole (b is nowhere) and a later one reads a from the store."""
     pools = Pools(layers, page)
     store = GatedStore(EmbeddedStore(64 << 20))
     before = pools.page_bytes(0)
@@ -115,14 +117,16 @@ async def test_a_frame_that_fails_verification_is_dropped_and_the_load_falls_bac
         for key in ("a", "b"):  # both frames are damaged in host memory
             ((frames, row),) = index._by_key[key]
             frames.grid[row, framing.HEADER_BYTES] ^= 0xFF
-        back = await dp.load([kv(["a", "b"], pools, [4, 5])])
+        back = await dp.load([kv(["a", "b"], pools, [4, 5])], verify_all=verify_all)
         out = await back.wait()
         # a: from the store, verified; b: the store has none yet, a miss (the caller recomputes)
-        assert out.objects[PoolKind.FULL] == [True, False]
+        assert out.objects[PoolKind.FULL] == [True, False] and not out.ok
         stats = dp.pool_statistics()["kv"]
         assert stats.staging_verify_failures == 2 and stats.staging_restores == 0
         assert not index.holds("a") and not index.holds("b")  # never read again
         assert (await dp.exists({PoolKind.FULL: ["b"]}))[PoolKind.FULL] == [False]
+        if verify_all:  # the failed held load wrote no row; a's own load lands it from the store
+            assert (await (await dp.load([kv(["a"], pools, [4])], verify_all=True)).wait()).ok
         store.open()
         await ticket.wait()
     for want, got in zip(before, pools.page_bytes(4), strict=True):

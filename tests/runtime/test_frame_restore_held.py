@@ -46,34 +46,6 @@ async def test_a_verify_all_load_takes_draining_objects_from_frames_and_the_rest
             assert torch.equal(want, got)
 
 
-async def test_a_draining_frame_that_fails_verification_in_a_verify_all_load_falls_back_to_the_store() -> None:
-    pools = Pools(8, 64)
-    store = GatedStore(EmbeddedStore(64 << 20))
-    before = pools.page_bytes(0)
-    async with gated(pools, store, staged()) as dp:
-        assert (await (await dp.offload([kv(["a"], pools, [0])])).wait()).ok  # the store has a
-        store.hold(puts=True)
-        ticket = await dp.offload([kv(["a", "b"], pools, [0, 1])])  # a again, and b: draining
-        with anyio.fail_after(10):
-            await ticket.copied()
-        index = index_of(dp)
-        for key in ("a", "b"):  # both frames are damaged in host memory
-            ((frames, row),) = index._by_key[key]
-            frames.grid[row, framing.HEADER_BYTES] ^= 0xFF
-        out = await (await dp.load([kv(["a", "b"], pools, [4, 5])], verify_all=True)).wait()
-        # a: from the store, verified; b: the store has none yet: the verify-all load fails whole
-        assert out.objects[PoolKind.FULL] == [True, False] and not out.ok
-        stats = dp.pool_statistics()["kv"]
-        assert stats.staging_verify_failures == 2 and stats.staging_restores == 0
-        assert not index.holds("a") and not index.holds("b")  # never read again
-        again = await (await dp.load([kv(["a"], pools, [4])], verify_all=True)).wait()
-        assert again.ok  # from the store
-        store.open()
-        await ticket.wait()
-    for want, got in zip(before, pools.page_bytes(4), strict=True):
-        assert torch.equal(want, got)
-
-
 @pytest.mark.parametrize("verify_all", [False, True])
 @pytest.mark.parametrize(("layers", "page"), [(1, 1), (8, 64)])
 async def test_frames_of_a_store_that_checksums_as_it_copies_are_restored_by_their_header(
