@@ -62,6 +62,10 @@ class SGLangLinkerStatistics:
     host_staging_used_bytes: int = 0
     host_staging_peak_bytes: int = 0
     host_staging_dropped_objects: int = 0
+    # the touched, registered memory frames are cut from: its blocks' bytes, and offloads whose
+    # frames were fresh memory instead (the region at the budget or fragmented)
+    host_staging_region_bytes: int = 0
+    host_staging_frames_outside: int = 0
     # summed over the data plane's pools
     objects_offloaded: int = 0
     bytes_offloaded: int = 0
@@ -88,6 +92,6 @@ class SGLangLinkerStatistics:
 
 #: copied from the data plane's host staging (``HostStaging.figures``)
 STAGING_FIGURES = ("host_staging_capacity_bytes", "host_staging_used_bytes", "host_staging_peak_bytes",
-                   "host_staging_dropped_objects")
+                   "host_staging_dropped_objects", "host_staging_region_bytes", "host_staging_frames_outside")
 
 __all__ = ["COUNTERS", "POOL_SUMS", "STAGING_FIGURES", "STORE_COUNTS", "SGLangLinkerStatistics"]

@@ -8,6 +8,8 @@ actor's copy stream and fenced before sealing; on a host pool a memcpy) and seal
 call as a staged offload (:meth:`~hylinker.runtime.dataplane.staged_route.StagedRoute.put`), and
 returns one outcome per object. The frames are the caller's until the store answered
 (``runtime/dataplane/pool_actor.py`` keeps them alive; ``host_staging.py`` charges their bytes).
+On a host pool the frames are an extent of the plane's :class:`FrameRegion` (touched and
+registered once, ``frame_region.py``), given back once nothing reads them.
 
 A job the actor moves on the device (``device_transfers.py``: device checksums, or a store that
 addresses device memory) is not two-staged: it keeps its rows until the store answers.
@@ -20,6 +22,7 @@ import torch
 from ...stores import framing
 from ...stores.base import Outcome
 from .events import DeviceEvent, wait_fence
+from .frame_region import FrameRegion
 from .staged_route import StagedRoute, seal_frames
 from .staging_arena import StagingArena
 from .transfer_jobs import TransferJob
@@ -31,6 +34,8 @@ class DrainRoute:
     def __init__(self, arena: StagingArena, staged: StagedRoute) -> None:
         self.arena = arena
         self.staged = staged  # its put: the one store call of a staged offload
+        #: host memory the frames are cut from (``frame_region.py``; None: fresh memory per job)
+        self.region: FrameRegion | None = None
 
     def frame_bytes(self, n: int) -> int:
         """Host bytes ``n`` objects take in staging (what the budget charges)."""
@@ -48,12 +53,25 @@ class DrainRoute:
             await wait_fence(ev, timeout_s=a.fence_timeout_s)  # never seal before the copy landed
             await a.threads.run(self._seal, job, grid)
             return grid
-        grid = torch.empty((n, a.stride), dtype=torch.uint8)
-        if a.inline((0, n), size):
-            self._pack(job, grid)
+        if self.region is None:
+            grid = torch.empty((n, a.stride), dtype=torch.uint8)
         else:
-            await a.threads.run(self._pack, job, grid)
+            grid = (await self.region.take(n * a.stride)).view(n, a.stride)
+        try:
+            if a.inline((0, n), size):
+                self._pack(job, grid)
+            else:
+                await a.threads.run(self._pack, job, grid)
+        except BaseException:
+            self.give(grid)
+            raise
         return grid
+
+    def give(self, grid: torch.Tensor | None) -> None:
+        """``grid``'s frames are read no more (the store answered, or they were dropped and no
+        load has them pinned): their extent of the region is free again."""
+        if grid is not None and self.region is not None:
+            self.region.give(grid)
 
     def _pack(self, job: TransferJob, grid: torch.Tensor) -> None:
         self._gather(job, grid)

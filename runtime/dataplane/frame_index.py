@@ -10,7 +10,8 @@ copy it from the frame (``runtime/dataplane/frame_restore.py``).
 A reader pins the frames it copies from (:meth:`FrameIndex.pin`). A job whose drain ends while
 its frames are pinned leaves the index at once, but its bytes stay charged to the host staging
 budget (:meth:`HostStaging.hold`) until the last reader unpins: the budget never counts memory
-that is still read as free. A frame that failed verification leaves the index (never read
+that is still read as free. Frames cut from the plane's region (``frame_region.py``) go back to
+it at the same moment: retired with no reader, or at the last unpin. A frame that failed verification leaves the index (never read
 again); the drain still ends its job as usual.
 
 Only sealed frames enter the index. Where the store sets the checksum as it copies
@@ -100,6 +101,11 @@ class FrameIndex:
         if frames.readers == 0 and frames.held:
             frames.held = False
             self.staging.release(frames.nbytes)
+            self._give(frames)
+
+    def _give(self, frames: DrainingFrames) -> None:
+        if self.staging.region is not None:
+            self.staging.region.give(frames.grid)
 
     def drop(self, key: str, frames: DrainingFrames) -> None:
         """``frames``' object ``key`` failed verification: that copy leaves the index (another
@@ -118,6 +124,8 @@ class FrameIndex:
         if frames.readers > 0:
             frames.held = True
             self.staging.hold(frames.nbytes)
+        else:
+            self._give(frames)
 
 
 __all__ = ["DrainingFrames", "FrameIndex", "Pinned"]

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ...stores.config_rules import number_check, owner_field
+
+if TYPE_CHECKING:
+    from .frame_region import FrameRegion
 
 
 class HostStagingFullError(RuntimeError):
@@ -101,6 +104,8 @@ class HostStaging:
         self.dropped_objects = 0  # frames dropped unput (the plane was told to drop them)
         #: stage 2 stops putting: queued frames end as failed, counted (``DataPlane.drop_staged``)
         self.dropping = False
+        #: the touched, registered memory the frames are cut from (``frame_region.py``; the data plane sets it)
+        self.region: FrameRegion | None = None
 
     def try_charge(self, nbytes: int) -> bool:
         """Charge ``nbytes`` if the budget has room for them (False: it has not; nothing charged)."""
@@ -128,9 +133,12 @@ class HostStaging:
         assert self.used >= 0, "host staging released more bytes than it charged"
 
     def figures(self) -> dict[str, int]:
-        return {"host_staging_capacity_bytes": self.capacity, "host_staging_used_bytes": self.used,
-                "host_staging_peak_bytes": self.peak, "host_staging_refused": self.refused,
-                "host_staging_dropped_objects": self.dropped_objects}
+        out = {"host_staging_capacity_bytes": self.capacity, "host_staging_used_bytes": self.used,
+               "host_staging_peak_bytes": self.peak, "host_staging_refused": self.refused,
+               "host_staging_dropped_objects": self.dropped_objects}
+        if self.region is not None:
+            out.update(self.region.figures())
+        return out
 
 
 __all__ = ["HostStaging", "HostStagingFullError", "check_budget", "check_optional_budget", "derive_budget",

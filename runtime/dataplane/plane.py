@@ -82,6 +82,7 @@ from ...stores.resilient import ResilientStore
 from ...stores.worker_threads import WorkerThreads
 from .device import DeviceCopies
 from .events import DeviceEvent
+from .frame_region import FrameRegion
 from .host_staging import HostStaging, HostStagingFullError, staging_for
 from .metrics import (
     LIBRARY,
@@ -162,8 +163,10 @@ class DataPlane:
             self.host_staging = staging_for(
                 "DataPlaneConfig.host_staging_bytes", self.config.host_staging_bytes,
                 [(v.capacity // v.unit, len(self.codecs[k]) * self.actors[k].arena.stride) for k, v in self.pools.items()])
+            staging = self.host_staging
+            staging.region = FrameRegion(store, self._threads, lambda: staging.capacity)
             for actor in self.actors.values():
-                actor.stage_through(self.host_staging)
+                actor.stage_through(staging)
         self._tg: anyio.abc.TaskGroup | None = None
         self._closing = False
         self._ids = itertools.count(1)

@@ -130,6 +130,7 @@ class PoolActor:
         """Offload in two stages through ``staging`` (the plane's shared budget); index the
         draining frames where they can be verified like a store read."""
         self.host_staging = staging
+        self.drain.region = staging.region
         self.frames = FrameIndex(staging)
         self.from_frames = self.held.from_frames = FrameRestore(self.arena, self.calls, self.frames)
 
@@ -254,15 +255,19 @@ class PoolActor:
             await self._end_job(queue, job, functools.partial(self._drain_one, job, frames),
                                 counts_states=entry is None, after=previous)
         finally:
-            self._retire(entry)
+            self._retire(frames, entry)
             ended.set()
             self._in_order.discard(ended)
             room.release()
 
-    def _retire(self, entry: DrainingFrames | None) -> None:
+    def _retire(self, frames: torch.Tensor | None, entry: DrainingFrames | None) -> None:
+        """The drain ended a job: its indexed frames leave the index (given back to the region
+        at once, or at the last unpin); frames never indexed are given back now."""
         if entry is not None:
             assert self.frames is not None
             self.frames.retire(entry)  # pinned: its bytes stay charged to the last unpin
+        else:
+            self.drain.give(frames)
 
     def drop_queued(self) -> None:
         """Staging is dropped (``DataPlane.drop_staged``): copied jobs not yet at the store end
@@ -275,7 +280,7 @@ class PoolActor:
             ended.set()
         while True:
             try:
-                job, _frames, entry = self._drain_rx.receive_nowait()
+                job, frames, entry = self._drain_rx.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
             staging.dropped_objects += len(job.keys)
@@ -285,7 +290,7 @@ class PoolActor:
                 self._states_released(job)
             job.completion.set(self.calls.offloaded(job, [Outcome.FAILED] * len(job.keys),
                                                     self.arena.frame_sizes[job.group], time.perf_counter()))
-            self._retire(entry)
+            self._retire(frames, entry)
 
     async def _drain_one(self, job: TransferJob, frames: torch.Tensor | None) -> OffloadResult:
         if frames is None:

@@ -58,6 +58,8 @@ async def plane(pools: Pools, store: Store, config: DataPlaneConfig) -> AsyncIte
     async with DataPlane(pools.views(), store, config, namespace=b"two-stage") as dp:
         yield dp
     assert dp.host_staging is None or dp.host_staging.used == 0, "budget bytes leaked"
+    region = None if dp.host_staging is None else dp.host_staging.region
+    assert region is None or region.taken_bytes == 0, "host staging extents never given back"
 
 
 def kv(keys: list[str], pools: Pools, pages: list[int]) -> Transfer:

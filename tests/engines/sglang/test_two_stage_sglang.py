@@ -97,6 +97,7 @@ def test_device_pages_free_before_the_put_stored_only_after_the_ack(caches: list
     stats = linker.statistics()
     assert stats.offloads_ok >= 1 and stats.offloads_failed == 0
     assert stats.host_staging_used_bytes == 0 and stats.host_staging_peak_bytes > 0
+    assert stats.host_staging_region_bytes > 0 and stats.host_staging_frames_outside == 0
     assert hit(cache, tokens)[-1] >= len(tokens) // page - 1  # the store holds it now (pages)
     cache.flush()
     again = cache.serve([*tokens, 7], settle=True)
