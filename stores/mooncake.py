@@ -26,7 +26,8 @@ replica queries) return at once and leave their thread to finish (a partitioned 
 one ~4 s in the client's reconnect). A get's own bound is Mooncake's transfer timeout
 (``MooncakeConfig.transfer_timeout_s``). :meth:`MooncakeStore.close` refuses new calls, waits for those in
 flight, then closes the client; the client is never touched after that (Mooncake crashes the
-process if it is).
+process if it is). With the master's port closed the client is left unclosed instead
+(``mooncake_client.close_client``): its close would hold the GIL for seconds of unmount retries.
 
 Return codes map to outcomes as tabled in :mod:`hylinker.stores.mooncake_client`.
 
@@ -101,6 +102,7 @@ from .mooncake_client import (
     OBJECT_HAS_LEASE,
     RPC_FAIL,
     MooncakeConfig,
+    close_client,
     device_memory_support,
     import_mooncake_store,
     setup_client,
@@ -406,7 +408,7 @@ class MooncakeStore:
 
             def shut() -> None:
                 self._rows.arenas.release()  # the header arenas, while the client is open
-                client.close()
+                close_client(client, self._config)  # left unclosed if the master is gone
 
             with anyio.CancelScope(shield=True):  # never leave a half-closed client behind
                 try:
