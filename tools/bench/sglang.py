@@ -73,11 +73,11 @@ def _segment_mb(object_kib: int, tokens: int, repeats: int) -> int:
 
 
 def _config(linker: str, master: str, integrity: str = "checksum",
-            segment_mb: int = 1024) -> tuple[dict[str, Any], str]:
+            segment_mb: int = 1024, stages: int = 2) -> tuple[dict[str, Any], str]:
     if linker == "hylinker":
         return ({"linker": "HylinkerLinker", "linker_module_path": "hylinker.integrations.sglang",
                  "linker_extra_config": {"store": "mooncake", "master": master, "segment_mb": segment_mb,
-                                         "integrity": integrity}},
+                                         "integrity": integrity, "two_stage_offload": stages == 2}},
                 "dynamic")
     return ({"master_server_address": master, "protocol": "tcp", "global_segment_size": segment_mb << 20,
              "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}, "mooncake")
@@ -237,15 +237,17 @@ class _ThreadProfiles:
 
 def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core: str,
              phases: bool = False, cold_segment: bool = False, profile_dir: Path | None = None,
-             integrity: str = "checksum") -> dict[str, Any]:
+             integrity: str = "checksum", stages: int = 2) -> dict[str, Any]:
     from ...stores.mooncake_master import MooncakeMaster
     from ..harness.sglang_cache import SGLangCache
     from .mooncake import anonymous_mappings, populate_new_segments
 
     out: dict[str, Any] = {"linker": linker, "object_kib": object_kib, "tokens": tokens,
-                           "integrity": integrity if linker == "hylinker" else None}
+                           "integrity": integrity if linker == "hylinker" else None,
+                           "stages": stages if linker == "hylinker" else None}
     with MooncakeMaster() as master:
-        config, backend = _config(linker, master.address, integrity, _segment_mb(object_kib, tokens, repeats))
+        config, backend = _config(linker, master.address, integrity, _segment_mb(object_kib, tokens, repeats),
+                                  stages)
         before = anonymous_mappings()
         # every thread started from here on (the linkers' own, and the store's worker threads
         # started on first use) runs under its own profiler until the profile is written
@@ -270,6 +272,8 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
             if profile is not None:
                 profile.install(cache)
             offload_gbps, load_gbps, mismatches = [], [], 0
+            rows_held_ms: list[float] = []
+            stored_ms: list[float] = []
             scheduler_ms: list[float] = []
             for r in range(repeats):
                 prompt = [10_000 * (r + 1) + i for i in range(tokens)]
@@ -278,6 +282,8 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
                 scheduler_ms.append(calls.seconds.get("offload", 0.0) * 1e3)
                 nbytes = tokens * kv_bytes + state_bytes
                 offload_gbps.append(nbytes / first.offload_s / 1e9)
+                rows_held_ms.append(first.reported_s * 1e3)
+                stored_ms.append(first.offload_s * 1e3)
                 cache.flush()
                 if threads is not None:
                     threads.scheduler.enable()
@@ -294,6 +300,8 @@ def run_case(linker: str, object_kib: int, tokens: int, repeats: int, tree_core:
                 out["phases_ms_per_run"] = {k: round(v * 1e3 / repeats, 2) for k, v in sorted(profile.seconds.items())}
             out.update(offload_gbps=statistics.median(offload_gbps), load_gbps=statistics.median(load_gbps),
                        offload_call_ms=statistics.median(scheduler_ms), offload_call_ms_runs=scheduler_ms,
+                       rows_held_ms=statistics.median(rows_held_ms), rows_held_ms_runs=rows_held_ms,
+                       offload_ms_runs=stored_ms,
                        offload_runs=offload_gbps, load_runs=load_gbps, restore_mismatches=mismatches,
                        kv_object_bytes=kv_bytes, state_object_bytes=state_bytes)
             if threads is not None and profile_dir is not None:  # the profile covers the runs above only
@@ -355,8 +363,8 @@ class _Sized:
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
-    lines = ["| object | linker | offload GB/s | scheduler thread in offload calls | load GB/s | restore bytes wrong | corrupt object | dead master: scheduler calls / offloads reported / close |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| object | linker | offload GB/s (stored) | rows held | scheduler thread in offload calls | load GB/s | restore bytes wrong | corrupt object | dead master: scheduler calls / offloads reported / close |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c, d = r["corrupt"], r["dead_master"]
         corrupt = ("restored garbage silently" if c["restored_garbage"] else
@@ -365,20 +373,25 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         corrupt += (f"; next request: {n['device_hit']} tokens from the device tree"
                     + (" (the garbage, inserted)" if c["restored_garbage"] and n["device_hit"] else "")
                     + f", {n['store_loaded']} from the store" + (", aborted (503)" if n["aborted"] else ""))
-        name = r["linker"] + (f" ({r['integrity']})" if r.get("integrity") else "")
+        name = r["linker"] + (f" ({r['integrity']}, {r['stages']} stage{'s' * (r['stages'] > 1)})"
+                              if r.get("integrity") else "")
         lines.append(
-            f"| {r['object_kib']} KiB | {name} | {r['offload_gbps']:.2f} | {r['offload_call_ms']:.2f} ms | "
+            f"| {r['object_kib']} KiB | {name} | {r['offload_gbps']:.2f} | {r['rows_held_ms']:.1f} ms | "
+            f"{r['offload_call_ms']:.2f} ms | "
             f"{r['load_gbps']:.2f} | "
             f"{r['restore_mismatches']} | {corrupt} | "
             f"{d['scheduler_calls_s']} s / {d['offloads_reported_s']} s / {d['close_s']} s |")
-    by = {(r["object_kib"], r["linker"], r.get("integrity")): r for r in results}
+    by = {(r["object_kib"], r["linker"], r.get("integrity"), r.get("stages")): r for r in results}
     for kib in sorted({r["object_kib"] for r in results}):
-        s = by.get((kib, "sglang-mooncake", None))
+        s = by.get((kib, "sglang-mooncake", None, None))
         for level in ("checksum", "header"):
-            h = by.get((kib, "hylinker", level))
-            if h and s:
-                lines.append(f"\n{kib} KiB: hylinker ({level}) / SGLang = offload "
-                             f"{h['offload_gbps'] / s['offload_gbps']:.2f}x, load {h['load_gbps'] / s['load_gbps']:.2f}x")
+            for stages in (2, 1):
+                h = by.get((kib, "hylinker", level, stages))
+                if h and s:
+                    lines.append(f"\n{kib} KiB: hylinker ({level}, {stages} stages) / SGLang = offload "
+                                 f"{h['offload_gbps'] / s['offload_gbps']:.2f}x, rows held "
+                                 f"{s['rows_held_ms'] / h['rows_held_ms']:.2f}x shorter, "
+                                 f"load {h['load_gbps'] / s['load_gbps']:.2f}x")
     return "\n".join(lines)
 
 
@@ -399,6 +412,8 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
                              "and a summary to DIR (skips the corrupt and dead-master steps)")
     parser.add_argument("--integrity", nargs="+", choices=("checksum", "header"), default=["checksum", "header"],
                         help="the plugin's integrity levels, each run side by side with the others")
+    parser.add_argument("--stages", nargs="+", type=int, choices=(1, 2), default=[2],
+                        help="the plugin's offload stages (two_stage_offload on = 2), each run side by side")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     from ..harness.sglang_cache import install_cpu_shims
@@ -410,9 +425,10 @@ def main(argv: Sequence[str] | None = None, run: Callable[..., dict[str, Any]] =
     results = []
     for kib in args.object_kib:
         for linker in args.linkers:  # side by side: the same sizes, one after the other
-            for level in args.integrity if linker == "hylinker" else ["checksum"]:
+            plugin = linker == "hylinker"
+            for level, stages in [(lv, st) for lv in args.integrity for st in args.stages] if plugin else [("checksum", 2)]:
                 results.append(run(linker, kib, args.tokens, args.repeats, args.tree_core, args.phases,
-                                   args.cold_segment, args.profile, integrity=level))
+                                   args.cold_segment, args.profile, integrity=level, stages=stages))
                 print(json.dumps({k: v for k, v in results[-1].items() if not k.endswith("_runs")}), flush=True)
     if args.profile is None:  # a profiled run stops before the corrupt and dead-master steps
         print(table(results))

@@ -54,7 +54,9 @@ class Served:
     aborted: bool  # the load failed: SGLang finishes the request with 503
     restore_mismatches: list[str]  # restored rows/state that differ from a recompute (must be empty)
     load_s: float = 0.0  # start_layer_wise_loading .. finish_external_linker_loads (the load)
-    offload_s: float = 0.0  # release (insert + offloads queued) .. every offload reported
+    offload_s: float = 0.0  # release (insert + offloads queued) .. every offload reported and stored
+    #: release .. every offload reported to SGLang (its rows unlocked); two stages: before the store has them
+    reported_s: float = 0.0
 
 
 class SGLangCache:
@@ -347,11 +349,11 @@ class SGLangCache:
         t_offload = time.perf_counter()
         release_kv_cache(req, self.cache, checkpoint=True)
         self.cache.check_hicache_events()
-        offload_s = 0.0
+        offload_s = reported_s = 0.0
         if settle:
-            self.settle()
+            reported_s = self.settle() - t_offload
             offload_s = time.perf_counter() - t_offload
-        return Served(rid, L, device_hit, store_hit, loaded, aborted, mismatches, load_s, offload_s)
+        return Served(rid, L, device_hit, store_hit, loaded, aborted, mismatches, load_s, offload_s, reported_s)
 
     def _check_restore(self, tokens: list[int], rows: torch.Tensor, lo: int, hi: int,
                        slot: int, ns: bytes = b"") -> list[str]:
@@ -379,12 +381,13 @@ class SGLangCache:
         return bad
 
     # ---- scheduler housekeeping -----------------------------------------------------
-    def settle(self, timeout_s: float = 30.0) -> None:
+    def settle(self, timeout_s: float = 30.0) -> float:
         """Poll ``check_hicache_events`` until every pending offload has reported, and (two-stage
-        offload) until the store answered every offload reported before its put ended."""
+        offload) until the store answered every offload reported before its put ended. Returns
+        the ``perf_counter`` time at which the last offload had reported to SGLang."""
         wrapper = self.cache.linker
         if wrapper is None:
-            return
+            return time.perf_counter()
         deadline = time.monotonic() + timeout_s
         while wrapper.pending_offloads:
             self.cache.check_hicache_events()
@@ -393,9 +396,11 @@ class SGLangCache:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(wrapper.pending_offloads)} offloads did not report")
             time.sleep(0.0005)
+        reported = time.perf_counter()
         drained = getattr(self.linker, "wait_drained", None)  # hylinker's linker, not SGLang's own
         if drained is not None and not drained(max(0.0, deadline - time.monotonic())):
             raise TimeoutError("offloads still draining from host staging")
+        return reported
 
     def flush(self) -> None:
         """SGLang's cache flush (``Scheduler.flush_cache``): the device tree and allocators are

@@ -9,17 +9,21 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("integrity", ["checksum", "header"])
-def test_bench_sglang_json_carries_the_host_and_the_level(tmp_path: Path, integrity: str) -> None:
+@pytest.mark.parametrize(("integrity", "stages"), [("checksum", 2), ("header", 1)])
+def test_bench_sglang_json_carries_the_host_and_the_level(tmp_path: Path, integrity: str, stages: int) -> None:
     from hylinker.tools.bench import sglang as bench_sglang
 
     out = tmp_path / "sglang.json"
     assert bench_sglang.main(["--object-kib", "64", "--tokens", "4", "--repeats", "1", "--linkers", "hylinker",
-                              "--integrity", integrity, "--json", str(out)]) == 0
+                              "--integrity", integrity, "--stages", str(stages), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert {"cores", "memcpy_gbps", "load_average", "load_average_end"} <= set(data["host"])
     (row,) = data["results"]
     assert row["integrity"] == integrity and row["restore_mismatches"] == 0
+    assert row["stages"] == stages
+    # an offload is reported to SGLang (its rows unlocked) no later than the store has its bytes
+    (held,), (stored,) = row["rows_held_ms_runs"], row["offload_ms_runs"]
+    assert 0 < held <= stored
 
 
 def test_the_segment_holds_every_timed_prompt() -> None:
