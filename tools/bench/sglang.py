@@ -388,9 +388,9 @@ def table(results: Sequence[dict[str, Any]]) -> str:
             for stages in (2, 1):
                 h = by.get((kib, "hylinker", level, stages))
                 if h and s:
-                    lines.append(f"\n{kib} KiB: hylinker ({level}, {stages} stages) / SGLang = offload "
+                    lines.append(f"\n{kib} KiB: hylinker ({level}, {stages} stage{'s' * (stages > 1)}) / SGLang = offload "
                                  f"{h['offload_gbps'] / s['offload_gbps']:.2f}x, rows held "
-                                 f"{s['rows_held_ms'] / h['rows_held_ms']:.2f}x shorter, "
+                                 f"{h['rows_held_ms'] / s['rows_held_ms']:.2f}x as long, "
                                  f"load {h['load_gbps'] / s['load_gbps']:.2f}x")
     return "\n".join(lines)
 
