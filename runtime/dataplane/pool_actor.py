@@ -201,31 +201,53 @@ class PoolActor:
         it to :meth:`run_drain`. A job moved on the device passes uncopied (one stage)."""
         queue = self.offload_q
         async with queue.rx, self._drain_tx:
-            async for job in queue.rx:
-                job.started = True
-                frames: torch.Tensor | None = None
-                try:
-                    with anyio.CancelScope(shield=True):  # a copy is never abandoned mid-flight
-                        await wait_fence(job.fence, timeout_s=self.arena.fence_timeout_s)
-                        if not self.device.takes(job):
-                            frames = await self.drain.copy(job)
-                except Exception as exc:  # a failed fence or copy: the job fails, never put
-                    queue.failed += 1
-                    queue.depth -= 1
-                    self._states_released(job)
-                    job.completion.fail(exc)
-                    continue
-                entry = None
-                if frames is not None:
-                    if self.frames is not None:  # sealed: restorable before the rows are reused
-                        entry = self.frames.add(job.keys, frames, self.arena.frame_sizes[job.group],
-                                                self.drain.frame_bytes(len(job.keys)))
-                        job.in_frames = True
-                        self._states_released(job)  # a state restorable from its frame is not pending
-                    job.copied.set(None)
-                await self._drain_tx.send((job, frames, entry))
-                if self.host_staging is not None and self.host_staging.dropping:  # copied after the drop
-                    self.drop_queued()
+            try:
+                await self._copy_each(queue)
+            finally:  # cancelled: jobs never copied end failed (a plane waits for every job)
+                self._fail_uncopied(queue)
+
+    async def _copy_each(self, queue: _Queue) -> None:
+        async for job in queue.rx:
+            job.started = True
+            frames: torch.Tensor | None = None
+            try:
+                with anyio.CancelScope(shield=True):  # a copy is never abandoned mid-flight
+                    await wait_fence(job.fence, timeout_s=self.arena.fence_timeout_s)
+                    if not self.device.takes(job):
+                        frames = await self.drain.copy(job)
+            except Exception as exc:  # a failed fence or copy: the job fails, never put
+                queue.failed += 1
+                queue.depth -= 1
+                self._states_released(job)
+                job.completion.fail(exc)
+                continue
+            entry = None
+            if frames is not None:
+                if self.frames is not None:  # sealed: restorable before the rows are reused
+                    entry = self.frames.add(job.keys, frames, self.arena.frame_sizes[job.group],
+                                            self.drain.frame_bytes(len(job.keys)))
+                    job.in_frames = True
+                    self._states_released(job)  # a state restorable from its frame is not pending
+                job.copied.set(None)
+            try:
+                self._drain_tx.send_nowait((job, frames, entry))  # unbounded: never waits
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._end_unput(job, frames, entry)  # the drain stopped (cancelled): never put
+                continue
+            if self.host_staging is not None and self.host_staging.dropping:  # copied after the drop
+                self.drop_queued()
+
+    def _fail_uncopied(self, queue: _Queue) -> None:
+        """Jobs still queued when the copy worker stops (cancelled) end failed, never copied."""
+        while True:
+            try:
+                job = queue.rx.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            queue.failed += 1
+            queue.depth -= 1
+            self._states_released(job)
+            job.completion.fail(RuntimeError("the offload worker stopped before this job was copied"))
 
     async def run_drain(self) -> None:
         """Two stages, the second: put copied jobs' frames to the store, up to
@@ -235,16 +257,19 @@ class PoolActor:
         room = anyio.Semaphore(self.drain_puts)
         previous: anyio.Event | None = None
         async with self._drain_rx, anyio.create_task_group() as tg:
-            while True:
-                await room.acquire()  # a job is taken only when it can start at once
-                try:
-                    item = await self._drain_rx.receive()
-                except anyio.EndOfStream:
-                    break
-                ended = anyio.Event()
-                self._in_order.add(ended)
-                tg.start_soon(self._drain_job, queue, item, previous, ended, room)
-                previous = ended
+            try:
+                while True:
+                    await room.acquire()  # a job is taken only when it can start at once
+                    try:
+                        item = await self._drain_rx.receive()
+                    except anyio.EndOfStream:
+                        break
+                    ended = anyio.Event()
+                    self._in_order.add(ended)
+                    tg.start_soon(self._drain_job, queue, item, previous, ended, room)
+                    previous = ended
+            finally:  # cancelled: copied jobs not yet put end failed, unput
+                self._end_queued()
 
     async def _drain_job(self, queue: _Queue, item: _Drained, previous: anyio.Event | None,
                          ended: anyio.Event, room: anyio.Semaphore) -> None:
@@ -278,19 +303,28 @@ class PoolActor:
             return
         for ended in list(self._in_order):
             ended.set()
+        self._end_queued()
+
+    def _end_queued(self) -> None:
+        """Copied jobs waiting for the drain end failed now, unput (:meth:`_end_unput`)."""
         while True:
             try:
                 job, frames, entry = self._drain_rx.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            staging.dropped_objects += len(job.keys)
-            self.offload_q.completed += 1
-            self.offload_q.depth -= 1
-            if entry is None:
-                self._states_released(job)
-            job.completion.set(self.calls.offloaded(job, [Outcome.FAILED] * len(job.keys),
-                                                    self.arena.frame_sizes[job.group], time.perf_counter()))
-            self._retire(frames, entry)
+            self._end_unput(job, frames, entry)
+
+    def _end_unput(self, job: TransferJob, frames: torch.Tensor | None, entry: DrainingFrames | None) -> None:
+        """End a copied job whose frames are never put: failed, its objects counted dropped."""
+        if self.host_staging is not None:
+            self.host_staging.dropped_objects += len(job.keys)
+        self.offload_q.completed += 1
+        self.offload_q.depth -= 1
+        if entry is None:
+            self._states_released(job)
+        job.completion.set(self.calls.offloaded(job, [Outcome.FAILED] * len(job.keys),
+                                                self.arena.frame_sizes[job.group], time.perf_counter()))
+        self._retire(frames, entry)
 
     async def _drain_one(self, job: TransferJob, frames: torch.Tensor | None) -> OffloadResult:
         if frames is None:

@@ -188,10 +188,26 @@ async def test_shutdown_cancels_hung_calls_after_the_grace() -> None:
 # ---- bounded close ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("copying", [False, True])
 @pytest.mark.parametrize("how", ["close", "cancel"])
-async def test_close_is_bounded_when_the_store_hangs(how: str) -> None:
+async def test_close_is_bounded_when_the_store_hangs(how: str, copying: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Offloads stuck in a hung store: close() (and a cancelled task, as Ctrl-C does) ends
-    anyway, and nothing stays locked or leaks."""
+    anyway, and nothing stays locked or leaks. ``copying``: the close or cancel lands while the
+    offload is still in its copy into host staging (a slow first fill of the staging region);
+    the copy ends and its job ends failed or at the store's shutdown, never lost (before, a
+    cancelled drain worker left the copied job unended and close waited for it forever)."""
+    if copying:
+        import time
+
+        from hylinker.runtime.dataplane import frame_region
+
+        fill = frame_region.zero_fill
+
+        def slow_fill(buf: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.5)  # in the copy thread
+            return fill(buf)
+
+        monkeypatch.setattr(frame_region, "zero_fill", slow_fill)
     config = LinkerConfig(staging_bytes_per_pool=SMALL, close_timeout_s=0.05,
                           resilience=attrs.evolve(FAST, call_timeout_s=600, close_grace_s=0.05))
     inner = EmbeddedStore(8 << 20)
@@ -205,7 +221,10 @@ async def test_close_is_bounded_when_the_store_hangs(how: str) -> None:
                 req = linker.request("r", prompt(33))
                 await linker.lookup(req)
                 await synthetic_prefill(linker, content, req)
-                await store.wait_held(1)
+                if copying:
+                    await anyio.sleep(0.1)  # the copy is filling the region now
+                else:
+                    await store.wait_held(1)
                 if how == "cancel":
                     scope.cancel()
                     await anyio.sleep(1)  # cancelled here
