@@ -26,8 +26,7 @@ replica queries) return at once and leave their thread to finish (a partitioned 
 one ~4 s in the client's reconnect). A get's own bound is Mooncake's transfer timeout
 (``MooncakeConfig.transfer_timeout_s``). :meth:`MooncakeStore.close` refuses new calls, waits for those in
 flight, then closes the client; the client is never touched after that (Mooncake crashes the
-process if it is). With the master's port closed the client is left unclosed instead
-(``mooncake_client.close_client``): its close would hold the GIL for seconds of unmount retries.
+process if it is).
 
 Return codes map to outcomes as tabled in :mod:`hylinker.stores.mooncake_client`.
 
@@ -102,7 +101,6 @@ from .mooncake_client import (
     OBJECT_HAS_LEASE,
     RPC_FAIL,
     MooncakeConfig,
-    close_client,
     device_memory_support,
     import_mooncake_store,
     setup_client,
@@ -408,7 +406,7 @@ class MooncakeStore:
 
             def shut() -> None:
                 self._rows.arenas.release()  # the header arenas, while the client is open
-                close_client(client, self._config)  # left unclosed if the master is gone
+                client.close()
 
             with anyio.CancelScope(shield=True):  # never leave a half-closed client behind
                 try:

@@ -22,8 +22,6 @@ other < 0                              FAILED
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import functools
 import logging
 import mmap
@@ -244,44 +242,6 @@ def setup_client(mooncake_store: Any, config: MooncakeConfig) -> Any:
     return client
 
 
-#: clients closed while their master was unreachable (:func:`close_client`), never destroyed
-_PARKED: list[Any] = []
-
-
-def close_client(client: Any, config: MooncakeConfig) -> bool:
-    """Close ``client``, unless its master's port is closed: then park it and return False.
-
-    Mooncake's ``close()`` (and the destructor, which calls it) unmounts the client's segment
-    with master RPCs that a dead master answers only after retries, and holds the GIL all the
-    while: measured in ``hylinker bench-sglang``'s dead-master step, 1–6 s (up to 10 s) in which
-    no other thread of the process ran, so no bound on a close could hold. A parked client is
-    kept referenced for the life of the process and never closed, so its destructor does not
-    run even at exit (:func:`_keep_parked`); its segment memory is kept with it, and its master
-    is gone. Logged once per client."""
-    master = split_address(config.master_address)
-    if master is not None and not port_accepts(master[0], master[1], config.probe_timeout_s):
-        _PARKED.append(client)
-        log.warning("Mooncake master %s is not accepting connections: the client is left unclosed "
-                    "(its close would hold the GIL in unmount retries); %d such clients in this process",
-                    config.master_address, len(_PARKED))
-        return False
-    client.close()
-    return True
-
-
-def parked_clients() -> int:
-    """How many clients :func:`close_client` left unclosed in this process."""
-    return len(_PARKED)
-
-
-@atexit.register
-def _keep_parked() -> None:
-    # interpreter teardown clears module globals, which would run each parked client's
-    # destructor (the same unmount retries, holding the GIL at exit): one reference more each
-    for client in _PARKED:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
-
-
 class MooncakeSegmentHost:
     """A storage-only client: contributes ``segment_bytes`` to the cluster, issues no requests.
 
@@ -307,7 +267,7 @@ class MooncakeSegmentHost:
     def close(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            close_client(client, self.config)
+            client.close()
 
     def __enter__(self) -> MooncakeSegmentHost:
         return self
