@@ -11,8 +11,8 @@ A reader pins the frames it copies from (:meth:`FrameIndex.pin`). A job whose dr
 its frames are pinned leaves the index at once, but its bytes stay charged to the host staging
 budget (:meth:`HostStaging.hold`) until the last reader unpins: the budget never counts memory
 that is still read as free. Frames cut from the plane's region (``frame_region.py``) go back to
-it at the same moment: retired with no reader, or at the last unpin. A frame that failed verification leaves the index (never read
-again); the drain still ends its job as usual.
+it at the same moment: retired with no reader, or at the last unpin. A frame that failed
+verification leaves the index (never read again); the drain still ends its job as usual.
 
 Only sealed frames enter the index. Where the store sets the checksum as it copies
 (``StoreCalls.checksums``) a staged frame carries none; a read from it checks the header (key,
